@@ -1,0 +1,206 @@
+// C++ CPU backend: the reference the CUDA backend must equal bit for bit (docs/ops.md).
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <unordered_map>
+#include <unordered_set>
+#include <vector>
+#include <cstring>
+
+#include "ops.h"
+#include "validate.h"
+
+namespace hisparse {
+
+namespace {
+
+// Which batch rows are live: state row in range and not claimed by an earlier batch row.
+std::vector<char> live_rows(const int32_t* state_rows, int64_t B, int64_t S) {
+  std::vector<char> live(B, 0);
+  std::unordered_set<int32_t> seen;
+  for (int64_t r = 0; r < B; ++r) {
+    const int32_t s = state_rows[r];
+    if (s >= 0 && s < S && seen.insert(s).second) live[r] = 1;
+  }
+  return live;
+}
+
+struct RowCounts {
+  uint64_t hits = 0, misses = 0;
+};
+
+RowCounts resolve_row(const int32_t* keys, const int32_t* resident, int32_t* slot_keys,
+                      int16_t* lru, int32_t* out, int32_t* miss_src, int32_t* miss_dst,
+                      int64_t K, int64_t H, int64_t num_keys, int64_t row_base) {
+  // Distinct selected keys in order of first occurrence; entry -> index into `unique`.
+  std::unordered_map<int32_t, int32_t> index;
+  index.reserve(static_cast<size_t>(2 * K));
+  std::vector<int32_t> unique;
+  std::vector<int32_t> entry_u(K, -1);
+  for (int64_t i = 0; i < K; ++i) {
+    const int32_t k = keys[i];
+    if (k < 0 || k >= num_keys) {
+      out[i] = -1;
+      continue;
+    }
+    if (resident != nullptr && resident[i] >= 0) {
+      out[i] = resident[i];
+      continue;
+    }
+    auto it = index.emplace(k, static_cast<int32_t>(unique.size()));
+    if (it.second) unique.push_back(k);
+    entry_u[i] = it.first->second;
+  }
+  const int64_t U = static_cast<int64_t>(unique.size());
+  std::vector<int32_t> slot_of(U, -1);
+  std::vector<char> hit_slot(H, 0);
+  for (int64_t j = 0; j < H; ++j) {
+    auto it = index.find(slot_keys[j]);
+    if (it != index.end() && slot_of[it->second] < 0) {
+      slot_of[it->second] = static_cast<int32_t>(j);
+      hit_slot[j] = 1;
+    }
+  }
+  std::vector<int16_t> evictable, hits_in_order;
+  evictable.reserve(H);
+  for (int64_t p = 0; p < H; ++p) {
+    const int16_t slot = lru[p];
+    if (slot < 0 || slot >= H) continue;
+    (hit_slot[slot] ? hits_in_order : evictable).push_back(slot);
+  }
+  RowCounts c;
+  int64_t m = 0;
+  for (int64_t u = 0; u < U; ++u) {
+    if (slot_of[u] >= 0) {
+      ++c.hits;
+      continue;
+    }
+    if (m >= static_cast<int64_t>(evictable.size())) continue;  // only on a corrupted LRU
+    const int16_t slot = evictable[m];
+    slot_of[u] = slot;
+    slot_keys[slot] = unique[u];
+    miss_src[m] = unique[u];
+    miss_dst[m] = static_cast<int32_t>(row_base + slot);
+    ++m;
+  }
+  c.misses = static_cast<uint64_t>(m);
+  for (int64_t i = 0; i < K; ++i) {
+    const int32_t u = entry_u[i];
+    if (u >= 0) out[i] = slot_of[u] >= 0 ? static_cast<int32_t>(row_base + slot_of[u]) : -1;
+  }
+  // New order: untaken evictable, newly filled (miss order), hits (previous order).
+  int64_t p = 0;
+  for (size_t e = m; e < evictable.size(); ++e) lru[p++] = evictable[e];
+  for (int64_t e = 0; e < m; ++e) lru[p++] = evictable[e];
+  for (int16_t slot : hits_in_order) lru[p++] = slot;
+  return c;
+}
+
+}  // namespace
+
+void resolve_residency_cpu(const at::Tensor& top_k, const at::Tensor& state_rows,
+                           const c10::optional<at::Tensor>& resident_rows, at::Tensor& slot_keys,
+                           at::Tensor& lru, at::Tensor& stats, at::Tensor& out_rows,
+                           at::Tensor& miss_src, at::Tensor& miss_dst, at::Tensor& miss_count,
+                           int64_t num_keys, int64_t hot_base) {
+  const ResolveDims d =
+      check_resolve_args(top_k, state_rows, resident_rows, slot_keys, lru, stats, out_rows,
+                         miss_src, miss_dst, miss_count, num_keys, hot_base);
+  if (d.B == 0) return;
+  const int32_t* keys = top_k.data_ptr<int32_t>();
+  const int32_t* srows = state_rows.data_ptr<int32_t>();
+  const bool has_res = resident_rows.has_value() && resident_rows->defined();
+  const int32_t* res = has_res ? resident_rows->data_ptr<int32_t>() : nullptr;
+  int32_t* sk = slot_keys.data_ptr<int32_t>();
+  int16_t* order = lru.data_ptr<int16_t>();
+  uint64_t* st = stats.data_ptr<uint64_t>();
+  int32_t* out = out_rows.data_ptr<int32_t>();
+  int32_t* msrc = miss_src.data_ptr<int32_t>();
+  int32_t* mdst = miss_dst.data_ptr<int32_t>();
+  int32_t* mcount = miss_count.data_ptr<int32_t>();
+  const std::vector<char> live = live_rows(srows, d.B, d.S);
+  const int64_t K = d.K, H = d.H;
+
+  at::parallel_for(0, d.B, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      int32_t* o = out + r * K;
+      if (!live[r]) {
+        std::fill(o, o + K, -1);
+        mcount[r] = 0;
+        continue;
+      }
+      const int64_t s = srows[r];
+      const RowCounts c =
+          resolve_row(keys + r * K, res ? res + r * K : nullptr, sk + s * H, order + s * H, o,
+                      msrc + r * K, mdst + r * K, K, H, num_keys, hot_base + s * H);
+      mcount[r] = static_cast<int32_t>(c.misses);
+      __atomic_fetch_add(&st[0], c.hits, __ATOMIC_RELAXED);
+      __atomic_fetch_add(&st[1], c.misses, __ATOMIC_RELAXED);
+    }
+  });
+}
+
+void gather_cpu(at::TensorList host, at::TensorList hot, const at::Tensor& miss_src,
+                const at::Tensor& miss_dst, const at::Tensor& miss_count,
+                const c10::optional<at::Tensor>& moved_bytes) {
+  const GatherPlan plan = check_gather_args(
+      host, hot, miss_src, miss_dst, miss_count, moved_bytes,
+      [](const at::Tensor& t, const std::string& name) {
+        TORCH_CHECK(t.device().is_cpu(), "hisparse_gather: argument '", name,
+                    "' must be on cpu for the CPU backend, got ", t.device());
+      });
+  const int32_t* src = miss_src.data_ptr<int32_t>();
+  const int32_t* dst = miss_dst.data_ptr<int32_t>();
+  const int32_t* count = miss_count.data_ptr<int32_t>();
+  const int64_t B = plan.B, K = plan.K;
+  uint64_t moved = 0;
+  for (size_t l = 0; l < plan.host.size(); ++l) {
+    const RowView h = plan.host[l], d = plan.hot[l];
+    std::vector<int64_t> copied(B, 0);
+    at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        const int64_t n = std::min<int64_t>(std::max<int32_t>(count[r], 0), K);
+        for (int64_t m = 0; m < n; ++m) {
+          const int64_t s = src[r * K + m], t = dst[r * K + m];
+          if (s < 0 || s >= h.rows() || t < 0 || t >= d.rows()) continue;
+          const uint8_t* from =
+              h.base + (s / h.block_size) * h.block_stride + (s % h.block_size) * h.row_stride;
+          uint8_t* to =
+              d.base + (t / d.block_size) * d.block_stride + (t % d.block_size) * d.row_stride;
+          std::memcpy(to, from, static_cast<size_t>(h.row_bytes));
+          ++copied[r];
+        }
+      }
+    });
+    for (int64_t r = 0; r < B; ++r) moved += static_cast<uint64_t>(copied[r] * h.row_bytes);
+  }
+  if (moved_bytes.has_value() && moved_bytes->defined()) {
+    moved_bytes->data_ptr<uint64_t>()[0] += moved;
+  }
+}
+
+void invalidate_cpu(at::Tensor& slot_keys, at::Tensor& lru, const at::Tensor& state_rows,
+                    const c10::optional<at::Tensor>& keys) {
+  const InvalidateDims d = check_invalidate_args(slot_keys, lru, state_rows, keys);
+  int32_t* sk = slot_keys.data_ptr<int32_t>();
+  int16_t* order = lru.data_ptr<int16_t>();
+  const int32_t* srows = state_rows.data_ptr<int32_t>();
+  const bool by_key = keys.has_value() && keys->defined();
+  const int32_t* ks = by_key ? keys->data_ptr<int32_t>() : nullptr;
+  for (int64_t i = 0; i < d.N; ++i) {
+    const int64_t s = srows[i];
+    if (s < 0 || s >= d.S) continue;
+    int32_t* row = sk + s * d.H;
+    if (!by_key) {
+      std::fill(row, row + d.H, -1);
+      for (int64_t j = 0; j < d.H; ++j) order[s * d.H + j] = static_cast<int16_t>(j);
+      continue;
+    }
+    const int32_t k = ks[i];
+    if (k < 0) continue;
+    for (int64_t j = 0; j < d.H; ++j)
+      if (row[j] == k) row[j] = -1;
+  }
+}
+
+}  // namespace hisparse

@@ -1,0 +1,22 @@
+// Backend entry points of the hisparse ops. Schemas live in register.cpp; the semantics are in
+// docs/ops.md. Each backend validates through validate.h before doing any work.
+#pragma once
+
+#include <ATen/ATen.h>
+
+namespace hisparse {
+
+void resolve_residency_cpu(const at::Tensor& top_k, const at::Tensor& state_rows,
+                           const c10::optional<at::Tensor>& resident_rows, at::Tensor& slot_keys,
+                           at::Tensor& lru, at::Tensor& stats, at::Tensor& out_rows,
+                           at::Tensor& miss_src, at::Tensor& miss_dst, at::Tensor& miss_count,
+                           int64_t num_keys, int64_t hot_base);
+
+void gather_cpu(at::TensorList host, at::TensorList hot, const at::Tensor& miss_src,
+                const at::Tensor& miss_dst, const at::Tensor& miss_count,
+                const c10::optional<at::Tensor>& moved_bytes);
+
+void invalidate_cpu(at::Tensor& slot_keys, at::Tensor& lru, const at::Tensor& state_rows,
+                    const c10::optional<at::Tensor>& keys);
+
+}  // namespace hisparse

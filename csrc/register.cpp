@@ -1,0 +1,40 @@
+// Op schemas (mutated arguments marked) and the CPU registrations. The CUDA kernels register
+// under the same schemas in cuda_ops.cu when the extension is built with CUDA.
+#include <Python.h>
+#include <torch/library.h>
+
+#include "ops.h"
+
+TORCH_LIBRARY(hisparse, m) {
+  m.def(
+      "hisparse_resolve_residency(Tensor top_k, Tensor state_rows, Tensor? resident_rows, "
+      "Tensor(a!) slot_keys, Tensor(b!) lru, Tensor(c!) stats, Tensor(d!) out_rows, "
+      "Tensor(e!) miss_src, Tensor(f!) miss_dst, Tensor(g!) miss_count, int num_keys, "
+      "int hot_base) -> ()");
+  m.def(
+      "hisparse_gather(Tensor[] host, Tensor(a!)[] hot, Tensor miss_src, Tensor miss_dst, "
+      "Tensor miss_count, Tensor(b!)? moved_bytes) -> ()");
+  m.def(
+      "hisparse_invalidate(Tensor(a!) slot_keys, Tensor(b!) lru, Tensor state_rows, "
+      "Tensor? keys) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(hisparse, CPU, m) {
+  m.impl("hisparse_resolve_residency", &hisparse::resolve_residency_cpu);
+  m.impl("hisparse_gather", &hisparse::gather_cpu);
+  m.impl("hisparse_invalidate", &hisparse::invalidate_cpu);
+}
+
+// A plain Python module so `import hisparse._C` loads the library and its registrations.
+static PyModuleDef hisparse_module = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
+
+PyMODINIT_FUNC PyInit__C(void) {
+  PyObject* mod = PyModule_Create(&hisparse_module);
+  if (mod == nullptr) return nullptr;
+#ifdef HISPARSE_WITH_CUDA
+  PyModule_AddIntConstant(mod, "WITH_CUDA", 1);
+#else
+  PyModule_AddIntConstant(mod, "WITH_CUDA", 0);
+#endif
+  return mod;
+}

@@ -1,0 +1,95 @@
+"""Python entry points of the hisparse ops, and their fake (meta) kernels.
+
+The ops mutate preallocated tensors and return nothing; see docs/ops.md for the contract.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+
+from hisparse import _ext
+
+
+def _device_type(t: torch.Tensor) -> str:
+    return "cuda" if t.is_cuda else "cpu"
+
+
+def _op(name: str):
+    _ext.load()
+    if not hasattr(torch.ops.hisparse, name):
+        _ext.require("cpu")
+    return getattr(torch.ops.hisparse, name)
+
+
+def resolve_residency(
+    top_k: torch.Tensor,
+    state_rows: torch.Tensor,
+    slot_keys: torch.Tensor,
+    lru: torch.Tensor,
+    stats: torch.Tensor,
+    out_rows: torch.Tensor,
+    miss_src: torch.Tensor,
+    miss_dst: torch.Tensor,
+    miss_count: torch.Tensor,
+    *,
+    num_keys: int,
+    hot_base: int = 0,
+    resident_rows: Optional[torch.Tensor] = None,
+) -> None:
+    """Resolve which selected keys are hot, evict LRU slots for the misses, write the miss plan."""
+    if isinstance(top_k, torch.Tensor):
+        _ext.require(_device_type(top_k))
+    _op("hisparse_resolve_residency")(
+        top_k, state_rows, resident_rows, slot_keys, lru, stats, out_rows, miss_src, miss_dst,
+        miss_count, num_keys, hot_base,
+    )
+
+
+def gather(
+    host: Sequence[torch.Tensor],
+    hot: Sequence[torch.Tensor],
+    miss_src: torch.Tensor,
+    miss_dst: torch.Tensor,
+    miss_count: torch.Tensor,
+    moved_bytes: Optional[torch.Tensor] = None,
+) -> None:
+    """Copy each planned miss from every host view into the matching hot view."""
+    if isinstance(miss_src, torch.Tensor):
+        _ext.require(_device_type(miss_src))
+    _op("hisparse_gather")(list(host), list(hot), miss_src, miss_dst, miss_count, moved_bytes)
+
+
+def invalidate(
+    slot_keys: torch.Tensor,
+    lru: torch.Tensor,
+    state_rows: torch.Tensor,
+    keys: Optional[torch.Tensor] = None,
+) -> None:
+    """Reset whole state rows (keys None) or drop the hot copies of rewritten keys."""
+    if isinstance(slot_keys, torch.Tensor):
+        _ext.require(_device_type(slot_keys))
+    _op("hisparse_invalidate")(slot_keys, lru, state_rows, keys)
+
+
+def _register_fakes() -> None:
+    # The ops only mutate their arguments, so tracing needs nothing but their existence.
+    if _ext.load() is None:
+        return
+
+    @torch.library.register_fake("hisparse::hisparse_resolve_residency")
+    def _resolve_fake(top_k, state_rows, resident_rows, slot_keys, lru, stats, out_rows,
+                      miss_src, miss_dst, miss_count, num_keys, hot_base):
+        return None
+
+    @torch.library.register_fake("hisparse::hisparse_gather")
+    def _gather_fake(host, hot, miss_src, miss_dst, miss_count, moved_bytes):
+        return None
+
+    @torch.library.register_fake("hisparse::hisparse_invalidate")
+    def _invalidate_fake(slot_keys, lru, state_rows, keys):
+        return None
+
+
+_register_fakes()
