@@ -1,0 +1,54 @@
+"""The host pool: one packed raw allocation in (pinned) host memory holding every layer's KV."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+# Leave this much of the available RAM to the rest of the process and the OS.
+_RESERVE_BYTES = 1 << 30
+
+
+class HostPoolError(ValueError):
+    """The host pool cannot be allocated as configured."""
+
+
+def available_host_bytes() -> int:
+    """Bytes of RAM the kernel says can be allocated without swapping (MemAvailable)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+class HostPool:
+    """A raw uint8 allocation (`raw`), pinned when `pin`; layers are bound into it by offset."""
+
+    def __init__(self, num_bytes: int, *, pin: bool, what: str = "host pool") -> None:
+        if isinstance(num_bytes, bool) or not isinstance(num_bytes, int) or num_bytes <= 0:
+            raise HostPoolError(f"{what}: size must be a positive number of bytes, got {num_bytes!r}")
+        available = available_host_bytes()
+        if num_bytes > available - _RESERVE_BYTES:
+            raise HostPoolError(
+                f"{what}: {num_bytes / 2**30:.2f} GiB requested but only "
+                f"{available / 2**30:.2f} GiB of host RAM is available "
+                f"({_RESERVE_BYTES / 2**30:.0f} GiB is kept free); lower host_pool_gib"
+            )
+        if pin and not torch.cuda.is_available():
+            raise HostPoolError(f"{what}: pinned memory needs a CUDA device; use pin=False on CPU")
+        self.num_bytes = num_bytes
+        self.pinned = pin
+        self.raw: torch.Tensor | None = torch.empty(num_bytes, dtype=torch.uint8, pin_memory=pin)
+
+    def release(self) -> None:
+        """Drop the allocation (safe to call twice); views bound into it keep it alive."""
+        self.raw = None
+
+    @property
+    def released(self) -> bool:
+        return self.raw is None

@@ -1,0 +1,266 @@
+"""Per-step HiSparse state: index groups (residency state, counters, miss plan) and per-layer
+runtimes (host view, hot view).
+
+The leader layer of a group resolves once per step; every member gathers the same plan into its
+own hot view from its own host view. On CUDA the gathers run on the group's copy stream and each
+layer's attention waits only for its own rows (`wait_ready`).
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence, Union
+
+import torch
+
+from hisparse import ops
+from hisparse.binding import BindingError
+
+MAX_HOT_SIZE = 32768
+
+IntsLike = Union[Sequence[int], torch.Tensor]
+
+
+def _positive_int(name: str, value, minimum: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+    return value
+
+
+class StateRowAllocator:
+    """Hands out state rows to requests; a freed row is reused by a later request."""
+
+    def __init__(self, num_state_rows: int) -> None:
+        self.num_state_rows = _positive_int("num_state_rows", num_state_rows)
+        self._free = list(range(num_state_rows - 1, -1, -1))
+        self._owner: dict = {}
+
+    def allocate(self, request_id) -> int:
+        if request_id in self._owner:
+            return self._owner[request_id]
+        if not self._free:
+            raise RuntimeError(
+                f"no free state row for request {request_id!r}: all {self.num_state_rows} in use"
+            )
+        row = self._free.pop()
+        self._owner[request_id] = row
+        return row
+
+    def free(self, request_id) -> Optional[int]:
+        """Release the request's row; returns it (None if the request held none)."""
+        row = self._owner.pop(request_id, None)
+        if row is not None:
+            self._free.append(row)
+        return row
+
+    def row_of(self, request_id) -> Optional[int]:
+        return self._owner.get(request_id)
+
+    @property
+    def in_use(self) -> int:
+        return len(self._owner)
+
+
+class HiSparseIndexGroup:
+    """Residency state shared by one leader layer and the followers that reuse its top-k."""
+
+    def __init__(
+        self,
+        name: str,
+        *,
+        num_state_rows: int,
+        hot_size: int,
+        top_k: int,
+        max_batch: int,
+        num_keys: int,
+        device: Union[str, torch.device],
+        hot_base: int = 0,
+    ) -> None:
+        S = _positive_int("num_state_rows", num_state_rows)
+        H = _positive_int("hot_size", hot_size)
+        K = _positive_int("top_k", top_k)
+        if not K <= H <= MAX_HOT_SIZE:
+            raise ValueError(f"need top_k <= hot_size <= {MAX_HOT_SIZE}, got top_k={K} hot_size={H}")
+        _positive_int("max_batch", max_batch)
+        _positive_int("num_keys", num_keys, minimum=0)
+        _positive_int("hot_base", hot_base, minimum=0)
+        if hot_base + S * H > 2**31 - 1:
+            raise ValueError(f"hot_base + num_state_rows*hot_size must fit int32, got {hot_base + S * H}")
+        self.name = name
+        self.device = torch.device(device)
+        self.num_state_rows, self.hot_size, self.top_k = S, H, K
+        self.max_batch, self.num_keys, self.hot_base = max_batch, num_keys, hot_base
+        dev = self.device
+        self.slot_keys = torch.full((S, H), -1, dtype=torch.int32, device=dev)
+        self.lru = torch.empty((S, H), dtype=torch.int16, device=dev)
+        self.counters = torch.zeros(3, dtype=torch.uint64, device=dev)
+        self.stats = self.counters[0:2]
+        self.moved_bytes = self.counters[2:3]
+        on_cuda = dev.type == "cuda"
+        self.counters_host = torch.zeros(3, dtype=torch.uint64, pin_memory=on_cuda)
+        self.out_rows = torch.full((max_batch, K), -1, dtype=torch.int32, device=dev)
+        self.miss_src = torch.zeros((max_batch, K), dtype=torch.int32, device=dev)
+        self.miss_dst = torch.zeros((max_batch, K), dtype=torch.int32, device=dev)
+        self.miss_count = torch.zeros(max_batch, dtype=torch.int32, device=dev)
+        self.copy_stream = torch.cuda.Stream(device=dev) if on_cuda else None
+        self._resolved = torch.cuda.Event() if on_cuda else None
+        self.members: list = []
+        self.stats_row_bytes = 0
+        self.batch = 0
+        self._reset_lru()
+
+    @property
+    def leader(self) -> Optional["HiSparseRuntime"]:
+        return self.members[0] if self.members else None
+
+    def _reset_lru(self) -> None:
+        ident = torch.arange(self.hot_size, dtype=torch.int16, device=self.device)
+        self.lru.copy_(ident.expand(self.num_state_rows, -1))
+
+    def resolve(
+        self,
+        top_k: torch.Tensor,
+        state_rows: torch.Tensor,
+        resident_rows: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
+        """Resolve one step for the batch; returns the physical rows attention reads [B, K]."""
+        if top_k.dim() != 2 or top_k.shape[1] != self.top_k:
+            raise ValueError(
+                f"top_k must have shape [B, {self.top_k}], got {tuple(top_k.shape)}"
+            )
+        B = top_k.shape[0]
+        if B > self.max_batch:
+            raise ValueError(f"batch {B} exceeds max_batch {self.max_batch} of group {self.name!r}")
+        if self.copy_stream is not None and not torch.cuda.is_current_stream_capturing():
+            # The previous step's gathers read the plan buffers this resolve overwrites.
+            torch.cuda.current_stream(self.device).wait_stream(self.copy_stream)
+        ops.resolve_residency(
+            top_k, state_rows, self.slot_keys, self.lru, self.stats,
+            self.out_rows[:B], self.miss_src[:B], self.miss_dst[:B], self.miss_count[:B],
+            num_keys=self.num_keys, hot_base=self.hot_base, resident_rows=resident_rows,
+        )
+        if self._resolved is not None:
+            self._resolved.record(torch.cuda.current_stream(self.device))
+        self.batch = B
+        return self.out_rows[:B]
+
+    def _plan(self) -> tuple:
+        B = self.batch
+        return self.miss_src[:B], self.miss_dst[:B], self.miss_count[:B]
+
+    def gather_all(self) -> None:
+        """Apply the current plan to every member layer in one launch."""
+        if not self.members:
+            return
+        hosts = [m.host_view for m in self.members]
+        hots = [m.hot_view for m in self.members]
+        if self.copy_stream is None:
+            ops.gather(hosts, hots, *self._plan(), self.moved_bytes)
+            return
+        self.copy_stream.wait_event(self._resolved)
+        with torch.cuda.stream(self.copy_stream):
+            ops.gather(hosts, hots, *self._plan(), self.moved_bytes)
+            for m in self.members:
+                m.ready.record(self.copy_stream)
+
+    def reset_hot_state(self) -> None:
+        """Empty every state row, reset the LRU order and zero the counters."""
+        self.slot_keys.fill_(-1)
+        self._reset_lru()
+        self.counters.zero_()
+
+    def _rows_tensor(self, name: str, rows: IntsLike) -> torch.Tensor:
+        t = torch.as_tensor(rows, dtype=torch.int64).reshape(-1)
+        if t.numel() and (int(t.min()) < 0 or int(t.max()) >= self.num_state_rows):
+            raise ValueError(
+                f"{name} must lie in [0, {self.num_state_rows}), got {t.tolist()}"
+            )
+        return t.to(device=self.device, dtype=torch.int32)
+
+    def release(self, state_rows: IntsLike) -> None:
+        """Reset the listed state rows: their request finished or they are handed to a new one."""
+        rows = self._rows_tensor("state_rows", state_rows)
+        if rows.numel():
+            ops.invalidate(self.slot_keys, self.lru, rows)
+
+    def invalidate_keys(self, state_rows: IntsLike, keys: IntsLike) -> None:
+        """Drop hot copies of keys whose KV was rewritten (keys[i] on state_rows[i])."""
+        rows = self._rows_tensor("state_rows", state_rows)
+        k = torch.as_tensor(keys, dtype=torch.int64).reshape(-1)
+        if k.numel() != rows.numel():
+            raise ValueError(f"keys must match state_rows in length, got {k.numel()} and {rows.numel()}")
+        if rows.numel():
+            ops.invalidate(self.slot_keys, self.lru, rows, k.to(device=self.device, dtype=torch.int32))
+
+    def rows_in_use(self) -> torch.Tensor:
+        """Hot slots holding a key (a device scalar; reading it syncs, so not on the decode path)."""
+        return (self.slot_keys >= 0).sum()
+
+
+class HiSparseRuntime:
+    """One layer: its host view (full KV) and its hot view (where attention reads)."""
+
+    def __init__(
+        self,
+        layer_name: str,
+        index_group: HiSparseIndexGroup,
+        host_view: torch.Tensor,
+        hot_view: torch.Tensor,
+    ) -> None:
+        g = index_group
+        for what, v in (("host_view", host_view), ("hot_view", hot_view)):
+            if v.dtype != torch.uint8 or v.dim() not in (2, 3):
+                raise BindingError(f"{layer_name}: {what} must be uint8 [rows, row_bytes] or [blocks, block_size, row_bytes]")
+        rows = lambda v: v.shape[0] * (v.shape[1] if v.dim() == 3 else 1)  # noqa: E731
+        if host_view.shape[-1] != hot_view.shape[-1]:
+            raise BindingError(
+                f"{layer_name}: host and hot rows differ in size ({host_view.shape[-1]} vs {hot_view.shape[-1]} bytes)"
+            )
+        if rows(host_view) < g.num_keys:
+            raise BindingError(f"{layer_name}: host view has {rows(host_view)} rows, group needs {g.num_keys}")
+        if rows(hot_view) < g.hot_base + g.num_state_rows * g.hot_size:
+            raise BindingError(
+                f"{layer_name}: hot view has {rows(hot_view)} rows, group needs "
+                f"{g.hot_base + g.num_state_rows * g.hot_size}"
+            )
+        if hot_view.device != g.device:
+            raise BindingError(f"{layer_name}: hot view is on {hot_view.device}, group on {g.device}")
+        if members := g.members:
+            if rows(host_view) != rows(members[0].host_view):
+                raise BindingError(f"{layer_name}: host view rows differ from the group leader's")
+        self.layer_name = layer_name
+        self.index_group = g
+        self.host_view = host_view
+        self.hot_view = hot_view
+        self.row_bytes = int(host_view.shape[-1])
+        self.ready = torch.cuda.Event() if g.copy_stream is not None else None
+        g.members.append(self)
+        g.stats_row_bytes += self.row_bytes
+
+    @property
+    def is_leader(self) -> bool:
+        return self.index_group.leader is self
+
+    def resolve(self, top_k, state_rows, resident_rows=None) -> torch.Tensor:
+        if not self.is_leader:
+            raise RuntimeError(f"{self.layer_name} is a follower; only the leader resolves")
+        return self.index_group.resolve(top_k, state_rows, resident_rows)
+
+    def gather(self) -> None:
+        """Copy this step's misses host -> hot for this layer (copy stream on CUDA)."""
+        g = self.index_group
+        plan = g._plan()
+        if g.copy_stream is None:
+            ops.gather([self.host_view], [self.hot_view], *plan, g.moved_bytes)
+            return
+        g.copy_stream.wait_event(g._resolved)
+        with torch.cuda.stream(g.copy_stream):
+            ops.gather([self.host_view], [self.hot_view], *plan, g.moved_bytes)
+            self.ready.record(g.copy_stream)
+
+    def wait_ready(self) -> None:
+        """Make the current stream wait for this layer's copies (no-op on CPU)."""
+        if self.ready is not None:
+            torch.cuda.current_stream(self.index_group.device).wait_event(self.ready)
+
+    def reset_hot_state(self) -> None:
+        self.index_group.reset_hot_state()
