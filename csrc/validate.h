@@ -130,6 +130,8 @@ inline ResolveDims check_resolve_args(const at::Tensor& top_k, const at::Tensor&
   const at::Device dev = top_k.device();
   check_tensor(top_k, at::kInt, 2, dev, op, "top_k");
   const int64_t B = top_k.size(0), K = top_k.size(1);
+  TORCH_CHECK(K >= 1, op, ": argument 'top_k' must have at least one column, got shape ",
+              top_k.sizes());
   check_tensor(state_rows, at::kInt, 1, dev, op, "state_rows");
   check_shape(state_rows, {B}, op, "state_rows");
   if (resident_rows.has_value() && resident_rows->defined()) {
@@ -138,6 +140,8 @@ inline ResolveDims check_resolve_args(const at::Tensor& top_k, const at::Tensor&
   }
   check_tensor(slot_keys, at::kInt, 2, dev, op, "slot_keys");
   const int64_t S = slot_keys.size(0), H = slot_keys.size(1);
+  TORCH_CHECK(H >= K && H <= kMaxHotSize, op, ": argument 'slot_keys' hot size H must satisfy ",
+              "top-k K <= H <= ", kMaxHotSize, ", got K=", K, " H=", H);
   check_tensor(lru, at::kShort, 2, dev, op, "lru");
   check_shape(lru, {S, H}, op, "lru");
   check_tensor(stats, at::kUInt64, 1, dev, op, "stats");
@@ -150,10 +154,6 @@ inline ResolveDims check_resolve_args(const at::Tensor& top_k, const at::Tensor&
   check_shape(miss_dst, {B, K}, op, "miss_dst");
   check_tensor(miss_count, at::kInt, 1, dev, op, "miss_count");
   check_shape(miss_count, {B}, op, "miss_count");
-  TORCH_CHECK(K >= 1, op, ": argument 'top_k' must have at least one column, got shape ",
-              top_k.sizes());
-  TORCH_CHECK(H >= K && H <= kMaxHotSize, op, ": argument 'slot_keys' hot size H must satisfy ",
-              "top-k K <= H <= ", kMaxHotSize, ", got K=", K, " H=", H);
   TORCH_CHECK(num_keys >= 0 && num_keys <= kInt32Max, op,
               ": argument 'num_keys' must be in [0, 2^31-1], got ", num_keys);
   TORCH_CHECK(hot_base >= 0 && hot_base + S * H <= kInt32Max, op,
