@@ -27,7 +27,8 @@ def available_host_bytes() -> int:
 
 
 class HostPool:
-    """A raw uint8 allocation (`raw`), pinned when `pin`; layers are bound into it by offset."""
+    """A raw uint8 allocation (`raw`), page-locked when `pin`; layers are bound into it by
+    offset. Views bound into `raw` must not be used after `release()`."""
 
     def __init__(self, num_bytes: int, *, pin: bool, what: str = "host pool") -> None:
         if isinstance(num_bytes, bool) or not isinstance(num_bytes, int) or num_bytes <= 0:
@@ -42,11 +43,28 @@ class HostPool:
         if pin and not torch.cuda.is_available():
             raise HostPoolError(f"{what}: pinned memory needs a CUDA device; use pin=False on CPU")
         self.num_bytes = num_bytes
-        self.pinned = pin
-        self.raw: torch.Tensor | None = torch.empty(num_bytes, dtype=torch.uint8, pin_memory=pin)
+        self.pinned = False
+        self.raw: torch.Tensor | None = torch.empty(num_bytes, dtype=torch.uint8)
+        if pin:
+            # Page-lock exactly these bytes: torch's pinned allocator rounds a request up to a
+            # power of two, which for a 40 GiB pool would lock 64 GiB.
+            cudart = torch.cuda.cudart()
+            err = cudart.cudaHostRegister(self.raw.data_ptr(), num_bytes, 0)
+            if int(err) != 0:
+                self.raw = None
+                raise HostPoolError(f"{what}: cudaHostRegister of {num_bytes} bytes failed "
+                                    f"(cudaError {int(err)}); is the memlock limit too low?")
+            self.pinned = True
 
     def release(self) -> None:
-        """Drop the allocation (safe to call twice); views bound into it keep it alive."""
+        """Unpin and drop the allocation (safe to call twice). The GPU must be done with it:
+        pending work is synchronised first, since this is never on the decode path."""
+        if self.raw is None:
+            return
+        if self.pinned:
+            torch.cuda.synchronize()
+            torch.cuda.cudart().cudaHostUnregister(self.raw.data_ptr())
+            self.pinned = False
         self.raw = None
 
     @property
