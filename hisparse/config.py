@@ -1,0 +1,101 @@
+"""HiSparse connector configuration, parsed from vLLM's ``kv_connector_extra_config``.
+
+Every error names the offending key: ``kv_connector_extra_config['top_k'] must be ...``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+from typing import Any, Mapping, Optional
+
+#: Largest hot buffer (slot ids are stored as int16).
+MAX_DEVICE_BUFFER_SIZE = 32768
+
+_PREFIX = "kv_connector_extra_config"
+
+
+class HiSparseConfigError(ValueError):
+    """A ``kv_connector_extra_config`` entry is unknown, of the wrong type or out of range."""
+
+
+@dataclass(frozen=True)
+class HiSparseConfig:
+    """Validated HiSparse settings (see docs/connector.md for their meaning)."""
+
+    host_pool_gib: float = 1.0
+    top_k: int = 2048
+    device_buffer_size: Optional[int] = None  # None -> 2 * top_k
+    index_share: int = 1
+    metrics_interval: int = 2000
+    max_num_seqs: int = 256
+    block_size: int = 16
+    pin_host_pool: Optional[bool] = None  # None -> pin iff the KV caches are on CUDA
+
+    def __post_init__(self) -> None:
+        for key in ("top_k", "index_share", "metrics_interval", "max_num_seqs", "block_size"):
+            _check_int(key, getattr(self, key), minimum=1)
+        if self.device_buffer_size is None:
+            object.__setattr__(self, "device_buffer_size", 2 * self.top_k)
+        _check_int("device_buffer_size", self.device_buffer_size, minimum=1)
+        if not self.top_k <= self.device_buffer_size <= MAX_DEVICE_BUFFER_SIZE:
+            raise HiSparseConfigError(
+                f"{_PREFIX}['device_buffer_size'] must satisfy top_k ({self.top_k}) <= "
+                f"device_buffer_size <= {MAX_DEVICE_BUFFER_SIZE}, got {self.device_buffer_size}"
+            )
+        if self.top_k > MAX_DEVICE_BUFFER_SIZE:
+            raise HiSparseConfigError(
+                f"{_PREFIX}['top_k'] must be <= {MAX_DEVICE_BUFFER_SIZE}, got {self.top_k}"
+            )
+        g = self.host_pool_gib
+        if isinstance(g, bool) or not isinstance(g, (int, float)):
+            raise HiSparseConfigError(
+                f"{_PREFIX}['host_pool_gib'] must be a number (GiB), got {type(g).__name__} {g!r}"
+            )
+        if not g > 0 or g != g or g == float("inf"):
+            raise HiSparseConfigError(
+                f"{_PREFIX}['host_pool_gib'] must be a finite number > 0, got {g!r}"
+            )
+        object.__setattr__(self, "host_pool_gib", float(g))
+        p = self.pin_host_pool
+        if p is not None and not isinstance(p, bool):
+            raise HiSparseConfigError(
+                f"{_PREFIX}['pin_host_pool'] must be true, false or null, got {type(p).__name__} {p!r}"
+            )
+
+    @property
+    def host_pool_bytes(self) -> int:
+        return int(self.host_pool_gib * (1 << 30))
+
+    @classmethod
+    def keys(cls) -> tuple:
+        return tuple(f.name for f in fields(cls))
+
+    @classmethod
+    def from_extra_config(cls, extra: Optional[Mapping[str, Any]]) -> "HiSparseConfig":
+        """Build from ``kv_connector_extra_config`` (None or a mapping); rejects unknown keys."""
+        if extra is None:
+            return cls()
+        if not isinstance(extra, Mapping):
+            raise HiSparseConfigError(
+                f"{_PREFIX} must be a mapping of settings, got {type(extra).__name__}"
+            )
+        known = set(cls.keys())
+        unknown = sorted(str(k) for k in extra if k not in known)
+        if unknown:
+            raise HiSparseConfigError(
+                f"{_PREFIX}[{unknown[0]!r}] is not a HiSparse setting "
+                f"(known: {', '.join(sorted(known))})"
+            )
+        return cls(**dict(extra))
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _check_int(key: str, value: Any, *, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise HiSparseConfigError(
+            f"{_PREFIX}[{key!r}] must be an integer, got {type(value).__name__} {value!r}"
+        )
+    if value < minimum:
+        raise HiSparseConfigError(f"{_PREFIX}[{key!r}] must be >= {minimum}, got {value}")

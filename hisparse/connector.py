@@ -1,0 +1,259 @@
+"""``HiSparseConnector``: HiSparse on vLLM's KV-connector contract.
+
+Loaded by vLLM with ``kv_connector_module_path="hisparse.connector"`` and
+``kv_connector="HiSparseConnector"``; driven the same way by hisparse's reference engine. See
+docs/connector.md. Importing this module imports vLLM's base classes when vLLM is installed
+(never ``import hisparse`` itself).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any, Mapping, Optional
+
+from hisparse._vllm_compat import (
+    HAVE_VLLM,
+    KVConnectorBase_V1,
+    KVConnectorRole,
+    SupportsHMA,
+)
+from hisparse.config import HiSparseConfig
+from hisparse.runtime import StateRowAllocator
+from hisparse.stats import HiSparseKVConnectorStats, HiSparsePromMetrics
+from hisparse.worker import HiSparseConnectorMetadata, HiSparseConnectorWorker
+
+__all__ = [
+    "HAVE_VLLM",
+    "HiSparseConnector",
+    "HiSparseConnectorMetadata",
+    "HiSparseConnectorWorker",
+    "KVConnectorRole",
+    "StepSchedule",
+]
+
+
+@dataclass
+class StepSchedule:
+    """The part of vLLM's ``SchedulerOutput`` the HiSparse scheduler connector reads, for engines
+    without vLLM. ``num_scheduled_tokens``' order is the batch order."""
+
+    num_scheduled_tokens: dict
+    finished_req_ids: set = field(default_factory=set)
+    preempted_req_ids: Optional[set] = None
+
+
+def _role(role: Any):
+    """vLLM's / hisparse's KVConnectorRole, or 'scheduler' / 'worker'."""
+    if isinstance(role, KVConnectorRole):
+        return role
+    name = role.lower() if isinstance(role, str) else getattr(role, "name", None)
+    if isinstance(name, str) and name.upper() in ("SCHEDULER", "WORKER"):
+        return KVConnectorRole[name.upper()]
+    raise ValueError(f"role must be KVConnectorRole.SCHEDULER/WORKER or 'scheduler'/'worker', got {role!r}")
+
+
+def _request_id(request: Any) -> str:
+    rid = getattr(request, "request_id", None)
+    if rid is None:
+        raise ValueError(f"request must have a request_id, got {type(request).__name__}")
+    return rid
+
+
+def _defaults_from_vllm(vllm_config: Any, extra: Optional[Mapping]) -> dict:
+    """Fill max_num_seqs / block_size from vLLM's own config when the extra config omits them."""
+    merged = dict(extra or {})
+    sched = getattr(vllm_config, "scheduler_config", None)
+    cache = getattr(vllm_config, "cache_config", None)
+    seqs = getattr(sched, "max_num_seqs", None)
+    block = getattr(cache, "block_size", None)
+    if "max_num_seqs" not in merged and isinstance(seqs, int) and not isinstance(seqs, bool) and seqs > 0:
+        merged["max_num_seqs"] = seqs
+    if "block_size" not in merged and isinstance(block, int) and not isinstance(block, bool) and block > 0:
+        merged["block_size"] = block
+    return merged
+
+
+class _SchedulerState:
+    """State rows per request, token counts, and what the worker must reset next step."""
+
+    def __init__(self, config: HiSparseConfig) -> None:
+        self.rows = StateRowAllocator(config.max_num_seqs)
+        self.max_num_seqs = config.max_num_seqs
+        self.tokens: dict = {}
+        self.pending_resets: list = []
+        self.pending_invalidate: list = []
+
+    def release(self, req_id) -> None:
+        row = self.rows.free(req_id)
+        self.tokens.pop(req_id, None)
+        if row is not None:
+            self.pending_resets.append(row)
+
+    def build(self, scheduler_output: Any) -> HiSparseConnectorMetadata:
+        for attr in ("finished_req_ids", "preempted_req_ids"):
+            for rid in getattr(scheduler_output, attr, None) or ():
+                self.release(rid)
+        scheduled = getattr(scheduler_output, "num_scheduled_tokens", None)
+        if not isinstance(scheduled, Mapping):
+            raise ValueError(
+                "scheduler_output.num_scheduled_tokens must be a dict {req_id: tokens}, got "
+                f"{type(scheduled).__name__}"
+            )
+        resets = self.pending_resets
+        req_ids, state_rows = [], []
+        for rid, n in scheduled.items():
+            row = self.rows.row_of(rid)
+            if row is None:
+                if self.rows.in_use >= self.max_num_seqs:
+                    raise RuntimeError(
+                        f"request {rid!r} needs a HiSparse state row but all "
+                        f"kv_connector_extra_config['max_num_seqs'] = {self.max_num_seqs} are in use"
+                    )
+                row = self.rows.allocate(rid)
+                resets.append(row)
+            req_ids.append(rid)
+            state_rows.append(row)
+            self.tokens[rid] = self.tokens.get(rid, 0) + int(n)
+        meta = HiSparseConnectorMetadata(
+            req_ids=tuple(req_ids),
+            state_rows=tuple(state_rows),
+            reset_rows=tuple(dict.fromkeys(resets)),
+            invalidate=tuple(self.pending_invalidate),
+            host_rows_in_use=sum(self.tokens.values()),
+        )
+        self.pending_resets, self.pending_invalidate = [], []
+        return meta
+
+
+class HiSparseConnector(KVConnectorBase_V1, SupportsHMA):
+    """HiSparse hot-buffering as a KV connector: nothing is loaded from outside; the worker role
+    keeps the full KV in a pinned host pool and each request's selected rows in hot buffers."""
+
+    def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
+        role = _role(role)
+        super().__init__(vllm_config, role, kv_cache_config)
+        extra = getattr(self._kv_transfer_config, "kv_connector_extra_config", None)
+        self.config = HiSparseConfig.from_extra_config(_defaults_from_vllm(vllm_config, extra))
+        self.worker: Optional[HiSparseConnectorWorker] = None
+        self._scheduler: Optional[_SchedulerState] = None
+        if role == KVConnectorRole.WORKER:
+            self.worker = HiSparseConnectorWorker(self.config)
+        else:
+            self._scheduler = _SchedulerState(self.config)
+
+    @classmethod
+    def from_extra_config(
+        cls, extra_config: Optional[Mapping] = None, role: Any = "worker"
+    ) -> "HiSparseConnector":
+        """Build without a vLLM config (reference engine, tests)."""
+        kv = SimpleNamespace(
+            kv_connector="HiSparseConnector",
+            kv_connector_module_path="hisparse.connector",
+            kv_role="kv_both",
+            kv_connector_extra_config=dict(extra_config or {}),
+            is_kv_producer=False,
+            is_kv_consumer=False,
+            engine_id=None,
+        )
+        return cls(SimpleNamespace(kv_transfer_config=kv), role, None)
+
+    # ----------------------------------------------------------- worker side
+    @property
+    def connector_worker(self) -> Optional[HiSparseConnectorWorker]:
+        return self.worker
+
+    def _need_worker(self, what: str) -> HiSparseConnectorWorker:
+        if self.worker is None:
+            raise RuntimeError(f"{what} is a worker-side call; this connector has the scheduler role")
+        return self.worker
+
+    def register_kv_caches(self, kv_caches: dict) -> None:
+        self._need_worker("register_kv_caches").register_kv_caches(kv_caches)
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        """Apply this step's metadata (reset/invalidate state rows, set the batch's state rows).
+        HiSparse loads nothing from outside: the per-layer loads are the gathers ``resolve``
+        launches."""
+        worker = self._need_worker("start_load_kv")
+        if not self.has_connector_metadata():
+            raise RuntimeError("start_load_kv needs bind_connector_metadata(...) first")
+        worker.start_step(self._get_connector_metadata())
+
+    def resolve(self, layer_name: str, top_k: Any, resident_rows: Any = None):
+        """After the indexer: the attention rows of ``layer_name`` for this step's top-k."""
+        return self._need_worker("resolve").resolve(layer_name, top_k, resident_rows)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        self._need_worker("wait_for_layer_load").wait_for_layer_load(layer_name)
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
+        """Write the layer's rows computed this step (``kv_layer``) into the host pool at
+        ``attn_metadata.slot_mapping`` (or ``slot_mapping=`` keyword)."""
+        worker = self._need_worker("save_kv_layer")
+        slots = kwargs.get("slot_mapping")
+        if slots is None:
+            slots = getattr(attn_metadata, "slot_mapping", None)
+        if slots is None:
+            raise ValueError("save_kv_layer needs attn_metadata.slot_mapping (or slot_mapping=)")
+        worker.save_kv_layer(layer_name, kv_layer, slots)
+
+    def wait_for_save(self) -> None:
+        """Nothing to wait for: host writes and gathers are ordered on the copy streams."""
+        return None
+
+    def get_finished(self, finished_req_ids: set) -> tuple:
+        """Nothing asynchronous outlives a step: (None, None)."""
+        return None, None
+
+    def get_kv_connector_stats(self) -> Optional[HiSparseKVConnectorStats]:
+        if self.worker is None:
+            return None
+        return self.worker.get_kv_connector_stats()
+
+    def shutdown(self) -> None:
+        if self.worker is not None:
+            self.worker.shutdown()
+        return None
+
+    # -------------------------------------------------------- scheduler side
+    def _need_scheduler(self, what: str) -> _SchedulerState:
+        if self._scheduler is None:
+            raise RuntimeError(f"{what} is a scheduler-side call; this connector has the worker role")
+        return self._scheduler
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple:
+        """HiSparse never loads KV from outside the engine."""
+        return 0, False
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        return None
+
+    def build_connector_meta(self, scheduler_output: Any) -> HiSparseConnectorMetadata:
+        return self._need_scheduler("build_connector_meta").build(scheduler_output)
+
+    def request_finished(self, request: Any, block_ids: Any) -> tuple:
+        """Free the request's state row; the worker resets it (drops its hot state) next step."""
+        self._need_scheduler("request_finished").release(_request_id(request))
+        return False, None
+
+    def request_finished_all_groups(self, request: Any, block_ids: Any) -> tuple:
+        return self.request_finished(request, block_ids)
+
+    def invalidate_keys(self, request: Any, keys: Any) -> None:
+        """Scheduler side: positions of ``request`` were rewritten; drop their hot copies next step."""
+        sched = self._need_scheduler("invalidate_keys")
+        rid = request if isinstance(request, str) else _request_id(request)
+        row = sched.rows.row_of(rid)
+        if row is None:
+            raise ValueError(f"request {rid!r} holds no HiSparse state row")
+        sched.pending_invalidate.extend((row, int(k)) for k in keys)
+
+    # ------------------------------------------------------------- telemetry
+    @classmethod
+    def build_kv_connector_stats(cls, data: Optional[dict] = None) -> HiSparseKVConnectorStats:
+        return HiSparseKVConnectorStats(data=data) if data is not None else HiSparseKVConnectorStats()
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        return HiSparsePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)

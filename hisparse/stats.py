@@ -1,0 +1,171 @@
+"""HiSparse telemetry containers on vLLM's KV-connector stats contract.
+
+``HiSparseKVConnectorStats.data`` is a dict of plain lists (IPC-safe). Every entry of a counter
+list is the delta of one snapshot; gauge lists hold one sample per snapshot. Where vLLM is
+installed the classes subclass vLLM's ``KVConnectorStats`` / ``KVConnectorPromMetrics``,
+otherwise hisparse's own bases with the same contract (``hisparse._vllm_compat``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from hisparse._vllm_compat import KVConnectorPromMetrics, KVConnectorStats
+
+# (data key, Prometheus name, help). Prometheus exposes counters with a `_total` suffix.
+COUNTERS = (
+    ("hits", "vllm:hisparse_cache_hits",
+     "HiSparse hot-buffer lookups answered by a row already in the hot buffer."),
+    ("misses", "vllm:hisparse_cache_misses",
+     "HiSparse hot-buffer lookups that copied the row in from the host pool."),
+    ("host_to_device_bytes", "vllm:hisparse_host_to_device_bytes",
+     "Bytes HiSparse gathers copied from the host pool into hot buffers (exact)."),
+)
+GAUGES = (
+    ("host_pool_usage", "vllm:hisparse_host_pool_usage",
+     "Fraction (0-1) of HiSparse host-pool rows held by live requests, at the last snapshot."),
+    ("hot_rows_in_use", "vllm:hisparse_hot_rows_in_use",
+     "HiSparse hot-buffer rows holding a token, summed over layers, at the last snapshot."),
+)
+COUNTER_NAMES = tuple(name for _, name, _ in COUNTERS)
+GAUGE_NAMES = tuple(name for _, name, _ in GAUGES)
+#: Every metric name hisparse exports (the exported contract; see docs/telemetry.md).
+METRIC_NAMES = COUNTER_NAMES + GAUGE_NAMES
+
+_COUNTER_KEYS = tuple(k for k, _, _ in COUNTERS)
+_GAUGE_KEYS = tuple(k for k, _, _ in GAUGES)
+_KEYS = _COUNTER_KEYS + _GAUGE_KEYS
+
+
+def _nonneg_int(name: str, v: Any) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+        raise ValueError(f"{name} must be a non-negative int, got {v!r}")
+    return v
+
+
+@dataclass
+class HiSparseKVConnectorStats(KVConnectorStats):
+    """Snapshot deltas of the hot-buffer counters (and gauge samples), one list entry each."""
+
+    def __post_init__(self) -> None:
+        data = self.data if self.data is not None else {}
+        if not isinstance(data, dict):
+            raise ValueError(f"data must be a dict of lists, got {type(data).__name__}")
+        clean = {}
+        for key, values in data.items():
+            if key not in _KEYS:
+                raise ValueError(f"data[{key!r}] is not a HiSparse stat (known: {', '.join(_KEYS)})")
+            if not isinstance(values, (list, tuple)):
+                raise ValueError(f"data[{key!r}] must be a list, got {type(values).__name__}")
+            clean[key] = list(values)
+        for key in _KEYS:
+            clean.setdefault(key, [])
+        lens = {len(clean[k]) for k in _COUNTER_KEYS}
+        if len(lens) != 1:
+            raise ValueError(
+                "data['hits'], data['misses'] and data['host_to_device_bytes'] must have equal "
+                f"lengths, got {[len(clean[k]) for k in _COUNTER_KEYS]}"
+            )
+        self.data = clean
+
+    def reset(self) -> None:
+        self.data = {key: [] for key in _KEYS}
+
+    def record_snapshot(
+        self,
+        hits: int,
+        misses: int,
+        host_to_device_bytes: int,
+        *,
+        host_pool_usage: Optional[float] = None,
+        hot_rows_in_use: Optional[int] = None,
+    ) -> None:
+        """Append one snapshot's deltas (and, if given, its gauge samples)."""
+        self.data["hits"].append(_nonneg_int("hits", hits))
+        self.data["misses"].append(_nonneg_int("misses", misses))
+        self.data["host_to_device_bytes"].append(
+            _nonneg_int("host_to_device_bytes", host_to_device_bytes)
+        )
+        if host_pool_usage is not None:
+            u = float(host_pool_usage)
+            if not 0.0 <= u <= 1.0:
+                raise ValueError(f"host_pool_usage must be a fraction in [0, 1], got {host_pool_usage!r}")
+            self.data["host_pool_usage"].append(u)
+        if hot_rows_in_use is not None:
+            self.data["hot_rows_in_use"].append(_nonneg_int("hot_rows_in_use", hot_rows_in_use))
+
+    def aggregate(self, other: Optional[KVConnectorStats]) -> "HiSparseKVConnectorStats":
+        """Extend every list with ``other``'s entries (empty or None ``other`` is skipped)."""
+        if other is None or other.is_empty():
+            return self
+        if not isinstance(other, HiSparseKVConnectorStats):
+            other = HiSparseKVConnectorStats(data=other.data)
+        for key in _KEYS:
+            self.data[key].extend(other.data[key])
+        return self
+
+    def reduce(self) -> dict:
+        """Sums over the interval (for vLLM's log line); gauges report their latest sample."""
+        hits = sum(self.data["hits"])
+        misses = sum(self.data["misses"])
+        out: dict = {
+            "HiSparse hot-buffer hits": hits,
+            "HiSparse hot-buffer misses": misses,
+            "HiSparse hit rate": round(hits / (hits + misses), 4) if hits + misses else 0.0,
+            "HiSparse host-to-device bytes": sum(self.data["host_to_device_bytes"]),
+        }
+        if self.data["host_pool_usage"]:
+            out["HiSparse host-pool usage"] = round(self.data["host_pool_usage"][-1], 4)
+        if self.data["hot_rows_in_use"]:
+            out["HiSparse hot rows in use"] = self.data["hot_rows_in_use"][-1]
+        return out
+
+    def is_empty(self) -> bool:
+        return not any(self.data[key] for key in _KEYS)
+
+    def totals(self) -> dict:
+        """Counter sums keyed by data key (hits, misses, host_to_device_bytes)."""
+        return {key: sum(self.data[key]) for key in _COUNTER_KEYS}
+
+
+class HiSparsePromMetrics(KVConnectorPromMetrics):
+    """Per-engine Prometheus counters and gauges; ``observe`` adds each snapshot delta once."""
+
+    def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self.counters: dict = {}
+        self.gauges: dict = {}
+        for key, name, doc in COUNTERS:
+            metric = self._counter_cls(name=name, documentation=doc, labelnames=labelnames)
+            self.counters[key] = self._per_engine(metric)
+        for key, name, doc in GAUGES:
+            metric = self._gauge_cls(
+                name=name, documentation=doc, labelnames=labelnames, multiprocess_mode="mostrecent"
+            )
+            self.gauges[key] = self._per_engine(metric)
+
+    def _per_engine(self, metric) -> dict:
+        return {
+            idx: metric.labels(*values) for idx, values in self.per_engine_labelvalues.items()
+        }
+
+    def observe(self, transfer_stats_data: Any, engine_idx: int = 0) -> None:
+        if isinstance(transfer_stats_data, KVConnectorStats):
+            transfer_stats_data = transfer_stats_data.data
+        if not transfer_stats_data:
+            return
+        if engine_idx not in self.per_engine_labelvalues:
+            raise KeyError(
+                f"engine_idx {engine_idx} has no label values (known engines: "
+                f"{sorted(self.per_engine_labelvalues)})"
+            )
+        for key in _COUNTER_KEYS:
+            child = self.counters[key][engine_idx]
+            for delta in transfer_stats_data.get(key, ()):
+                if delta:
+                    child.inc(delta)
+        for key in _GAUGE_KEYS:
+            samples = transfer_stats_data.get(key, ())
+            if samples:
+                self.gauges[key][engine_idx].set(samples[-1])

@@ -1,0 +1,463 @@
+"""The worker side of the HiSparse connector: runtimes, host pool, per-step driving, telemetry.
+
+``HiSparseConnectorWorker`` is built from a validated ``HiSparseConfig``; ``register_kv_caches``
+then allocates the (pinned) host pool, binds every layer's host view and hot view, and builds the
+index groups. See docs/connector.md for the per-step API and docs/telemetry.md for the two-phase,
+event-gated sampling of ``get_kv_connector_stats``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Mapping, Optional, Sequence
+
+import torch
+
+from hisparse._vllm_compat import KVConnectorMetadata
+from hisparse.binding import BindingError, PackedLayout, bind_layers, check_disjoint
+from hisparse.config import HiSparseConfig, HiSparseConfigError
+from hisparse.host_pool import HostPool
+from hisparse.runtime import HiSparseIndexGroup, HiSparseRuntime
+from hisparse.stats import HiSparseKVConnectorStats
+
+_ALIGN = 16
+
+
+@dataclass(frozen=True)
+class HiSparseConnectorMetadata(KVConnectorMetadata):
+    """What the scheduler connector tells the worker connector for one step (picklable).
+
+    req_ids: requests of the batch, in batch order (row b of ``top_k`` is ``req_ids[b]``).
+    state_rows: the state row of each batch row.
+    reset_rows: state rows to reset before the step (handed to a new request, or released).
+    invalidate: (state_row, key) pairs whose hot copy must be dropped (position rewritten).
+    host_rows_in_use: tokens held in the host pool by live requests (host-pool usage gauge).
+    """
+
+    req_ids: tuple = ()
+    state_rows: tuple = ()
+    reset_rows: tuple = ()
+    invalidate: tuple = ()
+    host_rows_in_use: int = 0
+
+    def __post_init__(self) -> None:
+        if len(self.req_ids) != len(self.state_rows):
+            raise ValueError(
+                f"req_ids and state_rows must have equal lengths, got {len(self.req_ids)} "
+                f"and {len(self.state_rows)}"
+            )
+
+
+class _CompletedEvent:
+    """The CPU backend's event: work is done when issued, so it is always complete."""
+
+    def record(self, stream=None) -> None:
+        return None
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        return None
+
+
+def _as_row_bytes(name: str, t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a uint8 [rows, row_bytes] view (row_bytes = last-dim bytes)."""
+    if not isinstance(t, torch.Tensor):
+        raise BindingError(f"kv cache of layer {name!r} must be a tensor, got {type(t).__name__}")
+    if t.dim() < 1 or t.numel() == 0:
+        raise BindingError(f"kv cache of layer {name!r} is empty or 0-d")
+    if not t.is_contiguous():
+        raise BindingError(f"kv cache of layer {name!r} must be contiguous")
+    row_bytes = t.shape[-1] * t.element_size()
+    if row_bytes % _ALIGN or t.data_ptr() % _ALIGN:
+        raise BindingError(
+            f"kv cache of layer {name!r}: rows must be {_ALIGN}-byte aligned, got row_bytes="
+            f"{row_bytes} and data pointer {t.data_ptr():#x}"
+        )
+    b = t.view(torch.uint8) if t.dtype != torch.uint8 else t
+    return b.reshape(-1, row_bytes)
+
+
+class HiSparseConnectorWorker:
+    """Owns the host pool, index groups and per-layer runtimes of one worker (TP rank)."""
+
+    def __init__(
+        self,
+        config: HiSparseConfig,
+        *,
+        is_capturing: Optional[Callable[[], bool]] = None,
+    ) -> None:
+        if not isinstance(config, HiSparseConfig):
+            raise TypeError(f"config must be a HiSparseConfig, got {type(config).__name__}")
+        self.config = config
+        self.device: Optional[torch.device] = None
+        self.layer_names: tuple = ()
+        self.groups: list = []
+        self.runtimes: dict = {}
+        self.host_pool: Optional[HostPool] = None
+        self.host_rows = 0
+        self.hot_base = 0
+        self.final_stats: Optional[HiSparseKVConnectorStats] = None
+        self._is_capturing_hook = is_capturing
+        self._host_views: dict = {}
+        self._state_rows: Optional[torch.Tensor] = None
+        self._batch = 0
+        self._resolved: set = set()
+        self._host_rows_in_use = 0
+        self._shut_down = False
+        # Two-phase sampling state.
+        self._metrics_calls = 0
+        self._metrics_pending = False
+        self._metrics_event = None
+        self._pending_usage: Optional[float] = None
+        self._gauges_dev: Optional[torch.Tensor] = None
+        self._gauges_host: Optional[torch.Tensor] = None
+
+    # ------------------------------------------------------------------ setup
+    @property
+    def registered(self) -> bool:
+        return bool(self.runtimes)
+
+    def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
+        """Bind every layer: its registered buffer (attention rows, hot buffers at the end) and a
+        host view in a freshly allocated host pool; build index groups of ``index_share`` layers."""
+        self._check_alive()
+        if self.registered:
+            raise RuntimeError("register_kv_caches was already called on this worker")
+        if not isinstance(kv_caches, Mapping) or not kv_caches:
+            raise ValueError("kv_caches must be a non-empty dict {layer_name: tensor}")
+        cfg = self.config
+        S, H = cfg.max_num_seqs, cfg.device_buffer_size
+        names = tuple(kv_caches)
+        views = {n: _as_row_bytes(n, kv_caches[n]) for n in names}
+        devices = {v.device for v in views.values()}
+        if len(devices) != 1:
+            raise BindingError(f"kv caches must all be on one device, got {sorted(map(str, devices))}")
+        device = devices.pop()
+        for n, v in views.items():
+            if v.shape[0] < S * H:
+                raise BindingError(
+                    f"kv cache of layer {n!r} has {v.shape[0]} rows but the hot buffers need "
+                    f"max_num_seqs * device_buffer_size = {S} * {H} = {S * H}"
+                )
+        rows = {v.shape[0] for v in views.values()}
+        if len(rows) != 1:
+            raise BindingError(f"kv caches must all have the same number of rows, got {sorted(rows)}")
+        total_rows = rows.pop()
+        hot_base = total_rows - S * H
+
+        # Host pool: the same number of rows for every layer, a whole number of blocks.
+        row_bytes = {n: int(views[n].shape[1]) for n in names}
+        per_row = sum(row_bytes.values())
+        num_blocks = cfg.host_pool_bytes // (per_row * cfg.block_size)
+        if num_blocks < 1:
+            raise HiSparseConfigError(
+                f"kv_connector_extra_config['host_pool_gib'] = {cfg.host_pool_gib} is smaller "
+                f"than one block of every layer ({per_row * cfg.block_size} bytes)"
+            )
+        host_rows = num_blocks * cfg.block_size
+        if host_rows > 2**31 - 1:
+            num_blocks = (2**31 - 1) // cfg.block_size
+            host_rows = num_blocks * cfg.block_size
+        pin = cfg.pin_host_pool if cfg.pin_host_pool is not None else device.type == "cuda"
+        pool = HostPool(
+            host_rows * per_row, pin=pin, what="HiSparse host pool (kv_connector_extra_config['host_pool_gib'])"
+        )
+        host_views: dict = {}
+        offset = 0
+        for n in names:
+            layout = PackedLayout((n,), num_blocks, cfg.block_size, row_bytes[n], offset=offset)
+            host_views.update(bind_layers(pool.raw, layout))
+            offset = layout.nbytes()  # end of this layer (nbytes includes the offset)
+        check_disjoint(host_views)
+
+        groups, runtimes = [], {}
+        share = cfg.index_share
+        for gi in range(0, len(names), share):
+            members = names[gi : gi + share]
+            g = HiSparseIndexGroup(
+                f"group{gi // share}:{members[0]}",
+                num_state_rows=S, hot_size=H, top_k=cfg.top_k, max_batch=S,
+                num_keys=host_rows, device=device, hot_base=hot_base,
+            )
+            for n in members:
+                runtimes[n] = HiSparseRuntime(n, g, host_views[n], views[n])
+            groups.append(g)
+
+        on_cuda = device.type == "cuda"
+        self.device = device
+        self.layer_names = names
+        self.host_pool = pool
+        self.host_rows = host_rows
+        self.hot_base = hot_base
+        self._host_views = host_views
+        self.groups = groups
+        self.runtimes = runtimes
+        self._state_rows = torch.full((S,), -1, dtype=torch.int32, device=device)
+        self._gauges_dev = torch.zeros(len(groups), dtype=torch.int64, device=device)
+        self._gauges_host = torch.zeros(len(groups), dtype=torch.int64, pin_memory=on_cuda)
+        self._metrics_event = torch.cuda.Event() if on_cuda else _CompletedEvent()
+
+    # -------------------------------------------------------------- accessors
+    def runtime(self, layer_name: str) -> HiSparseRuntime:
+        self._check_alive()
+        try:
+            return self.runtimes[layer_name]
+        except KeyError:
+            raise ValueError(
+                f"layer_name {layer_name!r} is not a registered HiSparse layer "
+                f"(registered: {', '.join(self.layer_names) or 'none'})"
+            ) from None
+
+    def host_view(self, layer_name: str) -> torch.Tensor:
+        """The layer's host rows, uint8 [host_rows, row_bytes] (row = key = slot)."""
+        rt = self.runtime(layer_name)
+        return rt.host_view.reshape(-1, rt.row_bytes)
+
+    def hot_view(self, layer_name: str) -> torch.Tensor:
+        """The layer's attention rows, uint8 [rows, row_bytes] (hot buffers from ``hot_base``)."""
+        return self.runtime(layer_name).hot_view
+
+    @property
+    def state_rows(self) -> torch.Tensor:
+        """This step's state row of each batch row (device int32 [max_num_seqs], -1 padding)."""
+        self._check_registered()
+        return self._state_rows
+
+    # ------------------------------------------------------------- per step
+    def start_step(self, meta: HiSparseConnectorMetadata) -> None:
+        """Apply the scheduler's metadata: reset rows, drop rewritten keys, set state rows."""
+        self._check_registered()
+        if not isinstance(meta, HiSparseConnectorMetadata):
+            raise TypeError(f"metadata must be HiSparseConnectorMetadata, got {type(meta).__name__}")
+        S = self.config.max_num_seqs
+        B = len(meta.state_rows)
+        if B > S:
+            raise ValueError(f"batch of {B} requests exceeds max_num_seqs = {S}")
+        if meta.reset_rows:
+            for g in self.groups:
+                g.release(list(meta.reset_rows))
+        if meta.invalidate:
+            rows = [int(r) for r, _ in meta.invalidate]
+            keys = [int(k) for _, k in meta.invalidate]
+            for g in self.groups:
+                g.invalidate_keys(rows, keys)
+        padded = list(meta.state_rows) + [-1] * (S - B)
+        src = torch.tensor(padded, dtype=torch.int32)
+        if self.device.type == "cuda":
+            # From the caching host allocator: the block is not reused before the copy is done.
+            self._state_rows.copy_(src.pin_memory(), non_blocking=True)
+        else:
+            self._state_rows.copy_(src)
+        self._batch = B
+        self._resolved.clear()
+        self._host_rows_in_use = max(0, min(int(meta.host_rows_in_use), self.host_rows))
+
+    def resolve(
+        self,
+        layer_name: str,
+        top_k: torch.Tensor,
+        resident_rows: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
+        """Leader: resolve residency for the batch and launch every member's gather; returns the
+        attention rows [B, top_k]. Follower: the leader's result of this step."""
+        rt = self.runtime(layer_name)
+        g = rt.index_group
+        if rt.is_leader:
+            if not isinstance(top_k, torch.Tensor) or top_k.dim() != 2:
+                raise ValueError(f"top_k must be a 2-D int32 tensor [B, {self.config.top_k}]")
+            n = top_k.shape[0]
+            if n > self.config.max_num_seqs:
+                raise ValueError(f"top_k has {n} rows, more than max_num_seqs = {self.config.max_num_seqs}")
+            out = g.resolve(top_k, self._state_rows[:n], resident_rows)
+            g.gather_all()
+            self._resolved.add(id(g))
+            return out
+        if id(g) not in self._resolved:
+            raise RuntimeError(
+                f"layer {layer_name!r} follows {g.leader.layer_name!r}, which has not resolved this step"
+            )
+        return g.out_rows[: g.batch]
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """The current stream waits for this layer's copies (no-op on CPU)."""
+        self.runtime(layer_name).wait_ready()
+
+    def save_kv_layer(
+        self,
+        layer_name: str,
+        kv_rows: torch.Tensor,
+        slot_mapping: "Sequence[int] | torch.Tensor",
+    ) -> None:
+        """Write this step's new KV rows of one layer into the host pool at their slots (keys).
+        Slots < 0 are padding and skipped."""
+        rt = self.runtime(layer_name)
+        if isinstance(slot_mapping, torch.Tensor):
+            if slot_mapping.device.type != "cpu":
+                raise ValueError(
+                    "slot_mapping must be a CPU tensor or a list (reading a device tensor would "
+                    "synchronise the host with the GPU)"
+                )
+            slots = slot_mapping.reshape(-1).to(torch.int64)
+        else:
+            slots = torch.as_tensor(list(slot_mapping), dtype=torch.int64)
+        if not isinstance(kv_rows, torch.Tensor):
+            raise ValueError(f"kv_layer must be a tensor, got {type(kv_rows).__name__}")
+        if not kv_rows.is_contiguous():
+            kv_rows = kv_rows.contiguous()
+        b = kv_rows.view(torch.uint8) if kv_rows.dtype != torch.uint8 else kv_rows
+        if b.numel() % rt.row_bytes:
+            raise ValueError(
+                f"kv_layer of {layer_name!r} is not a whole number of {rt.row_bytes}-byte rows"
+            )
+        rows = b.reshape(-1, rt.row_bytes)
+        if rows.shape[0] != slots.numel():
+            raise ValueError(
+                f"kv_layer of {layer_name!r} has {rows.shape[0]} rows but slot_mapping has "
+                f"{slots.numel()} entries"
+            )
+        if slots.numel() and int(slots.max()) >= self.host_rows:
+            raise ValueError(
+                f"slot_mapping of {layer_name!r} holds slot {int(slots.max())}, outside the host "
+                f"pool's {self.host_rows} rows"
+            )
+        keep = slots >= 0
+        if not bool(keep.all()):
+            rows, slots = rows[keep.to(rows.device)], slots[keep]
+        if slots.numel() == 0:
+            return
+        host = self.host_view(layer_name)
+        if rows.device.type == "cpu":
+            host.index_copy_(0, slots, rows)
+            return
+        # CUDA: async device -> pinned-host copies of contiguous runs, on the group's copy stream
+        # after the compute that produced the rows; later gathers run on that stream too.
+        g = rt.index_group
+        stream = g.copy_stream
+        stream.wait_stream(torch.cuda.current_stream(rows.device))
+        s = slots.tolist()
+        with torch.cuda.stream(stream):
+            start = 0
+            for i in range(1, len(s) + 1):
+                if i == len(s) or s[i] != s[i - 1] + 1:
+                    host[s[start] : s[i - 1] + 1].copy_(rows[start:i], non_blocking=True)
+                    start = i
+        rows.record_stream(stream)
+
+    # ------------------------------------------------------------ telemetry
+    def _is_capturing(self) -> bool:
+        if self._is_capturing_hook is not None:
+            return bool(self._is_capturing_hook())
+        return self.device is not None and self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+    def _compute_stream(self):
+        return torch.cuda.current_stream(self.device)
+
+    def get_kv_connector_stats(self) -> Optional[HiSparseKVConnectorStats]:
+        """Call once per engine step. Phase 1: if the pending snapshot's event completed, return its
+        counts (None when nothing happened). Phase 2: count the call; every ``metrics_interval``
+        calls, unless capturing a CUDA graph or a snapshot is pending, arm a new snapshot.
+        Never synchronises the host with the device."""
+        if not self.registered or self._shut_down:
+            return None
+        stats = None
+        if self._metrics_pending and self._metrics_event.query():
+            stats = self._harvest()
+            self._metrics_pending = False
+        self._metrics_calls += 1
+        if (
+            self._metrics_calls % self.config.metrics_interval == 0
+            and not self._metrics_pending
+            and not self._is_capturing()
+        ):
+            self._arm()
+        return stats
+
+    def _arm(self) -> None:
+        """Copy device counters to pinned host memory without blocking, zero them, record event."""
+        streams = [g.copy_stream for g in self.groups if g.copy_stream is not None]
+        compute = self._compute_stream() if streams else None
+        for s in streams:  # gathers (which add moved bytes) and host writes finish first
+            compute.wait_stream(s)
+        for i, g in enumerate(self.groups):
+            g.counters_host.copy_(g.counters, non_blocking=True)
+            g.counters.zero_()
+            self._gauges_dev[i] = (g.slot_keys >= 0).sum()
+        self._gauges_host.copy_(self._gauges_dev, non_blocking=True)
+        for s in streams:  # later gathers add into the zeroed counters after the copy
+            s.wait_stream(compute)
+        if compute is not None:
+            self._metrics_event.record(compute)
+        else:
+            self._metrics_event.record()
+        self._pending_usage = self._host_rows_in_use / self.host_rows if self.host_rows else 0.0
+        self._metrics_pending = True
+
+    def _harvest(self) -> Optional[HiSparseKVConnectorStats]:
+        hits = misses = moved = hot_rows = 0
+        gauges = self._gauges_host.tolist()
+        for i, g in enumerate(self.groups):
+            h, m, b = (int(x) for x in g.counters_host.tolist())
+            hits, misses, moved = hits + h, misses + m, moved + b
+            hot_rows += int(gauges[i]) * len(g.members)
+        if not (hits or misses or moved):
+            return None
+        stats = HiSparseKVConnectorStats()
+        stats.record_snapshot(
+            hits, misses, moved, host_pool_usage=self._pending_usage, hot_rows_in_use=hot_rows
+        )
+        return stats
+
+    def drain_stats(self) -> Optional[HiSparseKVConnectorStats]:
+        """Blocking: collect the pending snapshot and everything counted since. For the end of a
+        run, shutdown and tests; never on the decode path."""
+        if not self.registered or self._shut_down:
+            return None
+        if self._is_capturing():
+            raise RuntimeError("drain_stats cannot run while a CUDA graph is being captured")
+        out = HiSparseKVConnectorStats()
+        if self._metrics_pending:
+            self._metrics_event.synchronize()
+            out.aggregate(self._harvest())
+            self._metrics_pending = False
+        self._arm()
+        self._metrics_event.synchronize()
+        out.aggregate(self._harvest())
+        self._metrics_pending = False
+        return None if out.is_empty() else out
+
+    # ------------------------------------------------------------- shutdown
+    def shutdown(self) -> Optional[HiSparseKVConnectorStats]:
+        """Drain outstanding counters into ``final_stats``, wait for in-flight copies, release the
+        host pool and hot state. A second call does nothing."""
+        if self._shut_down:
+            return self.final_stats
+        if self.registered:
+            self.final_stats = self.drain_stats()
+            for g in self.groups:
+                if g.copy_stream is not None:
+                    g.copy_stream.synchronize()
+            if self.host_pool is not None:
+                self.host_pool.release()
+        self._shut_down = True
+        self.runtimes = {}
+        self.groups = []
+        self._host_views = {}
+        self.host_pool = None
+        self._state_rows = None
+        self._gauges_dev = self._gauges_host = None
+        return self.final_stats
+
+    @property
+    def is_shut_down(self) -> bool:
+        return self._shut_down
+
+    def _check_alive(self) -> None:
+        if self._shut_down:
+            raise RuntimeError("this HiSparse worker has been shut down")
+
+    def _check_registered(self) -> None:
+        self._check_alive()
+        if not self.registered:
+            raise RuntimeError("register_kv_caches must be called before stepping the worker")
