@@ -1,0 +1,8 @@
+"""The reference sparse-MLA engine that hosts HiSparse (see docs/engine.md)."""
+
+from hisparse.engine.config import EngineConfig, request_lengths
+from hisparse.engine.kvformat import ROW_LAYOUTS
+from hisparse.engine.run import MODES, Parity, RunResult, RunStats, compare_runs, run_workload
+
+__all__ = ["EngineConfig", "MODES", "Parity", "ROW_LAYOUTS", "RunResult", "RunStats",
+           "compare_runs", "request_lengths", "run_workload"]

@@ -1,0 +1,134 @@
+"""EngineConfig: everything that defines one reference workload (model shape, KV layout,
+HiSparse sizes, batch, locality). Same config + same seed = same tokens, on any device."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+from hisparse.engine.kvformat import ROW_LAYOUTS
+
+MAX_HOT_SIZE = 32768
+DTYPES = ("float64", "float32")
+
+
+def _check_int(name: str, v, lo: int, hi: Optional[int] = None) -> None:
+    if isinstance(v, bool) or not isinstance(v, int) or v < lo or (hi is not None and v > hi):
+        rng = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
+        raise ValueError(f"{name} must be an int {rng}, got {v!r}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    # model
+    num_layers: int = 4            # decoder layers
+    index_share: int = 2           # layers per index group (1 leader + index_share-1 followers)
+    hidden: int = 64               # residual width
+    vocab: int = 512
+    indexer_dim: int = 32          # indexer key/query width (keys stay on the device)
+    row_layout: str = "fp8"        # "fp8" (656-B rows) or "bf16" (1152-B rows)
+    dtype: str = "float64"         # compute dtype (float64: CPU and CUDA agree token for token)
+    seed: int = 0
+    # sparse attention / HiSparse
+    top_k: int = 64
+    hot_size: int = 128            # hot-buffer rows per request per layer (>= top_k)
+    block_size: int = 16           # rows per block of the packed KV allocations
+    # workload
+    num_requests: int = 24
+    max_running: int = 8           # state rows = max concurrently running requests
+    prompt_len: int = 320
+    output_len: int = 64
+    length_jitter: float = 0.25    # request i's lengths are scaled by a seeded factor in [1-j, 1]
+    # locality
+    drift: float = 0.05            # indexer query EMA rate per token: 0 = frozen, 1 = no memory
+    recent_window: int = 8         # the newest tokens are always selected (0 = none)
+    # telemetry
+    metrics_interval: int = 16     # engine steps between counter snapshots
+
+    def __post_init__(self) -> None:
+        _check_int("num_layers", self.num_layers, 1, 1024)
+        _check_int("index_share", self.index_share, 1, 1024)
+        _check_int("hidden", self.hidden, 1)
+        _check_int("vocab", self.vocab, 2)
+        _check_int("indexer_dim", self.indexer_dim, 1)
+        _check_int("seed", self.seed, 0)
+        _check_int("top_k", self.top_k, 1, MAX_HOT_SIZE)
+        _check_int("hot_size", self.hot_size, 1, MAX_HOT_SIZE)
+        _check_int("block_size", self.block_size, 1)
+        _check_int("num_requests", self.num_requests, 1)
+        _check_int("max_running", self.max_running, 1)
+        _check_int("prompt_len", self.prompt_len, 1)
+        _check_int("output_len", self.output_len, 1)
+        _check_int("recent_window", self.recent_window, 0)
+        _check_int("metrics_interval", self.metrics_interval, 1)
+        if self.row_layout not in ROW_LAYOUTS:
+            raise ValueError(f"row_layout must be one of {sorted(ROW_LAYOUTS)}, got {self.row_layout!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.hot_size < self.top_k:
+            raise ValueError(f"hot_size ({self.hot_size}) must be >= top_k ({self.top_k})")
+        if self.recent_window > self.top_k:
+            raise ValueError(f"recent_window ({self.recent_window}) must be <= top_k ({self.top_k})")
+        for name in ("drift", "length_jitter"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0.0 <= v <= 1.0 or v != v:
+                raise ValueError(f"{name} must be a number in [0, 1], got {v!r}")
+        if self.length_jitter >= 1.0:
+            raise ValueError(f"length_jitter must be < 1, got {self.length_jitter!r}")
+        if self.num_state_rows * self.max_context * 1 > 2**31 - 1:
+            raise ValueError("max_running * max context must fit int32 keys")
+        if self.num_state_rows * self.hot_size > 2**31 - 1:
+            raise ValueError("max_running * hot_size must fit int32 rows")
+
+    # ---- derived sizes -------------------------------------------------------------------
+    @property
+    def row_bytes(self) -> int:
+        return ROW_LAYOUTS[self.row_layout].row_bytes
+
+    @property
+    def num_groups(self) -> int:
+        return -(-self.num_layers // self.index_share)
+
+    @property
+    def num_state_rows(self) -> int:
+        return self.max_running
+
+    @property
+    def max_context(self) -> int:
+        """Key rows reserved per state row: max prompt + output, rounded up to block_size."""
+        c = self.prompt_len + self.output_len
+        return -(-c // self.block_size) * self.block_size
+
+    @property
+    def num_keys(self) -> int:
+        return self.num_state_rows * self.max_context
+
+    def layer_names(self) -> Tuple[str, ...]:
+        return tuple(f"model.layers.{i}.self_attn" for i in range(self.num_layers))
+
+    def group_of(self, layer: int) -> int:
+        return layer // self.index_share
+
+    def is_leader(self, layer: int) -> bool:
+        return layer % self.index_share == 0
+
+    def replace(self, **kw) -> "EngineConfig":
+        return dataclasses.replace(self, **kw)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def request_lengths(cfg: EngineConfig) -> Tuple[Tuple[int, ...], Tuple[int, ...]]:
+    """(prompt lengths, output lengths) of every request: seeded, deterministic, >= 1."""
+    import random
+
+    rng = random.Random(cfg.seed * 1_000_003 + 17)
+    prompts, outputs = [], []
+    for _ in range(cfg.num_requests):
+        fp = 1.0 - cfg.length_jitter * rng.random()
+        fo = 1.0 - cfg.length_jitter * rng.random()
+        prompts.append(max(1, int(round(cfg.prompt_len * fp))))
+        outputs.append(max(1, int(round(cfg.output_len * fo))))
+    return tuple(prompts), tuple(outputs)
