@@ -1,0 +1,194 @@
+"""The parity eval (evals/parity) on its CI profile: HiSparse vs all-resident on the reference
+engine under memory pressure must be identical, and the broken per-layer binding must be
+caught. Also checks that the comparator and the coverage rules can fail."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO not in sys.path:
+    sys.path.insert(0, REPO)
+
+from evals.parity import run_parity as cli  # noqa: E402
+from evals.parity.parity import (  # noqa: E402
+    NEGATIVE_CONTROL_SCENARIO, ParityReport, Scenario, bit_identical_rows, compare_pair,
+    run_parity, scenarios, token_agreement)
+
+engine = pytest.importorskip("hisparse.engine")
+RUN_PARITY = os.path.join(REPO, "evals", "parity", "run_parity.py")
+
+
+@pytest.fixture(scope="module")
+def ci_report(tmp_path_factory):
+    """The whole CI profile through the CLI, as a user runs it (script mode, JSON out)."""
+    out = tmp_path_factory.mktemp("parity") / "parity.json"
+    proc = subprocess.run([sys.executable, RUN_PARITY, "--profile", "ci", "--json", str(out),
+                           "--quiet"], capture_output=True, text=True, timeout=600, cwd="/")
+    return proc, json.loads(out.read_text()) if out.exists() else None
+
+
+def test_ci_profile_passes_with_full_parity(ci_report):
+    proc, doc = ci_report
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert doc is not None and doc["passed"] is True
+    assert doc["identical_token_pct"] == 100.0
+    parity = [p for p in doc["pairs"] if p["kind"] == "parity"]
+    assert len(doc["seeds"]) >= 3
+    assert {(p["scenario"], p["seed"]) for p in parity} == {
+        (s.name, seed) for s in scenarios("ci") for seed in doc["seeds"]}
+    for p in parity:
+        assert p["identical_tokens"] == p["total_tokens"] > 0, p
+        assert p["attention_rows_identical"] == p["attention_rows_total"] > 0, p
+        assert p["attention_layers_identical"] == p["attention_layers_total"], p
+        assert p["hidden_identical"] and p["coverage_problems"] == [], p
+        assert p["misses"] > 0 and p["host_to_device_bytes"] > 0
+    assert "overall PASS" in proc.stdout
+
+
+def test_ci_profile_covers_the_memory_pressure_cases(ci_report):
+    _, doc = ci_report
+    cov = [p["coverage"] for p in doc["pairs"] if p["kind"] == "parity"]
+    assert {c["index_share"] for c in cov} >= {1, 4}                      # groups of 1 and 4
+    assert any(c["hot_over_top_k"] == 1.0 for c in cov)                   # hot == top-k
+    assert max(c["context_over_hot"] for c in cov) >= 16                  # long contexts
+    assert all(c["evictions_lower_bound"] > 0 for c in cov)               # eviction everywhere
+    assert all(c["requests"] > c["state_rows"] for c in cov)              # state rows reused
+    assert {c["row_bytes"] for c in cov} == {656, 1152}                   # both row layouts
+
+
+def test_negative_control_is_detected(ci_report):
+    proc, doc = ci_report
+    controls = [p for p in doc["pairs"] if p["kind"] == "negative-control"]
+    assert controls and doc["negative_control_detected"] is True
+    for c in controls:
+        assert c["scenario"] == NEGATIVE_CONTROL_SCENARIO
+        assert c["verdict"] == "FAIL" and c["parity_ok"] is False and c["ok"] is True
+        assert c["identical_tokens"] < c["total_tokens"]
+        assert c["attention_rows_identical"] < c["attention_rows_total"]
+    assert "FAIL (detected)" in proc.stdout
+    assert "negative control (base-offset binding): detected" in proc.stdout
+
+
+# ----------------------------------------------------------------------------- can it fail?
+
+def test_bit_comparison_is_on_raw_bits():
+    a = torch.tensor([[0.0, 1.0], [2.0, float("nan")]], dtype=torch.float64)
+    assert bit_identical_rows(a, a.clone()) == (2, 2)          # NaN with the same bits: equal
+    b = a.clone()
+    b[0, 0] = -0.0                                             # == compares equal, bits differ
+    assert bit_identical_rows(a, b) == (1, 2)
+    c = a.clone()
+    c[0, 1] = torch.nextafter(torch.tensor(1.0, dtype=torch.float64),
+                              torch.tensor(2.0, dtype=torch.float64))
+    assert bit_identical_rows(a, c) == (1, 2)                  # one ulp
+    assert bit_identical_rows(a, a[:1]) == (0, 2)              # shape mismatch
+    assert bit_identical_rows(a.float(), a.float()) == (2, 2)
+    assert token_agreement([[1, 2, 3], [4]], [[1, 2, 3], [4]]) == (4, 4)
+    assert token_agreement([[1, 2, 3], [4]], [[1, 9, 3]]) == (2, 4)   # missing request counts
+
+
+@pytest.fixture(scope="module")
+def small_pair():
+    sc = scenarios("ci", ["state-row-reuse"])[0]
+    cfg = engine.EngineConfig(**{**sc.engine, "seed": 7, "num_requests": 4})
+    prev = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        res = engine.run_workload(cfg, mode="resident", record_attention=True)
+        hs = engine.run_workload(cfg, mode="hisparse", record_attention=True)
+    finally:
+        torch.set_num_threads(prev)
+    return sc, cfg, res, hs
+
+
+def test_one_flipped_attention_bit_fails_parity(small_pair):
+    sc, cfg, res, hs = small_pair
+    assert compare_pair(sc, cfg, res, hs, "parity").parity_ok
+    name = sorted(hs.attention)[-1]
+    att = {k: v.clone() for k, v in hs.attention.items()}
+    bits = att[name].view(torch.int64)
+    bits[len(bits) // 2, 3] ^= 1                              # least significant mantissa bit
+    bad = dataclasses.replace(hs, attention=att)
+    pr = compare_pair(sc, cfg, res, bad, "parity")
+    assert pr.identical_tokens == pr.total_tokens              # tokens alone would not see it
+    assert not pr.parity_ok and pr.verdict == "FAIL"
+    assert pr.attention_rows_identical == pr.attention_rows_total - 1
+    missing = dataclasses.replace(hs, attention=None)
+    assert not compare_pair(sc, cfg, res, missing, "parity").parity_ok
+
+
+def test_a_token_difference_fails_parity_and_is_located(small_pair):
+    sc, cfg, res, hs = small_pair
+    toks = [list(t) for t in hs.tokens]
+    toks[1][2] += 1
+    pr = compare_pair(sc, cfg, res, dataclasses.replace(hs, tokens=toks), "parity")
+    assert not pr.parity_ok and pr.first_mismatch == (1, 2)
+    assert pr.identical_tokens == pr.total_tokens - 1
+
+
+def test_an_undetected_negative_control_fails_the_eval(small_pair):
+    sc, cfg, res, hs = small_pair
+    good = compare_pair(sc, cfg, res, hs, "parity")
+    # a "control" that matches the reference means the eval cannot see the bug
+    blind = compare_pair(sc, cfg, res, hs, "negative-control")
+    assert blind.parity_ok and not blind.ok
+    report = ParityReport(profile="ci", device="cpu", seeds=[7], pairs=[good, blind], wall_s=0)
+    assert good.ok and not report.passed and report.negative_control_detected is False
+    assert "NOT DETECTED" in report.table() and "overall FAIL" in report.table()
+    assert ParityReport("ci", "cpu", [7], [good], 0).passed          # control skipped: parity only
+    assert not ParityReport("ci", "cpu", [7], [], 0).passed          # nothing ran: not a pass
+
+
+def test_a_workload_that_stops_exercising_the_spill_path_fails(small_pair):
+    sc, cfg, res, hs = small_pair
+    # the same run judged against stricter claims than it meets
+    strict = Scenario(sc.name, sc.description, sc.engine, min_context_over_hot=1000.0)
+    pr = compare_pair(strict, cfg, res, hs, "parity")
+    assert pr.parity_ok and pr.verdict == "FAIL"
+    assert any("hot buffer" in p for p in pr.coverage_problems)
+    no_reuse_cfg = cfg.replace(num_requests=cfg.max_running)
+    pr = compare_pair(sc, no_reuse_cfg, res, hs, "parity")
+    assert any("no state-row reuse" in p for p in pr.coverage_problems)
+    quiet = dataclasses.replace(hs, stats=dataclasses.replace(hs.stats, misses=0))
+    pr = compare_pair(sc, cfg, res, quiet, "parity")
+    assert any("no misses" in p for p in pr.coverage_problems)
+
+
+def test_scenarios_are_valid_engine_configs_in_both_profiles():
+    for profile in ("full", "ci"):
+        got = scenarios(profile)
+        assert [s.name for s in got] == [s.name for s in scenarios("ci")]
+        for s in got:
+            cfg = engine.EngineConfig(**s.engine)
+            assert cfg.num_requests > cfg.max_running
+            assert (cfg.prompt_len + cfg.output_len) / cfg.hot_size >= s.min_context_over_hot
+    with pytest.raises(ValueError, match="unknown scenario"):
+        scenarios("ci", ["nope"])
+    with pytest.raises(ValueError, match="profile"):
+        scenarios("huge")
+
+
+def test_cli_rejects_bad_arguments(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["--seeds", "-1"])
+    assert e.value.code == 2
+    with pytest.raises(SystemExit) as e:
+        cli.main(["--scenario", "nope"])
+    assert e.value.code == 2
+    assert cli.main(["--list", "--profile", "ci"]) == 0
+    assert "hot-eq-topk-g4" in capsys.readouterr().out
+
+
+def test_scenario_filter_still_runs_the_negative_control():
+    rep = run_parity(profile="ci", seeds=[3], names=["state-row-reuse"])
+    assert [p.kind for p in rep.pairs] == ["parity", "negative-control"]
+    assert rep.pairs[1].scenario == NEGATIVE_CONTROL_SCENARIO
+    assert rep.passed and rep.negative_control_detected
