@@ -1,0 +1,171 @@
+"""`hisparse bench`: op micro-benchmarks, then hit rate against hot-buffer size on the reference
+workload. The op part uses the repository's ``benchmarks/bench_ops.py`` when it is there (a
+source checkout) and a small built-in subset otherwise (an installed wheel)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+from typing import List, Optional
+
+import torch
+
+from hisparse.engine import run_workload
+
+
+def _load_bench_ops():
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_ops.py"
+    if not path.is_file():
+        return None
+    spec = importlib.util.spec_from_file_location("hisparse_bench_ops", path)
+    mod = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(mod)
+    except Exception:
+        return None
+    needed = ("bench_resolve", "bench_gather", "alloc_pool")
+    return mod if all(hasattr(mod, n) for n in needed) else None
+
+
+def _builtin_ops(device: str, reps: int) -> list:
+    """resolve + gather at top-k 2048 / hot 4096, a drifting trace with ~5 % misses."""
+    from hisparse import ops
+
+    K, H, rb = 2048, 4096, 656
+    rows = []
+    g = torch.Generator(device=device).manual_seed(0)
+    for B in (1, 8):
+        keys = 1 << 20
+        slot_keys = torch.full((B, H), -1, dtype=torch.int32, device=device)
+        lru = torch.arange(H, dtype=torch.int16, device=device).repeat(B, 1)
+        stats = torch.zeros(2, dtype=torch.uint64, device=device)
+        state = torch.arange(B, dtype=torch.int32, device=device)
+        out = torch.empty(B, K, dtype=torch.int32, device=device)
+        src, dst = torch.empty_like(out), torch.empty_like(out)
+        cnt = torch.empty(B, dtype=torch.int32, device=device)
+        cur = torch.randint(0, keys, (B, K), generator=g, device=device, dtype=torch.int32)
+        host = [torch.zeros(keys, rb, dtype=torch.uint8, device="cpu" if device == "cpu" else device)]
+        hot = [torch.zeros(B * H, rb, dtype=torch.uint8, device=device)]
+        rt, gt, misses = [], [], 0
+        for i in range(reps + 2):
+            mask = torch.rand(B, K, generator=g, device=device) < 0.05
+            cur = torch.where(mask, torch.randint(0, keys, (B, K), generator=g, device=device,
+                                                  dtype=torch.int32), cur)
+            t0 = time.perf_counter()
+            ops.resolve_residency(cur, state, slot_keys, lru, stats, out, src, dst, cnt, num_keys=keys)
+            if device == "cuda":
+                torch.cuda.synchronize()
+            t1 = time.perf_counter()
+            ops.gather(host, hot, src, dst, cnt)
+            if device == "cuda":
+                torch.cuda.synchronize()
+            t2 = time.perf_counter()
+            if i >= 2:
+                rt.append((t1 - t0) * 1e6)
+                gt.append((t2 - t1) * 1e6)
+                misses += int(cnt.sum())
+        rows.append(dict(op="resolve", device=device, batch=B, top_k=K, hot=H, miss_rate=0.05,
+                         median_us=statistics.median(rt)))
+        rows.append(dict(op="gather", device=device, batch=B, row_bytes=rb, miss_rate=0.05,
+                         rows=misses // reps, median_us=statistics.median(gt)))
+    return rows
+
+
+def op_benchmarks(device: str, reps: int) -> dict:
+    mod = _load_bench_ops()
+    if mod is None:
+        return {"source": "built-in subset", "rows": _builtin_ops(device, reps)}
+    timer = None
+    if device == "cuda":
+        props = torch.cuda.get_device_properties(0)
+        timer = mod.CudaTimer(max(2 * props.L2_cache_size, 64 << 20))
+    batches = (1, 8, 64) if device == "cuda" else (1, 8)
+    rows = list(mod.bench_resolve(device, batches, reps, timer))
+    pool_gib = 1.0 if device == "cuda" else 0.0625
+    pool = mod.alloc_pool(int(pool_gib * (1 << 30)), device)
+    rows += mod.bench_gather(device, [(pool_gib, pool)], batches, reps, timer, single=False)
+    return {"source": "benchmarks/bench_ops.py", "rows": rows}
+
+
+def hot_size_sweep(cfg, hot_sizes: List[int], device: str, progress: bool = True) -> list:
+    out = []
+    for H in hot_sizes:
+        c = cfg.replace(hot_size=H)
+        t0 = time.perf_counter()
+        r = run_workload(c, mode="hisparse", device=device)
+        s = r.stats
+        out.append(dict(hot_size=H, hot_over_top_k=H / c.top_k, hit_rate=s.hit_rate,
+                        hits=s.hits, misses=s.misses, host_to_device_bytes=s.host_to_device_bytes,
+                        h2d_bytes_per_token=s.host_to_device_bytes / max(1, s.generated_tokens),
+                        device_kv_bytes=s.device_kv_bytes, tokens_per_s=s.tokens_per_s,
+                        topk_overlap=s.topk_overlap))
+        if progress:
+            print(f"  hot={H:6d} ({H / c.top_k:4.2f} x top-k): hit rate {100 * s.hit_rate:5.1f} %  "
+                  f"misses {s.misses:8d}  H2D {s.host_to_device_bytes / 2**20:8.2f} MiB  "
+                  f"({time.perf_counter() - t0:.1f} s)", flush=True)
+    return out
+
+
+def plot_sweep(sweep: list, cfg, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    x = [r["hot_size"] for r in sweep]
+    fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=120)
+    ax.plot(x, [100 * r["hit_rate"] for r in sweep], "o-", color="tab:blue", label="hit rate")
+    ax.set_xlabel(f"hot-buffer rows per request per layer (top-k = {cfg.top_k})")
+    ax.set_ylabel("hit rate (%)", color="tab:blue")
+    ax.set_ylim(0, 100)
+    ax.axvline(cfg.top_k, color="grey", lw=0.8, ls=":")
+    ax2 = ax.twinx()
+    ax2.plot(x, [r["h2d_bytes_per_token"] / 1024 for r in sweep], "s--", color="tab:red",
+             label="host->device KiB / token")
+    ax2.set_ylabel("host->device KiB per generated token", color="tab:red")
+    ax2.set_ylim(bottom=0)
+    ax.set_title(f"HiSparse hit rate vs hot-buffer size (drift {cfg.drift:g}, "
+                 f"window {cfg.recent_window}, {cfg.row_bytes}-B rows)", fontsize=9)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def main(args) -> int:
+    from hisparse.demo import engine_config_from_args
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("hisparse bench: --device cuda: torch sees no CUDA GPU (use --device cpu)")
+    prev = torch.get_num_threads()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    try:
+        cfg = engine_config_from_args(args)
+        result = {"device": args.device, "config": cfg.to_dict()}
+        if not args.skip_ops:
+            print(f"op micro-benchmarks ({args.device})", flush=True)
+            result["ops"] = op_benchmarks(args.device, args.op_reps)
+        print(f"hit rate vs hot-buffer size: {cfg.num_requests} requests, top-k {cfg.top_k}", flush=True)
+        result["sweep"] = hot_size_sweep(cfg, args.hot_sizes, args.device)
+    finally:
+        torch.set_num_threads(prev)
+    print()
+    print(f"{'hot rows':>9} {'x top-k':>8} {'hit rate':>9} {'misses':>9} {'H2D/token':>11} {'device KV':>11}")
+    for r in result["sweep"]:
+        print(f"{r['hot_size']:>9} {r['hot_over_top_k']:>8.2f} {100 * r['hit_rate']:>8.1f}% "
+              f"{r['misses']:>9} {r['h2d_bytes_per_token'] / 1024:>8.1f} KiB "
+              f"{r['device_kv_bytes'] / 2**20:>7.1f} MiB")
+    if args.plot:
+        plot_sweep(result["sweep"], cfg, args.plot)
+        print(f"plot written to {args.plot}")
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+        print(f"results written to {args.json}")
+    return 0
