@@ -28,6 +28,7 @@ __all__ = [
     "HiSparseConnector",
     "HiSparseConnectorMetadata",
     "HiSparseConnectorWorker",
+    "HiSparseOOTConnector",
     "KVConnectorRole",
     "StepSchedule",
 ]
@@ -257,3 +258,12 @@ class HiSparseConnector(KVConnectorBase_V1, SupportsHMA):
     @classmethod
     def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
         return HiSparsePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+
+class HiSparseOOTConnector(HiSparseConnector):
+    """The same connector under a name vLLM does not reserve.
+
+    vLLM >= 0.32 ships an in-tree connector registered as ``HiSparseConnector`` and keys its own
+    HiSparse attention path on that *name* (``VllmConfig`` then requires CUDA, Model Runner V2 and
+    its own ``host_pool_gib`` handling), even when ``kv_connector_module_path`` points here. Load
+    hisparse into such a vLLM with ``"kv_connector": "HiSparseOOTConnector"``."""
