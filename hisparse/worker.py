@@ -79,6 +79,20 @@ def _as_row_bytes(name: str, t: torch.Tensor) -> torch.Tensor:
     return b.reshape(-1, row_bytes)
 
 
+def contiguous_runs(slots: Sequence[int]) -> list:
+    """Index ranges [a, b) of ``slots`` whose entries are consecutive slots (s, s+1, ...);
+    negative (padding) entries belong to no run. One copy per run instead of one per row."""
+    runs, start = [], None
+    for i in range(len(slots) + 1):
+        valid = i < len(slots) and slots[i] >= 0
+        if valid and start is not None and slots[i] == slots[i - 1] + 1:
+            continue
+        if start is not None:
+            runs.append((start, i))
+        start = i if valid else None
+    return runs
+
+
 class HiSparseConnectorWorker:
     """Owns the host pool, index groups and per-layer runtimes of one worker (TP rank)."""
 
@@ -322,27 +336,26 @@ class HiSparseConnectorWorker:
                 f"slot_mapping of {layer_name!r} holds slot {int(slots.max())}, outside the host "
                 f"pool's {self.host_rows} rows"
             )
-        keep = slots >= 0
-        if not bool(keep.all()):
-            rows, slots = rows[keep.to(rows.device)], slots[keep]
-        if slots.numel() == 0:
-            return
         host = self.host_view(layer_name)
         if rows.device.type == "cpu":
-            host.index_copy_(0, slots, rows)
+            keep = slots >= 0  # padding slots are skipped
+            if not bool(keep.all()):
+                rows, slots = rows[keep], slots[keep]
+            if slots.numel():
+                host.index_copy_(0, slots, rows)
             return
         # CUDA: async device -> pinned-host copies of contiguous runs, on the group's copy stream
-        # after the compute that produced the rows; later gathers run on that stream too.
-        g = rt.index_group
-        stream = g.copy_stream
-        stream.wait_stream(torch.cuda.current_stream(rows.device))
+        # after the compute that produced the rows; later gathers run on that stream too. The runs
+        # are planned from the CPU slot list only (no device tensor is read on the host).
         s = slots.tolist()
+        runs = contiguous_runs(s)
+        if not runs:
+            return
+        stream = rt.index_group.copy_stream
+        stream.wait_stream(torch.cuda.current_stream(rows.device))
         with torch.cuda.stream(stream):
-            start = 0
-            for i in range(1, len(s) + 1):
-                if i == len(s) or s[i] != s[i - 1] + 1:
-                    host[s[start] : s[i - 1] + 1].copy_(rows[start:i], non_blocking=True)
-                    start = i
+            for a, b in runs:
+                host[s[a] : s[b - 1] + 1].copy_(rows[a:b], non_blocking=True)
         rows.record_stream(stream)
 
     # ------------------------------------------------------------ telemetry
@@ -362,14 +375,15 @@ class HiSparseConnectorWorker:
         if not self.registered or self._shut_down:
             return None
         stats = None
-        if self._metrics_pending and self._metrics_event.query():
+        capturing = self._is_capturing()  # no event query / copy inside a CUDA-graph capture
+        if self._metrics_pending and not capturing and self._metrics_event.query():
             stats = self._harvest()
             self._metrics_pending = False
         self._metrics_calls += 1
         if (
             self._metrics_calls % self.config.metrics_interval == 0
             and not self._metrics_pending
-            and not self._is_capturing()
+            and not capturing
         ):
             self._arm()
         return stats

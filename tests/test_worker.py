@@ -8,7 +8,7 @@ import torch
 from hisparse.binding import BindingError
 from hisparse.connector import StepSchedule
 from hisparse.config import HiSparseConfig, HiSparseConfigError
-from hisparse.worker import HiSparseConnectorMetadata, HiSparseConnectorWorker
+from hisparse.worker import HiSparseConnectorMetadata, HiSparseConnectorWorker, contiguous_runs
 from telemetry_helpers import Workload, make_pair
 
 
@@ -139,13 +139,30 @@ def test_capture_suppresses_arming():
     for _ in range(6):
         assert w.get_kv_connector_stats() is None
         assert not w._metrics_pending
-    counts = _u64(w.groups[0].counters)
+    counts = [sum(x) for x in zip(*(_u64(g.counters) for g in w.groups))]
     assert counts[0] + counts[1] > 0  # untouched while capturing
     capturing[0] = False
     w.get_kv_connector_stats()  # 7th call: not on the interval
     assert not w._metrics_pending
     w.get_kv_connector_stats()  # 8th: arms
     assert w._metrics_pending and _u64(w.groups[0].counters) == [0, 0, 0]
+    # A completed snapshot is not harvested (no event query) while a capture is in progress.
+    capturing[0] = True
+    assert w.get_kv_connector_stats() is None and w._metrics_pending
+    capturing[0] = False
+    s = w.get_kv_connector_stats()
+    assert s is not None and s.totals()["hits"] + s.totals()["misses"] == sum(counts[:2])
+
+
+def test_contiguous_runs_for_device_to_host_saves():
+    assert contiguous_runs([]) == []
+    assert contiguous_runs([-1, -1]) == []
+    assert contiguous_runs([4]) == [(0, 1)]
+    assert contiguous_runs([-1, 5, 6, 7, -1, 3, 9, 10]) == [(1, 4), (5, 6), (6, 8)]
+    assert contiguous_runs([2, 2, 3]) == [(0, 1), (1, 3)]
+    slots = [7, 8, 20, -1, 21, 22, 0]
+    covered = [i for a, b in contiguous_runs(slots) for i in range(a, b)]
+    assert covered == [i for i, x in enumerate(slots) if x >= 0]
 
 
 def test_pending_suppresses_arming_and_is_harvested_when_complete():
