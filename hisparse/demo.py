@@ -3,6 +3,7 @@ then HiSparse (host pool + small hot buffers) — with a bit-exact parity check 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -32,6 +33,15 @@ def engine_config_from_args(args) -> EngineConfig:
         drift=args.drift, recent_window=args.recent_window, seed=args.seed,
         metrics_interval=args.metrics_interval,
     )
+
+
+def tokens_digest(tokens) -> str:
+    """SHA-256 of the generated tokens (request order): compare runs across machines/devices."""
+    h = hashlib.sha256()
+    for t in tokens:
+        h.update(json.dumps(t).encode())
+        h.update(b";")
+    return h.hexdigest()
 
 
 def scrape_counters(port: int, host: str = "127.0.0.1") -> dict:
@@ -94,9 +104,10 @@ class DemoOutcome:
     exit_code: int
 
 
-def run_demo(args, *, exporter=None, out=sys.stdout) -> DemoOutcome:
+def run_demo(args, *, exporter=None, out=None) -> DemoOutcome:
     """Run the demo for parsed CLI ``args``. ``exporter``: an already-started
     ``HiSparseMetricsExporter`` to report into (tests); otherwise ``--metrics-port`` starts one."""
+    out = sys.stdout if out is None else out
     cfg = engine_config_from_args(args)
     device = args.device
     if device == "cuda" and not torch.cuda.is_available():
@@ -143,6 +154,7 @@ def run_demo(args, *, exporter=None, out=sys.stdout) -> DemoOutcome:
         summary = {
             "config": cfg.to_dict(),
             "device": device,
+            "tokens_sha256": tokens_digest(results["hisparse"].tokens),
             "resident": results["resident"].stats.to_dict(),
             "hisparse": results["hisparse"].stats.to_dict(),
             "parity": {"ok": par.ok, "tokens_equal": par.tokens_equal,
@@ -161,6 +173,7 @@ def run_demo(args, *, exporter=None, out=sys.stdout) -> DemoOutcome:
         torch.set_num_threads(prev_threads)
     print(file=out)
     print(summary_table(summary), file=out)
+    print(f"generated tokens sha256: {summary['tokens_sha256']}", file=out)
     if not par.ok:
         print(par.describe(), file=out)
     if args.json:
