@@ -247,6 +247,17 @@ def compare_pair(sc: Scenario, cfg, resident, hisparse, kind: str) -> PairResult
 
 # ----------------------------------------------------------------------------- driver
 
+def _git_commit() -> Optional[str]:
+    import os
+    import subprocess
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                             text=True, timeout=10, cwd=os.path.dirname(os.path.abspath(__file__)))
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout.strip() or None
+
+
 @dataclass
 class ParityReport:
     profile: str
@@ -282,6 +293,7 @@ class ParityReport:
     def to_dict(self) -> Dict[str, object]:
         return {
             "passed": self.passed, "profile": self.profile, "device": self.device,
+            "git_commit": _git_commit(), "torch": torch.__version__,
             "seeds": self.seeds, "wall_s": self.wall_s,
             "identical_token_pct": self.identical_token_pct(),
             "negative_control_detected": self.negative_control_detected,
