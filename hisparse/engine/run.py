@@ -111,7 +111,8 @@ class Engine:
         self.qstate = [torch.zeros(S, cfg.indexer_dim, dtype=self.dtype, device=device)
                        for _ in range(cfg.num_groups)]
         self.indexer_bytes = sum(t.numel() * t.element_size() for t in self.idx_cache)
-        self.prev_sel = torch.zeros(S, C, dtype=torch.bool, device=device)
+        # previous step's selection of each state row as a bitmap (column C absorbs padding)
+        self.prev_sel = torch.zeros(S, C + 1, dtype=torch.bool, device=device)
         self.overlap_sum = torch.zeros((), dtype=torch.float64, device=device)
         self.overlap_cnt = torch.zeros((), dtype=torch.float64, device=device)
         self.cur_tok = torch.zeros(S, dtype=torch.int64, device=device)
@@ -194,9 +195,11 @@ class Engine:
                     self.qstate[g][r.slot] = q_last
                     selp.append(sp)
                     if g == 0:
-                        self.prev_sel[r.slot].zero_()
                         last = sp[-1]
-                        self.prev_sel[r.slot, last[last >= 0]] = True
+                        row = torch.zeros(C + 1, dtype=torch.bool, device=dev)
+                        row.scatter_(0, torch.where(last >= 0, last, torch.full_like(last, C)), True)
+                        row[C] = False
+                        self.prev_sel[r.slot] = row
             if Bd:
                 sel_keys = torch.where(sel >= 0, slots.unsqueeze(1) * C + sel, sel)
                 rows = self.kv.read(layer, sel_keys, sel, pos, slots, len(new))
@@ -263,12 +266,15 @@ class Engine:
         return torch.cat(outs) if len(outs) > 1 else outs[0]
 
     def _overlap(self, slots: torch.Tensor, sel: torch.Tensor) -> None:
+        C = self.cfg.max_context
         valid = sel >= 0
-        prev = self.prev_sel[slots].gather(1, sel.clamp(min=0))
-        self.overlap_sum += (prev & valid).sum(dtype=torch.float64)
+        idx = torch.where(valid, sel, torch.full_like(sel, C))
+        prev = self.prev_sel[slots].gather(1, idx)  # column C is always False
+        self.overlap_sum += prev.sum(dtype=torch.float64)
         self.overlap_cnt += valid.sum(dtype=torch.float64)
         fresh = torch.zeros_like(self.prev_sel[slots])
-        fresh.scatter_(1, sel.clamp(min=0), valid)
+        fresh.scatter_(1, idx, True)  # only True is written: duplicates at C cannot race
+        fresh[:, C] = False
         self.prev_sel[slots] = fresh
 
 
