@@ -51,7 +51,8 @@ class CudaTimer:
         if flush:
             self.flush.fill_(1)
         else:
-            torch.cuda._sleep(20000)  # keep the queue ahead of the GPU without touching L2
+            # keep the GPU busy (~100 us) while the call is queued, without touching L2
+            torch.cuda._sleep(200000)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         fn()

@@ -17,6 +17,25 @@
 #include <cstdint>
 #include <string>
 
+// The shared checks of validate.h are inline functions. Compiled here by nvcc's host pass and
+// in cpu_ops.cpp by the host compiler, both copies would be weak symbols of one name that the
+// linker merges, so one backend would run code compiled for the other. Keep this translation
+// unit's copy apart in a private namespace (define HISPARSE_SHARED_VALIDATE_SYMBOLS to share).
+#include <c10/util/Exception.h>
+
+#include <vector>
+
+#ifdef HISPARSE_SHARED_VALIDATE_SYMBOLS
+#define HISPARSE_CUDA_OUTER_BEGIN
+#define HISPARSE_CUDA_OUTER_END
+#define HISPARSE_CUDA_NS ::hisparse
+#else
+#define HISPARSE_CUDA_OUTER_BEGIN namespace hisparse_cuda_private {
+#define HISPARSE_CUDA_OUTER_END }
+#define HISPARSE_CUDA_NS ::hisparse_cuda_private::hisparse
+#endif
+
+HISPARSE_CUDA_OUTER_BEGIN
 #include "validate.h"
 
 namespace hisparse {
@@ -688,9 +707,10 @@ void invalidate_cuda(at::Tensor& slot_keys, at::Tensor& lru, const at::Tensor& s
 
 }  // namespace
 }  // namespace hisparse
+HISPARSE_CUDA_OUTER_END
 
 TORCH_LIBRARY_IMPL(hisparse, CUDA, m) {
-  m.impl("hisparse_resolve_residency", &hisparse::resolve_residency_cuda);
-  m.impl("hisparse_gather", &hisparse::gather_cuda);
-  m.impl("hisparse_invalidate", &hisparse::invalidate_cuda);
+  m.impl("hisparse_resolve_residency", &HISPARSE_CUDA_NS::resolve_residency_cuda);
+  m.impl("hisparse_gather", &HISPARSE_CUDA_NS::gather_cuda);
+  m.impl("hisparse_invalidate", &HISPARSE_CUDA_NS::invalidate_cuda);
 }

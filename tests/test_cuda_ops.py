@@ -327,7 +327,8 @@ def test_gather_host_on_device_and_registered_host_memory():
     try:
         assert registered.is_pinned()
         src = torch.randint(-3, rows + 3, (2, K), generator=g, dtype=torch.int64).to(I32)
-        dst = torch.randint(-3, 4003, (2, K), generator=g, dtype=torch.int64).to(I32)
+        # distinct destinations (as in a real plan), a few of them out of range
+        dst = (torch.randperm(4006, generator=g)[: 2 * K] - 3).to(I32).view(2, K)
         cnt = torch.tensor([K, K // 2], dtype=I32)
         ref = [torch.zeros(4000, row_bytes, dtype=torch.uint8)]
         moved_ref = torch.zeros(1, dtype=torch.uint64)
@@ -351,7 +352,7 @@ def test_gather_many_layers_one_call_and_limit():
     host = [raw[l * rows * row_bytes:(l + 1) * rows * row_bytes].view(rows, row_bytes)
             for l in range(L)]
     src = torch.randint(0, rows, (3, 40), generator=g, dtype=torch.int64).to(I32)
-    dst = torch.randint(0, 512, (3, 40), generator=g, dtype=torch.int64).to(I32)
+    dst = torch.randperm(512, generator=g)[:120].to(I32).view(3, 40)  # distinct, as in a plan
     cnt = torch.tensor([40, 0, 17], dtype=I32)
     hot_cpu = [torch.zeros(512, row_bytes, dtype=torch.uint8) for _ in range(L)]
     hot_gpu = [h.to(DEV).clone() for h in hot_cpu]
