@@ -236,7 +236,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Run one workload on the reference sparse-MLA engine twice: every KV row on "
                     "the device, then HiSparse (host pool + small hot buffers). Prints a summary; "
                     "exits 1 if tokens or final hidden states differ.")
-    _add_workload_flags(p, requests=24, concurrency=8, prompt_len=320, output_len=64)
+    _add_workload_flags(p, requests=32, concurrency=8, prompt_len=512, output_len=96)
     o = p.add_argument_group("output")
     o.add_argument("--metrics-port", type=port, default=None,
                    help="serve Prometheus /metrics on this port during the run (0 = any free port)")
