@@ -92,7 +92,7 @@ class FakeOpenAIServer:
                     outer._in_flight += 1
                     outer.max_in_flight = max(outer.max_in_flight, outer._in_flight)
                 try:
-                    time.sleep(0.01)  # let concurrent requests overlap
+                    time.sleep(0.05)  # let concurrent requests overlap
                     if body.get("model") != outer.model:
                         self._send(404, {"error": f"model {body.get('model')!r} not served"})
                         return
