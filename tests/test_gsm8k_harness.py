@@ -103,6 +103,19 @@ def test_config_connector_resolves_to_a_class_in_this_repo(path):
     assert kv["kv_connector"] in names
 
 
+@pytest.mark.parametrize("path", [GLM, DSV])
+def test_config_extra_config_is_accepted_by_the_connector(path):
+    """kv_connector_extra_config goes to HiSparseConfig.from_extra_config on the server; a typo
+    there must fail in CI, not 20 minutes into a nightly."""
+    from hisparse.config import HiSparseConfig
+
+    extra = load_config(path).kv_transfer_config()["kv_connector_extra_config"]
+    cfg = HiSparseConfig.from_extra_config(extra)
+    assert cfg.host_pool_gib == 32.0
+    with pytest.raises(ValueError, match="host_pool_gb"):
+        HiSparseConfig.from_extra_config({"host_pool_gb": 32})
+
+
 # ----------------------------------------------------------------------------- schema errors
 
 def test_good_dict_validates():
@@ -457,3 +470,33 @@ def test_dataset_download_pages_and_caches(tmp_path):
         load_split("train", limit=50, cache_dir=cache, base_url="http://127.0.0.1:9/rows")
     with pytest.raises(DatasetError, match="not found"):
         load_split("test", data_dir=str(tmp_path / "nope"))
+
+
+_METRICS = """# HELP vllm:hisparse_cache_hits_total HiSparse hot-buffer hits
+# TYPE vllm:hisparse_cache_hits_total counter
+vllm:hisparse_cache_hits_total{engine="0",model_name="fake/model"} 1500.0
+vllm:hisparse_cache_hits_total{engine="1",model_name="fake/model"} 500.0
+vllm:hisparse_cache_hits_created{engine="0",model_name="fake/model"} 1.7e9
+vllm:hisparse_cache_misses_total{engine="0",model_name="fake/model"} 42.0
+vllm:hisparse_host_to_device_bytes_total{engine="0",model_name="fake/model"} 48384.0
+vllm:num_requests_running{engine="0"} 3.0
+"""
+
+
+def test_hisparse_counters_are_scraped_into_the_result(tmp_path):
+    """The run records the connector's exported counters (by their contract names), so a
+    nightly log shows whether HiSparse was in the path at all."""
+    test, train = _dataset(4, 0)
+    data = _write_data(tmp_path, test, train)
+    cfg = _cfg(num_questions=4, num_fewshot=0)
+    with FakeOpenAIServer("fake/model", _answers(test, 4), metrics_text=_METRICS) as srv:
+        res = evaluate(cfg, srv.base_url, data_dir=data, quiet=True)
+    assert res.passed
+    assert res.hisparse_metrics == {"vllm:hisparse_cache_hits": 2000.0,
+                                    "vllm:hisparse_cache_misses": 42.0,
+                                    "vllm:hisparse_host_to_device_bytes": 48384.0}
+    assert "cache_hits 2000" in res.summary_line()
+    with FakeOpenAIServer("fake/model", _answers(test, 4)) as srv:     # no /metrics route
+        res = evaluate(cfg, srv.base_url, data_dir=data, quiet=True)
+    assert res.passed and res.hisparse_metrics == {}
+    assert "no vllm:hisparse_* metrics exported" in res.summary_line()

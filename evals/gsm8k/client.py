@@ -9,7 +9,7 @@ import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Callable, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 
 class ServerError(RuntimeError):
@@ -48,6 +48,29 @@ class OpenAIClient:
     def served_models(self) -> List[str]:
         _, body = _get(f"{self.base_url}/v1/models", timeout=10)
         return [m["id"] for m in json.loads(body).get("data", [])]
+
+    def scrape_metrics(self, prefix: str = "vllm:hisparse_") -> Dict[str, float]:
+        """Sum of every Prometheus sample whose name starts with `prefix`, per metric name
+        (label sets summed; a counter's `_total` suffix dropped). {} if /metrics is absent."""
+        try:
+            _, body = _get(f"{self.base_url}/metrics", timeout=30)
+        except (urllib.error.URLError, OSError, ValueError):
+            return {}
+        out: Dict[str, float] = {}
+        for line in body.splitlines():
+            if not line.startswith(prefix):
+                continue
+            name_labels, _, value = line.rpartition(" ")
+            name = name_labels.split("{", 1)[0]
+            if name.endswith("_created"):
+                continue
+            if name.endswith("_total"):
+                name = name[: -len("_total")]
+            try:
+                out[name] = out.get(name, 0.0) + float(value)
+            except ValueError:
+                continue
+        return out
 
     def wait_ready(self, max_wait_s: float, poll_s: float = 2.0,
                    alive: Optional[Callable[[], bool]] = None) -> float:

@@ -32,13 +32,14 @@ class FakeOpenAIServer:
     def __init__(self, model: str, answers: Optional[Dict[str, str]] = None,
                  default: str = "I do not know.", *, ready_after_s: float = 0.0,
                  fail_questions: Sequence[str] = (), rows: Optional[Dict[str, List[dict]]] = None,
-                 host: str = "127.0.0.1", port: int = 0):
+                 metrics_text: Optional[str] = None, host: str = "127.0.0.1", port: int = 0):
         self.model = model
         self.answers = dict(answers or {})
         self.default = default
         self.ready_at = time.monotonic() + ready_after_s
         self.fail_questions = set(fail_questions)
         self.rows = rows or {}
+        self.metrics_text = metrics_text
         self.requests: List[dict] = []
         self.max_in_flight = 0
         self._in_flight = 0
@@ -70,6 +71,13 @@ class FakeOpenAIServer:
                     else:
                         self._send(200, {"object": "list",
                                          "data": [{"id": outer.model, "object": "model"}]})
+                elif url.path == "/metrics" and outer.metrics_text is not None:
+                    body = outer.metrics_text.encode("utf-8")
+                    self.send_response(200)
+                    self.send_header("Content-Type", "text/plain; version=0.0.4")
+                    self.send_header("Content-Length", str(len(body)))
+                    self.end_headers()
+                    self.wfile.write(body)
                 elif url.path == "/rows":
                     q = urllib.parse.parse_qs(url.query)
                     split = q["split"][0]

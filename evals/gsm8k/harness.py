@@ -45,17 +45,26 @@ class EvalResult:
     eval_s: float = 0.0
     completion_tokens: int = 0
     first_errors: List[str] = field(default_factory=list)
+    # the server's HiSparse counters after the run (vllm:hisparse_cache_hits, ..._misses,
+    # ..._host_to_device_bytes): evidence the connector was loaded; informational
+    hisparse_metrics: Dict[str, float] = field(default_factory=dict)
 
     def summary_line(self) -> str:
         verdict = "PASS" if self.passed else "FAIL"
         if self.error:
             return f"{verdict} {self.model} ({self.config}): {self.error}"
         floor = self.threshold - self.tolerance
+        m = self.hisparse_metrics
+        if m:
+            hs = ("hisparse counters: " + ", ".join(
+                f"{k.replace('vllm:hisparse_', '')} {v:.0f}" for k, v in sorted(m.items())))
+        else:
+            hs = "no vllm:hisparse_* metrics exported (was the connector loaded?)"
         return (f"{verdict} {self.model}: accuracy {self.accuracy:.4f} "
                 f"({self.correct}/{self.num_questions}) vs floor {floor:.4f} "
                 f"(threshold {self.threshold} - tolerance {self.tolerance}); "
                 f"invalid {self.invalid}, request errors {self.request_errors}, "
-                f"{self.eval_s:.1f} s")
+                f"{self.eval_s:.1f} s; {hs}")
 
     def to_dict(self) -> Dict[str, Any]:
         return asdict(self)
@@ -107,6 +116,7 @@ def evaluate(cfg: EvalConfig, base_url: str, *, data_dir: Optional[str] = None,
         samples.append({"index": i, "reference": ref, "predicted": pred, "correct": ok,
                         "completion": out.text, "error": out.error})
     res.accuracy = res.correct / n
+    res.hisparse_metrics = client.scrape_metrics()
     res.passed = passes(res.correct, n, cfg.accuracy_threshold, cfg.tolerance)
     if samples_path:
         os.makedirs(os.path.dirname(os.path.abspath(samples_path)), exist_ok=True)
