@@ -120,7 +120,11 @@ def run_demo(args, *, exporter=None, out=None) -> DemoOutcome:
         from hisparse.metrics import HiSparseMetricsExporter
 
         exporter = HiSparseMetricsExporter(model_name="hisparse-demo")
-        exporter.start(args.metrics_port)
+        try:
+            exporter.start(args.metrics_port)
+        except OSError as e:
+            torch.set_num_threads(prev_threads)
+            raise SystemExit(f"hisparse demo: error: argument --metrics-port: {e}") from None
         own_exporter = True
     try:
         if exporter is not None:

@@ -72,3 +72,18 @@ def test_help_lists_every_command(capsys):
     out = capsys.readouterr().out
     for cmd in ("info", "demo", "bench", "plan"):
         assert cmd in out
+
+
+def test_metrics_port_in_use_is_one_clear_line():
+    import socket
+
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    s.listen(1)
+    try:
+        with pytest.raises(SystemExit) as e:
+            cli.main(["demo", "--requests", "1", "--metrics-port", str(s.getsockname()[1])])
+        msg = str(e.value.code)
+        assert "--metrics-port" in msg and "\n" not in msg
+    finally:
+        s.close()
