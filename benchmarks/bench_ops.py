@@ -8,8 +8,9 @@ A benchmark, not a test: it prints a markdown table (and writes it next to --jso
 Method (CUDA). Inputs are a drifting decode trace: every step keeps each batch row's top-k and
 replaces a `miss rate` fraction of it with fresh keys, so the state stays in steady state and the
 measured step has the stated miss rate. Each timed call is preceded by a write of a buffer twice
-the L2 size (L2 holds nothing of the inputs, and the GPU is busy while the next launch is
-queued), and timed with CUDA events around that one call; the table reports the median. The
+the L2 size (L2 holds nothing of the inputs) and a ~100 us spin that keeps the GPU busy while
+the call is queued (host launch latency never lands inside the timed region),
+and timed with CUDA events around that one call; the table reports the median. The
 resolve floor configuration is also timed as a CUDA-graph replay. Gather plans are drawn fresh
 for every call (host rows uniformly across the whole pool, so neither L2 nor the host-side TLBs
 see a repeated row), and bulk pinned host-to-device cudaMemcpy of the same pool is measured in
@@ -42,7 +43,7 @@ I32 = torch.int32
 # --------------------------------------------------------------------------------------------
 
 class CudaTimer:
-    """Events around one call, preceded by an L2-sized write that also keeps the GPU busy."""
+    """Events around one call, preceded by an L2-sized write and a spin that keeps the GPU busy."""
 
     def __init__(self, flush_bytes: int):
         self.flush = torch.empty(flush_bytes // 4, dtype=torch.int32, device="cuda")
@@ -50,9 +51,9 @@ class CudaTimer:
     def time_us(self, fn, flush=True) -> float:
         if flush:
             self.flush.fill_(1)
-        else:
-            # keep the GPU busy (~100 us) while the call is queued, without touching L2
-            torch.cuda._sleep(200000)
+        # Keep the GPU busy (~100 us spin, no memory traffic) while the host queues the call:
+        # without it a slow host-side launch shows up as idle time inside the timed region.
+        torch.cuda._sleep(200000)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         fn()
@@ -247,8 +248,8 @@ def markdown(res):
     out = []
     env = res["env"]
     out.append(f"# bench_ops — {env['device_name']} ({res['device']})\n")
-    how = ("median of CUDA-event-timed calls, L2 flushed before each call (warm-L2 and graph "
-           "replay columns as labelled)" if res["device"] == "cuda" else
+    how = ("median of CUDA-event-timed calls, L2 flushed and GPU kept busy before each call "
+           "(warm-L2 and graph replay columns as labelled)" if res["device"] == "cuda" else
            f"median wall-clock time per call, {env['threads']} threads")
     out.append(f"torch {env['torch']}, {env['when']}; top-k {K_TOP}, hot {H_HOT}; {how}"
                f"{'; quick run' if env['quick'] else ''}.\n")
