@@ -62,6 +62,7 @@ def test_ci_profile_covers_the_memory_pressure_cases(ci_report):
     assert all(c["evictions_lower_bound"] > 0 for c in cov)               # eviction everywhere
     assert all(c["requests"] > c["state_rows"] for c in cov)              # state rows reused
     assert {c["row_bytes"] for c in cov} == {656, 1152}                   # both row layouts
+    assert all(c["device_kv_ratio"] <= 0.25 for c in cov)                 # memory pressure
 
 
 def test_negative_control_is_detected(ci_report):
@@ -157,6 +158,9 @@ def test_a_workload_that_stops_exercising_the_spill_path_fails(small_pair):
     no_reuse_cfg = cfg.replace(num_requests=cfg.max_running)
     pr = compare_pair(sc, no_reuse_cfg, res, hs, "parity")
     assert any("no state-row reuse" in p for p in pr.coverage_problems)
+    roomy = Scenario(sc.name, sc.description, sc.engine, max_device_kv_ratio=0.01)
+    pr = compare_pair(roomy, cfg, res, hs, "parity")
+    assert any("no memory pressure" in p for p in pr.coverage_problems)
     quiet = dataclasses.replace(hs, stats=dataclasses.replace(hs.stats, misses=0))
     pr = compare_pair(sc, cfg, res, quiet, "parity")
     assert any("no misses" in p for p in pr.coverage_problems)

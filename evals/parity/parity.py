@@ -32,6 +32,7 @@ class Scenario:
     expect_eviction: bool = True     # misses must exceed what empty slots can absorb
     expect_reuse: bool = True        # more requests than state rows
     min_context_over_hot: float = 2.0  # longest context / hot_size
+    max_device_kv_ratio: float = 0.5   # HiSparse device KV bytes / resident device KV bytes
 
 
 # Two profiles of the same scenarios: "full" (the CLI default, minutes) and "ci" (seconds).
@@ -179,7 +180,7 @@ class PairResult:
         return d
 
 
-def _coverage(sc: Scenario, cfg, stats) -> tuple:
+def _coverage(sc: Scenario, cfg, stats, resident_stats=None) -> tuple:
     """What the HiSparse run exercised, and which of the scenario's claims it failed to."""
     longest = cfg.prompt_len + cfg.output_len
     groups = cfg.num_groups
@@ -198,6 +199,12 @@ def _coverage(sc: Scenario, cfg, stats) -> tuple:
         "misses": int(stats.misses),
     }
     problems = []
+    if resident_stats is not None and getattr(resident_stats, "device_kv_bytes", 0):
+        ratio = int(stats.device_kv_bytes) / int(resident_stats.device_kv_bytes)
+        cov["device_kv_ratio"] = ratio
+        if ratio > sc.max_device_kv_ratio:
+            problems.append(f"no memory pressure: HiSparse device KV is {ratio:.2f}x the "
+                            f"resident run's (limit {sc.max_device_kv_ratio})")
     if int(stats.misses) <= 0:
         problems.append("no misses: the host-pool path never ran")
     if sc.expect_eviction and evictions_lb <= 0:
@@ -234,7 +241,7 @@ def compare_pair(sc: Scenario, cfg, resident, hisparse, kind: str) -> PairResult
     attention_ok = layers_total > 0 and layers_same == layers_total
     parity_ok = same == total and total > 0 and hidden_ok and attention_ok
     st = hisparse.stats
-    cov, problems = _coverage(sc, cfg, st)
+    cov, problems = _coverage(sc, cfg, st, resident.stats)
     return PairResult(
         scenario=sc.name, seed=cfg.seed, kind=kind, identical_tokens=same, total_tokens=total,
         attention_rows_identical=rows_same, attention_rows_total=rows_total,
@@ -303,7 +310,7 @@ class ParityReport:
     def table(self) -> str:
         head = (f"{'kind':<17} {'scenario':<22} {'seed':>4} {'tokens identical':>20} "
                 f"{'attn rows identical':>22} {'hidden':>6} {'hit rate':>8} {'evict>=':>8} "
-                f"{'verdict':>7}")
+                f"{'devKV':>6} {'verdict':>7}")
         lines = [head, "-" * len(head)]
         for p in self.pairs:
             tok = f"{p.identical_tokens}/{p.total_tokens} ({p.token_pct:.1f}%)"
@@ -314,7 +321,8 @@ class ParityReport:
             lines.append(
                 f"{p.kind:<17} {p.scenario:<22} {p.seed:>4} {tok:>20} {att:>22} "
                 f"{'same' if p.hidden_identical else 'DIFF':>6} {p.hit_rate:>8.3f} "
-                f"{p.coverage.get('evictions_lower_bound', 0):>8} {verdict}")
+                f"{p.coverage.get('evictions_lower_bound', 0):>8} "
+                f"{p.coverage.get('device_kv_ratio', float('nan')):>6.3f} {verdict}")
             for prob in p.coverage_problems:
                 lines.append(f"{'':<17} coverage: {prob}")
         det = self.negative_control_detected
