@@ -49,6 +49,20 @@ def test_every_dependency_path_exists(steps):
                 assert os.path.isdir(os.path.join(REPO, d)), d
 
 
+def test_every_dependency_path_is_tracked_by_git(steps):
+    """Existing only in a local checkout (untracked) is not enough: CI clones the repo."""
+    if shutil.which("git") is None or not os.path.exists(os.path.join(REPO, ".git")):
+        pytest.skip("not a git checkout")
+    untracked = []
+    for s in steps.values():
+        for d in s["source_file_dependencies"]:
+            out = subprocess.run(["git", "ls-files", "--", d], cwd=REPO, capture_output=True,
+                                 text=True)
+            if out.returncode == 0 and not out.stdout.strip():
+                untracked.append((s["label"], d))
+    assert untracked == []
+
+
 _REPO_PATH = re.compile(r"^(?:tests|evals|benchmarks|hisparse|\.buildkite)/\S+\.(?:py|yaml|txt)$")
 
 
