@@ -4,6 +4,7 @@ and the step selection of the pipeline generator."""
 from __future__ import annotations
 
 import ast
+import glob
 import importlib.util
 import os
 import re
@@ -141,7 +142,12 @@ def test_gpu_kernel_job(steps):
     assert re.search(r"compute-sanitizer --tool memcheck .*tests/cuda_sanitizer_workload\.py", cmds)
     assert re.search(r"compute-sanitizer --tool racecheck .*tests/cuda_sanitizer_workload\.py", cmds)
     assert "benchmarks/bench_ops.py --device cuda" in cmds
-    assert _covered("csrc/cuda_ops.cu", s["source_file_dependencies"])
+    cuda_sources = [os.path.relpath(p, REPO) for p in
+                     glob.glob(os.path.join(REPO, "csrc", "**", "*.cu"), recursive=True)]
+    assert cuda_sources, "no CUDA sources under csrc/"
+    for src in cuda_sources:
+        assert _covered(src, s["source_file_dependencies"]), src
+        assert _covered(src, steps[NIGHTLY]["source_file_dependencies"]), src
 
 
 def test_cpu_unit_job(steps):
