@@ -23,7 +23,8 @@ def _extension():
     cpp = sorted(glob.glob(os.path.join("csrc", "*.cpp")))
     cxx_flags = ["-O3", "-std=c++17"]
     if _want_cuda():
-        cu = sorted(glob.glob(os.path.join("csrc", "*.cu")))
+        cu = sorted(glob.glob(os.path.join("csrc", "cuda", "*.cpp")) +
+                    glob.glob(os.path.join("csrc", "cuda", "*.cu")))
         arch = os.environ.get("TORCH_CUDA_ARCH_LIST")
         if not arch:
             os.environ["TORCH_CUDA_ARCH_LIST"] = "9.0"

@@ -1,5 +1,5 @@
 // Op schemas (mutated arguments marked) and the CPU registrations. The CUDA kernels register
-// under the same schemas in cuda_ops.cu when the extension is built with CUDA.
+// under the same schemas in cuda/ops.cpp when the extension is built with CUDA.
 #include <Python.h>
 #include <torch/library.h>
 

@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# One device session on an H200: build, check the binary, run every test (CUDA ones included),
+# compute-sanitizer over the op workload, then the benchmarks. Logs and results go to $OUT.
+#   STAGES="build tests sanitizer bench engine demo" bash benchmarks/run_h200.sh
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/hisparse-out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
+STAGES=${STAGES:-"build tests sanitizer bench"}
+has() { [[ " $STAGES " == *" $1 "* ]]; }
+status=0
+
+if has build; then
+  python3 -m pip install --no-build-isolation --no-deps -e . > "$OUT/build.txt" 2>&1 || { tail -30 "$OUT/build.txt"; exit 1; }
+  so=$(ls hisparse/_C*.so)
+  # A private copy of libstdc++'s stream code inside _C.so crashed error formatting once.
+  echo "private libstdc++ stream symbols in $so: $(nm -C --defined-only "$so" | grep -c '_M_insert')" | tee -a "$OUT/build.txt"
+  python3 -m hisparse info | tee -a "$OUT/build.txt"
+fi
+if has tests; then
+  timeout 400 python3 -m pytest -q -rs -x -p no:cacheprovider tests/ > "$OUT/pytest.txt" 2>&1 || status=1
+  tail -15 "$OUT/pytest.txt"
+fi
+if has sanitizer; then
+  for tool in memcheck racecheck; do
+    timeout 150 compute-sanitizer --tool $tool python3 tests/cuda_sanitizer_workload.py > "$OUT/$tool.txt" 2>&1 || status=1
+    grep -E "ERROR SUMMARY|RACECHECK SUMMARY|hazard|workload" "$OUT/$tool.txt" | tail -3
+  done
+fi
+if has bench; then
+  timeout 300 python3 benchmarks/bench_ops.py --device cuda --json "$OUT/bench_ops_h200.json" > "$OUT/bench.txt" 2>&1 || status=1
+  tail -25 "$OUT/bench.txt"
+fi
+exit $status
