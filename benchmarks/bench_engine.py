@@ -39,7 +39,7 @@ GPU_DEFAULTS = dict(num_layers=8, index_share=2, hidden=64, indexer_dim=16, top_
                     prompt_len=8192, output_len=64, recent_window=8, drift=0.05,
                     metrics_interval=2000, length_jitter=0.0)
 GPU_BUDGET_GIB = 2.0
-GPU_CONCURRENCY = (1, 2, 4, 8, 16, 32, 64, 128, 192)
+GPU_CONCURRENCY = (1, 4, 16, 32, 64, 128, 192)
 SMALL_DEFAULTS = dict(num_layers=4, index_share=2, hidden=32, indexer_dim=16, top_k=32, hot_size=64,
                       prompt_len=256, output_len=32, recent_window=8, drift=0.05,
                       metrics_interval=2000, length_jitter=0.0)
@@ -141,6 +141,16 @@ def plot(res: dict, path: str) -> None:
     plt.close(fig)
 
 
+def write(res: dict, stem: str) -> str:
+    with open(stem + ".json", "w") as f:
+        json.dump(res, f, indent=1)
+    md = markdown(res)
+    with open(stem + ".md", "w") as f:
+        f.write(md)
+    plot(res, stem + ".png")
+    return md
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cuda")
@@ -195,7 +205,10 @@ def main(argv=None) -> int:
         run_workload(cfg.replace(prompt_len=min(cfg.prompt_len, 64), output_len=4), mode=mode, device=args.device)
     extra = {cap[m] for m in cap if 0 < cap[m] < max(levels)}
     levels = sorted(set(levels) | extra)
+    os.makedirs(args.out_dir, exist_ok=True)
+    stem = os.path.join(args.out_dir, name)
     t_all = time.perf_counter()
+    md = ""
     for c in levels:
         runs = {}
         for mode in ("resident", "hisparse"):
@@ -216,15 +229,8 @@ def main(argv=None) -> int:
             if not ok:
                 print(f"  c={c}: PARITY FAILED", flush=True)
         del runs
-    res["total_s"] = time.perf_counter() - t_all
-    os.makedirs(args.out_dir, exist_ok=True)
-    stem = os.path.join(args.out_dir, name)
-    with open(stem + ".json", "w") as f:
-        json.dump(res, f, indent=1)
-    md = markdown(res)
-    with open(stem + ".md", "w") as f:
-        f.write(md)
-    plot(res, stem + ".png")
+        res["total_s"] = time.perf_counter() - t_all
+        md = write(res, stem)  # after every level: a cut-short run still leaves its results
     print()
     print(md)
     print(f"wrote {stem}.json, .md, .png ({res['total_s']:.0f} s)")

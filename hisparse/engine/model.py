@@ -118,7 +118,10 @@ def select_top_k(scores: torch.Tensor, num_valid: torch.Tensor, k: int, recent: 
     if recent > 0:
         s = s.masked_fill((pos < nv) & (pos >= nv - recent), float("inf"))
     kk = min(k, T)
-    vals, idx = torch.topk(s, kk, dim=-1)
+    # A stable sort, not topk: equal scores (a repeated token has the same indexer key) must be
+    # broken the same way on every device -- the lower position wins.
+    vals, idx = torch.sort(s, dim=-1, descending=True, stable=True)
+    vals, idx = vals[:, :kk], idx[:, :kk]
     idx = torch.where(vals == NEG_INF, torch.full_like(idx, T), idx)
     idx, _ = torch.sort(idx, dim=-1)
     idx = torch.where(idx >= T, torch.full_like(idx, -1), idx)

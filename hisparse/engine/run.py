@@ -116,8 +116,17 @@ class Engine:
         self.overlap_sum = torch.zeros((), dtype=torch.float64, device=device)
         self.overlap_cnt = torch.zeros((), dtype=torch.float64, device=device)
         self.cur_tok = torch.zeros(S, dtype=torch.int64, device=device)
+        self._ema_cache: dict = {}
         self.record_attention = record_attention
         self.attn: List[List[torch.Tensor]] = [[] for _ in range(cfg.num_layers)]
+
+    def _to_dev(self, values, dtype=torch.int64) -> torch.Tensor:
+        """A small host list -> device tensor; from pinned memory on CUDA, so the copy is
+        asynchronous (a pageable copy would synchronise the stream every time)."""
+        t = torch.tensor(values, dtype=dtype)
+        if self.device.type == "cuda":
+            return t.pin_memory().to(self.device, non_blocking=True)
+        return t
 
     # ---- one forward: decode rows first (batch order), then the newly admitted prefills ------
     def forward(self, dec: List[_Request], new: List[_Request], out_tokens: torch.Tensor,
@@ -129,10 +138,10 @@ class Engine:
         if Bd:
             slots_l = [r.slot for r in dec]
             pos_l = [r.pos for r in dec]
-            slots = torch.tensor(slots_l, dtype=torch.int64).to(dev, non_blocking=True)
-            pos = torch.tensor(pos_l, dtype=torch.int64).to(dev, non_blocking=True)
+            slots = self._to_dev(slots_l)
+            pos = self._to_dev(pos_l)
             keys_cpu = torch.tensor([s * C + p for s, p in zip(slots_l, pos_l)], dtype=torch.int64)
-            keys = keys_cpu.to(dev, non_blocking=True)
+            keys = self._to_dev(keys_cpu.tolist())
             x = m.embed(self.cur_tok[slots])
             T = max(pos_l) + 1
             win_d = slots * W + pos.remainder(W)
@@ -214,12 +223,12 @@ class Engine:
         if Bd:
             tok = m.logits(x).argmax(dim=-1)
             self.cur_tok[slots] = tok
-            ridx = torch.tensor([r.idx for r in dec], dtype=torch.int64).to(dev, non_blocking=True)
-            gidx = torch.tensor([r.generated for r in dec], dtype=torch.int64).to(dev, non_blocking=True)
+            ridx = self._to_dev([r.idx for r in dec])
+            gidx = self._to_dev([r.generated for r in dec])
             out_tokens[ridx, gidx] = tok
             last = [i for i, r in enumerate(dec) if r.generated + 1 == r.output_len]
             if last:
-                li = torch.tensor(last, dtype=torch.int64).to(dev, non_blocking=True)
+                li = self._to_dev(last)
                 final_hidden[ridx[li]] = x[li]
         for i, r in enumerate(new):
             xl = xp[i][-1:]
@@ -229,16 +238,25 @@ class Engine:
             if r.output_len == 1:
                 final_hidden[r.idx] = xl[0]
 
+    def _ema_weights(self, n: int):
+        """[n, n] weights a(1-a)^(i-j) (j <= i) and the decay (1-a)^(i+1) of the carried state."""
+        got = self._ema_cache.get(n)
+        if got is None:
+            a, dev = self.cfg.drift, self.device
+            W = ema_matrix(n, a, torch.float64, "cpu")
+            W[:, 0] = a * (1.0 - a) ** torch.arange(n, dtype=torch.float64)
+            decay = (1.0 - a) ** torch.arange(1, n + 1, dtype=torch.float64)
+            got = (W.to(self.dtype).to(dev), decay.to(self.dtype).to(dev))
+            self._ema_cache[n] = got
+        return got
+
     def _prefill_select(self, u: torch.Tensor, ik: torch.Tensor, pos: torch.Tensor):
         """Indexer over a prompt, in chunks of rows: the EMA query of every position (carried
         from chunk to chunk) and its top-k. Returns (selection [P, K], last query)."""
         cfg, dev = self.cfg, self.device
         P = u.shape[0]
         n = max(1, min(P, _PREFILL_CHUNK_ELEMS // max(1, P), 2048))
-        a = cfg.drift
-        W = ema_matrix(n, a, self.dtype, dev)
-        W[:, 0] = a * (1.0 - a) ** torch.arange(n, dtype=torch.float64).to(self.dtype).to(dev)
-        decay = ((1.0 - a) ** torch.arange(1, n + 1, dtype=torch.float64)).to(self.dtype).to(dev)
+        W, decay = self._ema_weights(n)
         prev = u[0]  # the state before position 0, so that q_0 = u_0
         sels = []
         for s in range(0, P, n):
