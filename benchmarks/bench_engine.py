@@ -36,10 +36,10 @@ sys.path.insert(0, str(ROOT))
 from hisparse.engine import EngineConfig, compare_runs, run_workload  # noqa: E402
 
 GPU_DEFAULTS = dict(num_layers=8, index_share=2, hidden=64, indexer_dim=16, top_k=512, hot_size=1024,
-                    prompt_len=8192, output_len=64, recent_window=8, drift=0.05,
+                    prompt_len=8192, output_len=128, recent_window=8, drift=0.05,
                     metrics_interval=2000, length_jitter=0.0)
 GPU_BUDGET_GIB = 2.0
-GPU_CONCURRENCY = (1, 4, 16, 32, 64, 128, 192)
+GPU_CONCURRENCY = (1, 4, 16, 32, 64, 128, 256)
 SMALL_DEFAULTS = dict(num_layers=4, index_share=2, hidden=32, indexer_dim=16, top_k=32, hot_size=64,
                       prompt_len=256, output_len=32, recent_window=8, drift=0.05,
                       metrics_interval=2000, length_jitter=0.0)
@@ -203,7 +203,7 @@ def main(argv=None) -> int:
     # warm-up (CUDA context, kernels, allocator) outside the measurements
     for mode in ("resident", "hisparse"):
         run_workload(cfg.replace(prompt_len=min(cfg.prompt_len, 64), output_len=4), mode=mode, device=args.device)
-    extra = {cap[m] for m in cap if 0 < cap[m] < max(levels)}
+    extra = {cap[m] for m in cap if 0 < cap[m]} if not args.concurrency else set()
     levels = sorted(set(levels) | extra)
     os.makedirs(args.out_dir, exist_ok=True)
     stem = os.path.join(args.out_dir, name)

@@ -151,3 +151,18 @@ def test_prefill_chunking_keeps_results_and_parity(monkeypatch):
     assert compare_runs(res, hs).ok
     assert res.tokens == whole.tokens
     assert torch.allclose(res.final_hidden, whole.final_hidden, rtol=0, atol=1e-9)
+
+
+def test_encoding_depends_only_on_the_float32_value():
+    # float64 -> fp8/bf16 must round the same way on every device: the encoder narrows through
+    # float32, so a float64 value just past a float32-representable fp8 midpoint still encodes
+    # like that midpoint (what the CPU and CUDA backends agree on).
+    x = torch.randn(3, KV_DIM, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
+    x[:, 1] = 1.0625 + 2.0 ** -30   # fp8 e4m3 midpoint between 1.0 and 1.125, plus a float64 hair
+    x[:, 0] = 448.0                 # keep the tile's scale at exactly 1.0
+    x32 = x.to(torch.float32).to(torch.float64)
+    assert torch.equal(encode_rows(x, "bf16"), encode_rows(x32, "bf16"))
+    # fp8: tile 0 has scale 1.0 in both (other tiles' scales follow their own amax)
+    a, b = encode_rows(x, "fp8"), encode_rows(x32, "fp8")
+    assert torch.equal(a[:, :128], b[:, :128])
+    assert a[0, 1].item() == 0x38  # 1.0 (ties to even after the float32 step), not 1.125

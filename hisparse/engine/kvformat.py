@@ -46,19 +46,22 @@ def encode_rows(kv: torch.Tensor, layout: str) -> torch.Tensor:
     """[..., 576] float -> [..., row_bytes] uint8."""
     if kv.shape[-1] != KV_DIM:
         raise ValueError(f"kv rows must have {KV_DIM} values, got {kv.shape[-1]}")
+    # Every narrowing goes through float32 first: a direct float64 -> fp8/bf16 conversion rounds
+    # once on some devices and twice (via float32) on others, which would make CPU and CUDA
+    # store different bytes. float64 -> float32 -> narrow type is the same everywhere.
     if layout == "bf16":
-        return _bytes_of(kv.to(torch.bfloat16))
+        return _bytes_of(kv.to(torch.float32).to(torch.bfloat16))
     if layout != "fp8":
         raise ValueError(f"unknown row layout {layout!r}; choose from {sorted(ROW_LAYOUTS)}")
     lead = kv.shape[:-1]
     latent = kv[..., :LATENT_DIM].reshape(*lead, LATENT_DIM // FP8_TILE, FP8_TILE)
     amax = latent.abs().amax(dim=-1, keepdim=True)
     scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax)).to(torch.float32)
-    q = (latent / scale.to(latent.dtype)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    q = (latent / scale.to(latent.dtype)).clamp(-FP8_MAX, FP8_MAX).to(torch.float32).to(torch.float8_e4m3fn)
     parts = [
         _bytes_of(q.reshape(*lead, LATENT_DIM)),
         _bytes_of(scale.reshape(*lead, LATENT_DIM // FP8_TILE)),
-        _bytes_of(kv[..., LATENT_DIM:].to(torch.bfloat16)),
+        _bytes_of(kv[..., LATENT_DIM:].to(torch.float32).to(torch.bfloat16)),
     ]
     return torch.cat(parts, dim=-1)
 
