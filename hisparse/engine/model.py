@@ -54,6 +54,10 @@ class Model:
                 w_iq=w(d, di, scale=1.0 / math.sqrt(d)),
             ))
         self.head = w(d, cfg.vocab, scale=1.0 / math.sqrt(d))
+        # A positional term in every indexer key: a repeated token must not score (nearly) the
+        # same as its earlier copies, or the top-k boundary would be decided by rounding noise,
+        # which differs between devices.
+        self.index_pos = w(cfg.max_context, di, scale=0.5)
         half = ROPE_DIM // 2
         inv = 1.0 / (10000.0 ** (torch.arange(half, dtype=torch.float64) / half))
         self.inv_freq = inv.to(dtype=dt).to(device)
@@ -82,8 +86,8 @@ class Model:
         q = torch.cat([h @ p["w_uq"], self.rope(h @ p["w_qr"], pos)], dim=-1)
         return h, kv, q
 
-    def index_key(self, h: torch.Tensor, group: int) -> torch.Tensor:
-        return h @ self.indexers[group]["w_ik"]
+    def index_key(self, h: torch.Tensor, group: int, pos: torch.Tensor) -> torch.Tensor:
+        return h @ self.indexers[group]["w_ik"] + self.index_pos[pos]
 
     def index_query(self, h: torch.Tensor, group: int) -> torch.Tensor:
         return h @ self.indexers[group]["w_iq"]

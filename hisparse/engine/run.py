@@ -184,7 +184,7 @@ class Engine:
             self.kv.store(layer, StepRows(torch.cat(rows_parts), all_keys, all_keys_cpu, win_rows, win_src))
             if leader:
                 if Bd:
-                    ik = m.index_key(h, g)
+                    ik = m.index_key(h, g, pos)
                     self.idx_cache[g][slots, pos] = ik
                     u = m.index_query(h, g)
                     a = cfg.drift
@@ -197,7 +197,7 @@ class Engine:
                 selp = []
                 for i, r in enumerate(new):
                     P = r.prompt_len
-                    ikp = m.index_key(hp_list[i], g)
+                    ikp = m.index_key(hp_list[i], g, posp[i])
                     self.idx_cache[g][r.slot, :P] = ikp
                     up = m.index_query(hp_list[i], g)
                     sp, q_last = self._prefill_select(up, ikp, posp[i])
