@@ -47,6 +47,17 @@ SMALL_BUDGET_GIB = 4.0 / 1024
 SMALL_CONCURRENCY = (1, 2, 4, 8, 16)
 
 
+def _git_commit() -> str:
+    import subprocess
+
+    try:
+        out = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
+                             capture_output=True, text=True, timeout=10)
+        return out.stdout.strip() or "unknown"
+    except Exception:
+        return "unknown"
+
+
 def per_request_device_bytes(cfg: EngineConfig, mode: str) -> int:
     """Device bytes the engine allocates per state row (= per running request)."""
     idx = cfg.max_context * cfg.num_groups * cfg.indexer_dim * (8 if cfg.dtype == "float64" else 4)
@@ -75,7 +86,8 @@ def markdown(res: dict) -> str:
     lines = [
         f"# Decode throughput vs concurrency under a {res['budget_gib']:g} GiB device KV budget",
         "",
-        f"{res['env']['device_name']} ({res['device']}), torch {res['env']['torch']}, {res['env']['when']}. "
+        f"{res['env']['device_name']} ({res['device']}), torch {res['env']['torch']}, {res['env']['when']}, "
+        f"commit {res['env'].get('commit', 'unknown')}. "
         f"Engine: {cfg['num_layers']} layers (index share {cfg['index_share']}), top-k {cfg['top_k']}, "
         f"hot buffer {cfg['hot_size']} rows, {res['row_bytes']}-B rows, prompt {cfg['prompt_len']}, "
         f"output {cfg['output_len']} tokens.",
@@ -196,6 +208,7 @@ def main(argv=None) -> int:
     res = dict(device=args.device, budget_gib=budget_gib, config=cfg.to_dict(), row_bytes=cfg.row_bytes,
                per_request_bytes=per, capacity=cap, rows=[], parity={},
                env=dict(torch=torch.__version__, device_name=dev_name, threads=torch.get_num_threads(),
+                        commit=_git_commit(),
                         when=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())))
     print(f"budget {budget_gib:g} GiB: resident fits {cap['resident']} requests "
           f"({per['resident'] / 2**20:.2f} MiB each), HiSparse {cap['hisparse']} "
