@@ -178,6 +178,9 @@ def run_demo(args, *, exporter=None, out=None) -> DemoOutcome:
     print(file=out)
     print(summary_table(summary), file=out)
     print(f"generated tokens sha256: {summary['tokens_sha256']}", file=out)
+    if summary["hisparse"]["device_kv_bytes"] >= summary["resident"]["device_kv_bytes"]:
+        print("note: the hot buffers are as large as the whole context here, so HiSparse saves no "
+              "device memory at this size (raise --prompt-len or lower --hot-size)", file=out)
     if not par.ok:
         print(par.describe(), file=out)
     if args.json:
