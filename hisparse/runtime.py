@@ -87,6 +87,8 @@ class HiSparseIndexGroup:
             raise ValueError(f"hot_base + num_state_rows*hot_size must fit int32, got {hot_base + S * H}")
         self.name = name
         self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.num_state_rows, self.hot_size, self.top_k = S, H, K
         self.max_batch, self.num_keys, self.hot_base = max_batch, num_keys, hot_base
         dev = self.device
