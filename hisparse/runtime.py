@@ -171,12 +171,19 @@ class HiSparseIndexGroup:
         self.counters.zero_()
 
     def _rows_tensor(self, name: str, rows: IntsLike) -> torch.Tensor:
-        t = torch.as_tensor(rows, dtype=torch.int64).reshape(-1)
+        t = torch.as_tensor(rows, dtype=torch.int64).reshape(-1).cpu()
         if t.numel() and (int(t.min()) < 0 or int(t.max()) >= self.num_state_rows):
             raise ValueError(
                 f"{name} must lie in [0, {self.num_state_rows}), got {t.tolist()}"
             )
-        return t.to(device=self.device, dtype=torch.int32)
+        return self._upload(t)
+
+    def _upload(self, t: torch.Tensor) -> torch.Tensor:
+        """int32 copy on the device without blocking the host (pinned staging on CUDA)."""
+        t = t.to(torch.int32)
+        if self.device.type == "cuda":
+            return t.pin_memory().to(self.device, non_blocking=True)
+        return t
 
     def release(self, state_rows: IntsLike) -> None:
         """Reset the listed state rows: their request finished or they are handed to a new one."""
@@ -191,7 +198,7 @@ class HiSparseIndexGroup:
         if k.numel() != rows.numel():
             raise ValueError(f"keys must match state_rows in length, got {k.numel()} and {rows.numel()}")
         if rows.numel():
-            ops.invalidate(self.slot_keys, self.lru, rows, k.to(device=self.device, dtype=torch.int32))
+            ops.invalidate(self.slot_keys, self.lru, rows, self._upload(k))
 
     def rows_in_use(self) -> torch.Tensor:
         """Hot slots holding a key (a device scalar; reading it syncs, so not on the decode path)."""
