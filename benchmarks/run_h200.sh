@@ -36,4 +36,12 @@ if has bench; then
   timeout 300 python3 benchmarks/bench_ops.py --device cuda --json "$OUT/bench_ops_h200.json" > "$OUT/bench.txt" 2>&1 || status=1
   tail -25 "$OUT/bench.txt"
 fi
+if has engine; then
+  timeout 400 python3 benchmarks/bench_engine.py --device cuda --out-dir "$OUT" > "$OUT/engine.txt" 2>&1 || status=1
+  tail -20 "$OUT/engine.txt"
+fi
+if has demo; then
+  python3 -m hisparse demo --device cuda --no-progress --json "$OUT/demo_cuda.json" > "$OUT/demo.txt" 2>&1 || status=1
+  tail -20 "$OUT/demo.txt"
+fi
 exit $status
