@@ -2,7 +2,6 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
-#include <unordered_map>
 #include <unordered_set>
 #include <vector>
 #include <cstring>
@@ -29,14 +28,67 @@ struct RowCounts {
   uint64_t hits = 0, misses = 0;
 };
 
+// Open-addressing map from a selected key to its index in first-occurrence order. Keys are
+// >= 0, so -1 marks an empty bucket; the table is at least twice the row's entries.
+class KeyIndex {
+ public:
+  void reset(int64_t entries) {
+    size_t cap = 16;
+    while (cap < static_cast<size_t>(2 * entries)) cap <<= 1;
+    keys_.assign(cap, -1);
+    vals_.resize(cap);
+    mask_ = cap - 1;
+  }
+  // Index of `key`, inserting `next` if it is new; `inserted` says which happened.
+  int32_t find_or_insert(int32_t key, int32_t next, bool* inserted) {
+    for (size_t h = bucket(key);; h = (h + 1) & mask_) {
+      if (keys_[h] == key) {
+        *inserted = false;
+        return vals_[h];
+      }
+      if (keys_[h] == -1) {
+        keys_[h] = key;
+        vals_[h] = next;
+        *inserted = true;
+        return next;
+      }
+    }
+  }
+  int32_t find(int32_t key) const {
+    if (key < 0) return -1;
+    for (size_t h = bucket(key);; h = (h + 1) & mask_) {
+      if (keys_[h] == key) return vals_[h];
+      if (keys_[h] == -1) return -1;
+    }
+  }
+
+ private:
+  size_t bucket(int32_t key) const {
+    return (static_cast<uint32_t>(key) * 0x9E3779B1u >> 7) & mask_;
+  }
+  std::vector<int32_t> keys_, vals_;
+  size_t mask_ = 0;
+};
+
+// Per-thread buffers, reused across rows and calls.
+struct RowScratch {
+  KeyIndex index;
+  std::vector<int32_t> unique, entry_u, slot_of;
+  std::vector<char> hit_slot;
+  std::vector<int16_t> evictable, hits_in_order;
+};
+
 RowCounts resolve_row(const int32_t* keys, const int32_t* resident, int32_t* slot_keys,
                       int16_t* lru, int32_t* out, int32_t* miss_src, int32_t* miss_dst,
                       int64_t K, int64_t H, int64_t num_keys, int64_t row_base) {
+  thread_local RowScratch w;
   // Distinct selected keys in order of first occurrence; entry -> index into `unique`.
-  std::unordered_map<int32_t, int32_t> index;
-  index.reserve(static_cast<size_t>(2 * K));
-  std::vector<int32_t> unique;
-  std::vector<int32_t> entry_u(K, -1);
+  KeyIndex& index = w.index;
+  index.reset(K);
+  std::vector<int32_t>& unique = w.unique;
+  unique.clear();
+  std::vector<int32_t>& entry_u = w.entry_u;
+  entry_u.assign(K, -1);
   for (int64_t i = 0; i < K; ++i) {
     const int32_t k = keys[i];
     if (k < 0 || k >= num_keys) {
@@ -47,22 +99,26 @@ RowCounts resolve_row(const int32_t* keys, const int32_t* resident, int32_t* slo
       out[i] = resident[i];
       continue;
     }
-    auto it = index.emplace(k, static_cast<int32_t>(unique.size()));
-    if (it.second) unique.push_back(k);
-    entry_u[i] = it.first->second;
+    bool inserted;
+    entry_u[i] = index.find_or_insert(k, static_cast<int32_t>(unique.size()), &inserted);
+    if (inserted) unique.push_back(k);
   }
   const int64_t U = static_cast<int64_t>(unique.size());
-  std::vector<int32_t> slot_of(U, -1);
-  std::vector<char> hit_slot(H, 0);
+  std::vector<int32_t>& slot_of = w.slot_of;
+  slot_of.assign(U, -1);
+  std::vector<char>& hit_slot = w.hit_slot;
+  hit_slot.assign(H, 0);
   for (int64_t j = 0; j < H; ++j) {
-    auto it = index.find(slot_keys[j]);
-    if (it != index.end() && slot_of[it->second] < 0) {
-      slot_of[it->second] = static_cast<int32_t>(j);
+    const int32_t u = index.find(slot_keys[j]);
+    if (u >= 0 && slot_of[u] < 0) {
+      slot_of[u] = static_cast<int32_t>(j);
       hit_slot[j] = 1;
     }
   }
-  std::vector<int16_t> evictable, hits_in_order;
-  evictable.reserve(H);
+  std::vector<int16_t>& evictable = w.evictable;
+  std::vector<int16_t>& hits_in_order = w.hits_in_order;
+  evictable.clear();
+  hits_in_order.clear();
   for (int64_t p = 0; p < H; ++p) {
     const int16_t slot = lru[p];
     if (slot < 0 || slot >= H) continue;
