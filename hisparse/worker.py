@@ -118,6 +118,7 @@ class HiSparseConnectorWorker:
         self._state_rows: Optional[torch.Tensor] = None
         self._batch = 0
         self._resolved: set = set()
+        self._gathered: set = set()
         self._host_rows_in_use = 0
         self._shut_down = False
         # Two-phase sampling state.
@@ -266,6 +267,7 @@ class HiSparseConnectorWorker:
             self._state_rows.copy_(src)
         self._batch = B
         self._resolved.clear()
+        self._gathered.clear()
         self._host_rows_in_use = max(0, min(int(meta.host_rows_in_use), self.host_rows))
 
     def resolve(
@@ -274,8 +276,10 @@ class HiSparseConnectorWorker:
         top_k: torch.Tensor,
         resident_rows: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
-        """Leader: resolve residency for the batch and launch every member's gather; returns the
-        attention rows [B, top_k]. Follower: the leader's result of this step."""
+        """Leader: resolve residency for the batch. Every layer (leader or follower) then gathers
+        the group's plan into its own hot rows, here, after its own `save_kv_layer` of this step:
+        gathering a follower earlier would copy rows it has not written yet and cache them as
+        hits. Returns the attention rows [B, top_k]; a follower gets the leader's result."""
         rt = self.runtime(layer_name)
         g = rt.index_group
         if rt.is_leader:
@@ -284,14 +288,16 @@ class HiSparseConnectorWorker:
             n = top_k.shape[0]
             if n > self.config.max_num_seqs:
                 raise ValueError(f"top_k has {n} rows, more than max_num_seqs = {self.config.max_num_seqs}")
-            out = g.resolve(top_k, self._state_rows[:n], resident_rows)
-            g.gather_all()
+            g.resolve(top_k, self._state_rows[:n], resident_rows)
             self._resolved.add(id(g))
-            return out
-        if id(g) not in self._resolved:
+            self._gathered.difference_update(m.layer_name for m in g.members)
+        elif id(g) not in self._resolved:
             raise RuntimeError(
                 f"layer {layer_name!r} follows {g.leader.layer_name!r}, which has not resolved this step"
             )
+        if layer_name not in self._gathered:  # a second call must not copy (or count) again
+            rt.gather()
+            self._gathered.add(layer_name)
         return g.out_rows[: g.batch]
 
     def wait_for_layer_load(self, layer_name: str) -> None:

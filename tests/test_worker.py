@@ -331,3 +331,34 @@ def test_shutdown_drains_pending_releases_and_is_idempotent():
 def test_shutdown_before_register_is_harmless():
     w = HiSparseConnectorWorker(HiSparseConfig(top_k=4, device_buffer_size=8))
     assert w.shutdown() is None and w.shutdown() is None
+
+
+def test_follower_gathers_after_its_own_save_in_per_layer_order():
+    """Per layer: save this step's row, then resolve and attend. A follower must not gather
+    before its own save, or it caches an unwritten host row as a hit (index_share 2)."""
+    from hisparse.connector import HiSparseConnector, StepSchedule
+
+    extra = {"top_k": 4, "device_buffer_size": 8, "max_num_seqs": 1, "block_size": 4,
+             "host_pool_gib": 16 * 64 * 2 / 2**30, "index_share": 2}
+    worker = HiSparseConnector.from_extra_config(extra, role="worker")
+    sched = HiSparseConnector.from_extra_config(extra, role="scheduler")
+    bufs = {n: torch.zeros(8, 64, dtype=torch.uint8) for n in ("L0", "L1")}
+    worker.register_kv_caches(bufs)
+    for pos in range(3):
+        meta = sched.build_connector_meta(StepSchedule({"a": 1}))
+        worker.bind_connector_metadata(meta)
+        worker.start_load_kv(None)
+        sel = list(range(pos + 1))
+        top_k = torch.tensor([sel + [-1] * (4 - len(sel))], dtype=torch.int32)
+        for name, base in (("L0", 10), ("L1", 20)):
+            worker.save_kv_layer(name, torch.full((1, 64), base + pos, dtype=torch.uint8), None,
+                                 slot_mapping=[pos])
+            out = worker.resolve(name, top_k)
+            if name == "L1":
+                worker.resolve(name, top_k)  # a follower's repeat neither copies nor counts
+            worker.wait_for_layer_load(name)
+            got = bufs[name][out[0, : len(sel)].long(), 0].tolist()
+            assert got == [base + p for p in sel], (pos, name, got)
+        worker.clear_connector_metadata()
+    stats = worker.worker.drain_stats()
+    assert sum(stats.data["host_to_device_bytes"]) == 2 * 3 * 64  # each row once per layer
