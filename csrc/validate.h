@@ -156,7 +156,7 @@ inline ResolveDims check_resolve_args(const at::Tensor& top_k, const at::Tensor&
   check_shape(miss_count, {B}, op, "miss_count");
   TORCH_CHECK(num_keys >= 0 && num_keys <= kInt32Max, op,
               ": argument 'num_keys' must be in [0, 2^31-1], got ", num_keys);
-  TORCH_CHECK(hot_base >= 0 && hot_base + S * H <= kInt32Max, op,
+  TORCH_CHECK(hot_base >= 0 && hot_base <= kInt32Max - S * H, op,
               ": argument 'hot_base' must be >= 0 with hot_base + S*H <= 2^31-1, got hot_base=",
               hot_base, " S*H=", S * H);
   return {B, K, S, H};

@@ -66,6 +66,7 @@ RESOLVE_CASES = [
     ("num_keys", lambda v: 2**31, "num_keys"),
     ("hot_base", lambda v: -1, "hot_base"),
     ("hot_base", lambda v: 2**31 - 10, "hot_base"),
+    ("hot_base", lambda v: 2**63 - 1, "hot_base"),  # must not overflow the range check
 ]
 
 
