@@ -145,7 +145,7 @@ def main(args) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     try:
-        cfg = engine_config_from_args(args)
+        cfg = engine_config_from_args(args, hot_size=max(args.hot_sizes + [args.top_k]))
         result = {"device": args.device, "config": cfg.to_dict()}
         if not args.skip_ops:
             print(f"op micro-benchmarks ({args.device})", flush=True)

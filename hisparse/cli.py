@@ -181,10 +181,7 @@ def check_engine_flags(parser: argparse.ArgumentParser, args: argparse.Namespace
     if args.recent_window > args.top_k:
         parser.error(f"argument --recent-window: must be <= --top-k ({args.top_k}), got {args.recent_window}")
     try:
-        cfg = engine_config_from_args(args)
-        if over:
-            cfg = cfg.replace(**over)
-        return cfg
+        return engine_config_from_args(args, **over)
     except ValueError as e:
         msg = str(e)
         for field, flag in _ENGINE_FLAG.items():

@@ -24,7 +24,7 @@ class HiSparseConfig:
 
     host_pool_gib: float = 1.0
     top_k: int = 2048
-    device_buffer_size: Optional[int] = None  # None -> 2 * top_k
+    device_buffer_size: Optional[int] = None  # None -> min(2 * top_k, 32768)
     index_share: int = 1
     metrics_interval: int = 2000
     max_num_seqs: int = 256
@@ -35,7 +35,8 @@ class HiSparseConfig:
         for key in ("top_k", "index_share", "metrics_interval", "max_num_seqs", "block_size"):
             _check_int(key, getattr(self, key), minimum=1)
         if self.device_buffer_size is None:
-            object.__setattr__(self, "device_buffer_size", 2 * self.top_k)
+            object.__setattr__(self, "device_buffer_size",
+                               min(2 * self.top_k, MAX_DEVICE_BUFFER_SIZE))
         _check_int("device_buffer_size", self.device_buffer_size, minimum=1)
         if not self.top_k <= self.device_buffer_size <= MAX_DEVICE_BUFFER_SIZE:
             raise HiSparseConfigError(

@@ -24,15 +24,19 @@ _SERIES = {
 }
 
 
-def engine_config_from_args(args) -> EngineConfig:
-    return EngineConfig(
+def engine_config_from_args(args, **over) -> EngineConfig:
+    """The EngineConfig the flags describe; ``over`` replaces fields before validation."""
+    hot_size = getattr(args, "hot_size", None) or min(2 * args.top_k, 32768)
+    fields = dict(
         num_layers=args.layers, index_share=args.index_share, row_layout=args.row_layout,
-        top_k=args.top_k, hot_size=getattr(args, "hot_size", None) or 2 * args.top_k,
+        top_k=args.top_k, hot_size=hot_size,
         num_requests=args.requests, max_running=args.concurrency,
         prompt_len=args.prompt_len, output_len=args.output_len,
         drift=args.drift, recent_window=args.recent_window, seed=args.seed,
         metrics_interval=args.metrics_interval,
     )
+    fields.update(over)
+    return EngineConfig(**fields)
 
 
 def tokens_digest(tokens) -> str:

@@ -87,3 +87,16 @@ def test_metrics_port_in_use_is_one_clear_line():
         assert "--metrics-port" in msg and "\n" not in msg
     finally:
         s.close()
+
+
+def test_large_top_k_defaults_keep_hot_size_in_range():
+    """top-k above 16384: the default hot size is capped at 32768, not 2 x top-k."""
+    from hisparse.cli import build_parser, check_engine_flags
+    from hisparse.config import HiSparseConfig
+
+    assert HiSparseConfig.from_extra_config({"top_k": 20000}).device_buffer_size == 32768
+    parser = build_parser()
+    args = parser.parse_args(["demo", "--top-k", "20000", "--recent-window", "8"])
+    assert check_engine_flags(parser, args).hot_size == 32768
+    args = parser.parse_args(["bench", "--top-k", "20000", "--hot-sizes", "20000"])
+    assert check_engine_flags(parser, args, hot_size=20000).hot_size == 20000
