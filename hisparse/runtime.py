@@ -16,6 +16,7 @@ from hisparse import ops
 from hisparse.binding import BindingError
 
 MAX_HOT_SIZE = 32768
+GATHER_LAYERS_PER_CALL = 64  # the CUDA gather takes at most 64 member layers per launch
 
 IntsLike = Union[Sequence[int], torch.Tensor]
 
@@ -150,19 +151,22 @@ class HiSparseIndexGroup:
         return self.miss_src[:B], self.miss_dst[:B], self.miss_count[:B]
 
     def gather_all(self) -> None:
-        """Apply the current plan to every member layer in one launch."""
-        if not self.members:
-            return
-        hosts = [m.host_view for m in self.members]
-        hots = [m.hot_view for m in self.members]
+        """Apply the current plan to every member layer, up to GATHER_LAYERS_PER_CALL layers
+        per launch. Only for callers that saved every member's rows of this step first."""
+        chunks = [self.members[i:i + GATHER_LAYERS_PER_CALL]
+                  for i in range(0, len(self.members), GATHER_LAYERS_PER_CALL)]
         if self.copy_stream is None:
-            ops.gather(hosts, hots, *self._plan(), self.moved_bytes)
+            for chunk in chunks:
+                ops.gather([m.host_view for m in chunk], [m.hot_view for m in chunk],
+                           *self._plan(), self.moved_bytes)
             return
         self.copy_stream.wait_event(self._resolved)
         with torch.cuda.stream(self.copy_stream):
-            ops.gather(hosts, hots, *self._plan(), self.moved_bytes)
-            for m in self.members:
-                m.ready.record(self.copy_stream)
+            for chunk in chunks:
+                ops.gather([m.host_view for m in chunk], [m.hot_view for m in chunk],
+                           *self._plan(), self.moved_bytes)
+                for m in chunk:
+                    m.ready.record(self.copy_stream)
 
     def reset_hot_state(self) -> None:
         """Empty every state row, reset the LRU order and zero the counters."""
@@ -199,10 +203,6 @@ class HiSparseIndexGroup:
             raise ValueError(f"keys must match state_rows in length, got {k.numel()} and {rows.numel()}")
         if rows.numel():
             ops.invalidate(self.slot_keys, self.lru, rows, self._upload(k))
-
-    def rows_in_use(self) -> torch.Tensor:
-        """Hot slots holding a key (a device scalar; reading it syncs, so not on the decode path)."""
-        return (self.slot_keys >= 0).sum()
 
 
 class HiSparseRuntime:

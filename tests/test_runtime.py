@@ -169,3 +169,12 @@ def test_host_pool_checks_available_ram():
     pool.release()
     pool.release()
     assert pool.released
+
+
+def test_gather_all_splits_more_than_64_layers():
+    g, rts = make_group(num_layers=66)
+    g.resolve(torch.tensor([[1, 2, 3, 4]], dtype=torch.int32), torch.tensor([0], dtype=torch.int32))
+    g.gather_all()
+    for rt in rts:
+        assert torch.equal(rt.hot_view[:4], rt.host_view.reshape(-1, RB)[1:5])
+    assert int(g.counters[2]) == 66 * 4 * RB
