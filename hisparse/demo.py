@@ -14,6 +14,7 @@ from typing import Optional
 
 import torch
 
+from hisparse.binding import BindingError
 from hisparse.engine import EngineConfig, compare_runs, run_workload
 
 # Counter data keys -> Prometheus series as exposed (counters get `_total`).
@@ -155,6 +156,11 @@ def run_demo(args, *, exporter=None, out=None) -> DemoOutcome:
                     cfg, mode=mode, device=device, progress=progress,
                     metrics=exporter if mode == "hisparse" else None,
                     binding_fault=args.binding_fault if mode == "hisparse" else None)
+            except BindingError as e:
+                # The worker refuses overlapping per-layer views (the --binding-fault control).
+                print(f"parity FAILED: the {mode} run was rejected at bind time: {e}", file=out)
+                return DemoOutcome({"config": cfg.to_dict(), "device": device,
+                                    "parity": {"ok": False, "detail": f"BindingError: {e}"}}, 1)
             finally:
                 if bar is not None:
                     bar.close()

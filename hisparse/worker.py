@@ -150,6 +150,16 @@ class HiSparseConnectorWorker:
         if len(devices) != 1:
             raise BindingError(f"kv caches must all be on one device, got {sorted(map(str, devices))}")
         device = devices.pop()
+        # Every layer attends through its own rows: two layers sharing bytes would overwrite
+        # each other's hot rows (the base-offset binding bug).
+        check_disjoint(views)
+        pin = cfg.pin_host_pool if cfg.pin_host_pool is not None else device.type == "cuda"
+        if pin != (device.type == "cuda"):
+            raise HiSparseConfigError(
+                f"kv_connector_extra_config['pin_host_pool'] = {cfg.pin_host_pool} does not fit "
+                f"kv caches on {device}: the CUDA gather reads the host pool directly, so it is "
+                "pinned exactly when the caches are on a CUDA device (leave it unset)"
+            )
         for n, v in views.items():
             if v.shape[0] < S * H:
                 raise BindingError(
@@ -175,7 +185,6 @@ class HiSparseConnectorWorker:
         if host_rows > 2**31 - 1:
             num_blocks = (2**31 - 1) // cfg.block_size
             host_rows = num_blocks * cfg.block_size
-        pin = cfg.pin_host_pool if cfg.pin_host_pool is not None else device.type == "cuda"
         pool = HostPool(
             host_rows * per_row, pin=pin, what="HiSparse host pool (kv_connector_extra_config['host_pool_gib'])"
         )
@@ -206,7 +215,6 @@ class HiSparseConnectorWorker:
         self.host_pool = pool
         self.host_rows = host_rows
         self.hot_base = hot_base
-        self._host_views = host_views
         self.groups = groups
         self.runtimes = runtimes
         self._state_rows = torch.full((S,), -1, dtype=torch.int32, device=device)

@@ -336,11 +336,21 @@ class ParityReport:
 
 
 def _negative_control(run_workload, sc: Scenario, cfg, resident, device) -> PairResult:
-    """HiSparse with every layer bound at the base offset, compared with the correct resident
-    run. A run that raises (a binding check caught the fault) also counts as detected."""
+    """Every layer bound at the base offset (the upstream bug), compared with the correct
+    resident run. The connector refuses overlapping layer views, so the HiSparse run is stopped
+    at bind time; the same fault is then applied to a resident run, which has no such check,
+    to show that the parity comparison itself catches the corrupted outputs. A faulty run that
+    raises anything else also counts as detected."""
+    from hisparse.binding import BindingError
+
     t = time.monotonic()
+    note = None
     try:
         bad = run_workload(cfg, mode="hisparse", device=device, record_attention=True,
+                           binding_fault="base_offset")
+    except BindingError as e:
+        note = f"HiSparse run refused at bind time ({e}); faulty resident run compared instead"
+        bad = run_workload(cfg, mode="resident", device=device, record_attention=True,
                            binding_fault="base_offset")
     except Exception as e:  # noqa: BLE001 - any failure of the faulty run is a detection
         return PairResult(
@@ -350,6 +360,8 @@ def _negative_control(run_workload, sc: Scenario, cfg, resident, device) -> Pair
             hidden_identical=False, first_mismatch=None, parity_ok=False,
             note=f"faulty run raised {type(e).__name__}: {e}", wall_s=time.monotonic() - t)
     nc = compare_pair(sc, cfg, resident, bad, "negative-control")
+    if note is not None:
+        nc.note = note if not nc.note else f"{note}; {nc.note}"
     nc.wall_s = time.monotonic() - t
     return nc
 
