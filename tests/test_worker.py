@@ -362,3 +362,21 @@ def test_follower_gathers_after_its_own_save_in_per_layer_order():
         worker.clear_connector_metadata()
     stats = worker.worker.drain_stats()
     assert sum(stats.data["host_to_device_bytes"]) == 2 * 3 * 64  # each row once per layer
+
+
+def test_register_refuses_overlapping_caches_and_misfit_pinning():
+    import pytest
+
+    from hisparse.binding import BindingError
+    from hisparse.config import HiSparseConfigError
+    from hisparse.connector import HiSparseConnector
+
+    extra = {"top_k": 4, "device_buffer_size": 8, "max_num_seqs": 1, "block_size": 4,
+             "host_pool_gib": 16 * 64 * 2 / 2**30}
+    shared = torch.zeros(8, 64, dtype=torch.uint8)
+    w = HiSparseConnector.from_extra_config(extra, role="worker")
+    with pytest.raises(BindingError, match="overlap"):
+        w.register_kv_caches({"L0": shared, "L1": shared})
+    w = HiSparseConnector.from_extra_config(dict(extra, pin_host_pool=True), role="worker")
+    with pytest.raises(HiSparseConfigError, match=r"\['pin_host_pool'\]"):
+        w.register_kv_caches({"L0": torch.zeros(8, 64, dtype=torch.uint8)})
