@@ -1,8 +1,8 @@
 """``HiSparseConnector``: HiSparse on vLLM's KV-connector contract.
 
 Loaded by vLLM with ``kv_connector_module_path="hisparse.connector"`` and
-``kv_connector="HiSparseConnector"``; driven the same way by hisparse's reference engine. See
-docs/connector.md. Importing this module imports vLLM's base classes when vLLM is installed
+``kv_connector="HiSparseOOTConnector"`` (vLLM 0.32 reserves the name ``HiSparseConnector`` for its
+in-tree connector); driven the same way by hisparse's reference engine. See docs/connector.md. Importing this module imports vLLM's base classes when vLLM is installed
 (never ``import hisparse`` itself).
 """
 
