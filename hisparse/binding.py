@@ -55,11 +55,14 @@ class PackedLayout:
                 f"offset and layer_stride must be non-negative multiples of {_ALIGN}, got "
                 f"offset={self.offset} layer_stride={self.layer_stride}"
             )
-        if len(names) > 1 and self.layer_stride < self.layer_bytes:
-            raise BindingError(
-                f"layer_stride {self.layer_stride} is smaller than one layer's span "
-                f"{self.layer_bytes}: layers would overlap"
-            )
+        run = self.block_size * self.row_bytes
+        for m in range(1, len(names)):  # layers i and i+m are offset by m * layer_stride
+            if _runs_overlap(m * self.layer_stride, self.num_blocks, self.block_stride, run,
+                             self.num_blocks, self.block_stride, run):
+                raise BindingError(
+                    f"layer_stride {self.layer_stride} with block_stride {self.block_stride}: "
+                    f"layers {names[0]!r} and {names[m]!r} would overlap"
+                )
 
     @property
     def rows(self) -> int:
@@ -99,10 +102,40 @@ def layer_view(raw: torch.Tensor, layout: PackedLayout, index: int) -> torch.Ten
     )
 
 
-def _span(view: torch.Tensor) -> tuple:
-    first = view.data_ptr()
-    last = first + sum((s - 1) * st for s, st in zip(view.shape, view.stride())) + 1
-    return first, last
+def _runs_overlap(d: int, n_a: int, s_a: int, len_a: int, n_b: int, s_b: int, len_b: int) -> bool:
+    """Do n_a runs of len_a bytes, s_a apart, starting at 0, and n_b runs of len_b bytes, s_b
+    apart, starting at d, share a byte? Exact when the strides agree or either side is one run."""
+    if n_a <= 0 or n_b <= 0 or len_a <= 0 or len_b <= 0:
+        return False
+    end_a = (n_a - 1) * s_a + len_a
+    end_b = d + (n_b - 1) * s_b + len_b
+    if end_a <= d or end_b <= 0:
+        return False  # the spans are apart
+    if n_a == 1 and n_b == 1:
+        return True
+    if n_a == 1:  # one run against many: mirror so that `a` has the stride
+        return _runs_overlap(-d, n_b, s_b, len_b, n_a, s_b, len_a)
+    if n_b > 1 and s_a != s_b:
+        return True  # different strides: the span test above is all we claim
+    s = s_a
+    # run i of a meets run j of b iff -len_b < d + (j - i) * s < len_a; with k = i - j:
+    # (d - len_a) / s < k < (d + len_b) / s and -(n_b - 1) <= k <= n_a - 1.
+    k_lo = max((d - len_a) // s + 1, -(n_b - 1))
+    k_hi = min(-((-(d + len_b)) // s) - 1, n_a - 1)
+    return k_lo <= k_hi
+
+
+def _runs(view: torch.Tensor) -> tuple:
+    """(first byte address, runs, run stride, run length) of a uint8 view whose rows are
+    contiguous within a block; anything else is described by its whole span as one run."""
+    if view.numel() == 0:
+        return view.data_ptr(), 0, 0, 0
+    if view.dim() == 3 and view.stride(2) == 1 and view.stride(1) == view.shape[2]:
+        return view.data_ptr(), view.shape[0], view.stride(0), view.shape[1] * view.shape[2]
+    if view.dim() == 2 and view.stride(1) == 1:
+        return view.data_ptr(), view.shape[0], view.stride(0), view.shape[1]
+    span = sum((n - 1) * st for n, st in zip(view.shape, view.stride())) + view.element_size()
+    return view.data_ptr(), 1, 0, span
 
 
 def bind_layers(raw: torch.Tensor, layout: PackedLayout) -> dict:
@@ -113,11 +146,15 @@ def bind_layers(raw: torch.Tensor, layout: PackedLayout) -> dict:
 
 
 def check_disjoint(views: dict) -> None:
-    """BindingError if any two views' byte ranges overlap."""
-    spans = sorted((_span(v), name) for name, v in views.items())
-    for (a, name_a), (b, name_b) in zip(spans, spans[1:]):
-        if b[0] < a[1]:
-            raise BindingError(f"layers {name_a!r} and {name_b!r} overlap in memory")
+    """BindingError if any two views share a byte (interleaved layouts are fine)."""
+    for name, v in views.items():
+        if v.dtype != torch.uint8:
+            raise BindingError(f"layer {name!r}: views must be uint8 byte views, got {v.dtype}")
+    items = [(name, _runs(v)) for name, v in views.items()]
+    for i, (name_a, (pa, na, sa, la)) in enumerate(items):
+        for name_b, (pb, nb, sb, lb) in items[i + 1:]:
+            if _runs_overlap(pb - pa, na, sa, la, nb, sb, lb):
+                raise BindingError(f"layers {name_a!r} and {name_b!r} overlap in memory")
 
 
 def check_same_view(a: torch.Tensor, b: torch.Tensor, what: str) -> None:

@@ -61,7 +61,8 @@ def test_view_past_allocation_rejected():
 
 
 @pytest.mark.parametrize("kwargs,match", [
-    (dict(layer_stride=256), "layers would overlap"),
+    (dict(layer_stride=256), "would overlap"),
+    (dict(layer_stride=64, block_stride=256), "would overlap"),  # interleaved, rows collide
     (dict(block_stride=96), "block_stride"),
     (dict(row_bytes=40), "row_bytes must be a multiple of 16"),
     (dict(offset=8), "offset and layer_stride"),
@@ -96,3 +97,29 @@ def test_check_same_view():
 def test_default_strides_pack_tightly():
     lay = PackedLayout(("a", "b"), num_blocks=2, block_size=3, row_bytes=16)
     assert (lay.block_stride, lay.layer_stride, lay.nbytes()) == (48, 96, 192)
+
+
+def test_interleaved_layout_packs_layers_block_by_block():
+    """Layers of one group side by side inside each block (DESIGN §3): legal, disjoint."""
+    lay = PackedLayout(("a", "b", "c"), num_blocks=4, block_size=2, row_bytes=32,
+                       layer_stride=64, block_stride=3 * 64)
+    raw = torch.zeros(lay.nbytes(), dtype=torch.uint8)
+    views = bind_layers(raw, lay)
+    _fill_each_layer(views)
+    for i, v in enumerate(views.values()):
+        assert bool((v == i + 1).all())
+    assert int((raw == 0).sum()) == 0  # the three layers tile the allocation exactly
+
+
+def test_check_disjoint_is_exact_for_strided_views():
+    raw = torch.zeros(4096, dtype=torch.uint8)
+    a = raw.as_strided((4, 2, 32), (256, 32, 1), 0)     # bytes [0,64) of every 256
+    b = raw.as_strided((4, 2, 32), (256, 32, 1), 64)    # [64,128): interleaved, disjoint
+    c = raw.as_strided((1, 2, 32), (256, 32, 1), 900)   # [900,964): past every block of a, b
+    check_disjoint({"a": a, "b": b, "c": c})
+    d = raw.as_strided((2, 32), (32, 1), 920)           # [920,984) overlaps c
+    with pytest.raises(BindingError, match="'c' and 'd'"):
+        check_disjoint({"a": a, "c": c, "d": d})
+    e = raw.as_strided((1, 32), (32, 1), 512 + 40)      # inside a's 3rd block [512,576)
+    with pytest.raises(BindingError, match="'a' and 'e'"):
+        check_disjoint({"a": a, "e": e})
