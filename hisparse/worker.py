@@ -114,7 +114,6 @@ class HiSparseConnectorWorker:
         self.hot_base = 0
         self.final_stats: Optional[HiSparseKVConnectorStats] = None
         self._is_capturing_hook = is_capturing
-        self._host_views: dict = {}
         self._state_rows: Optional[torch.Tensor] = None
         self._batch = 0
         self._resolved: set = set()
@@ -471,7 +470,6 @@ class HiSparseConnectorWorker:
         self._shut_down = True
         self.runtimes = {}
         self.groups = []
-        self._host_views = {}
         self.host_pool = None
         self._state_rows = None
         self._gauges_dev = self._gauges_host = None

@@ -123,7 +123,6 @@ class HiSparseKV:
         self.extra_config = extra
         self.sched = HiSparseConnector.from_extra_config(extra, role="scheduler")
         self.worker = HiSparseConnector.from_extra_config(extra, role="worker")
-        self.connector_cls = HiSparseConnector
         rows = S * self.window + S * H
         self.hot_base = S * self.window
         self.layout = PackedLayout(names, num_blocks=rows, block_size=1, row_bytes=rb)
@@ -137,7 +136,6 @@ class HiSparseKV:
         self.host_pool_bytes = int(w.host_rows) * self.sum_row_bytes
         self.device_kv_bytes = self.raw.numel()
         self.on_stats = on_stats
-        self._finished: List[str] = []
         self._out_rows: Optional[torch.Tensor] = None
         self.closed = False
 
@@ -149,7 +147,6 @@ class HiSparseKV:
             sched[rid] = n
         out = StepSchedule(num_scheduled_tokens=sched, finished_req_ids=set(finished))
         meta = self.sched.build_connector_meta(out)
-        self.batch_rows = len(sched)
         self.worker.bind_connector_metadata(meta)
         self.worker.start_load_kv(None)
 
@@ -188,11 +185,6 @@ class HiSparseKV:
 
     def finish(self, req_id: str) -> None:
         self.sched.request_finished(_Req(req_id), [])
-        self._finished.append(req_id)
-
-    def take_finished(self) -> List[str]:
-        f, self._finished = self._finished, []
-        return f
 
     def close(self):
         """Drain every counter not yet reported, then shut the worker down."""
