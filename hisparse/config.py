@@ -11,6 +11,21 @@ from typing import Any, Mapping, Optional
 #: Largest hot buffer (slot ids are stored as int16).
 MAX_DEVICE_BUFFER_SIZE = 32768
 
+#: Upper bounds of the integer settings. Hot rows are addressed with int32, so
+#: max_num_seqs * device_buffer_size is bounded as well (checked below).
+MAX_INT_SETTING = {
+    "top_k": MAX_DEVICE_BUFFER_SIZE,
+    "max_num_seqs": 65536,
+    "block_size": 1024,  # vLLM's largest KV block is far below this
+    "index_share": 1024,  # layers per index group: no model has more layers
+    "metrics_interval": 1_000_000,
+}
+
+#: 64 TiB: beyond any one host's RAM, so a larger value is a unit mistake, not a plan.
+MAX_HOST_POOL_GIB = 65536
+
+_INT32_MAX = 2**31 - 1
+
 _PREFIX = "kv_connector_extra_config"
 
 
@@ -32,8 +47,13 @@ class HiSparseConfig:
     pin_host_pool: Optional[bool] = None  # None -> pin iff the KV caches are on CUDA
 
     def __post_init__(self) -> None:
+        if self.device_buffer_size is not None:
+            _check_int("device_buffer_size", self.device_buffer_size, minimum=1,
+                       maximum=MAX_DEVICE_BUFFER_SIZE)
+        # Before the default device_buffer_size is derived from top_k: a top_k past the
+        # hot-buffer limit is reported against top_k, not against a size nobody set.
         for key in ("top_k", "index_share", "metrics_interval", "max_num_seqs", "block_size"):
-            _check_int(key, getattr(self, key), minimum=1)
+            _check_int(key, getattr(self, key), minimum=1, maximum=MAX_INT_SETTING[key])
         if self.device_buffer_size is None:
             object.__setattr__(self, "device_buffer_size",
                                min(2 * self.top_k, MAX_DEVICE_BUFFER_SIZE))
@@ -43,9 +63,10 @@ class HiSparseConfig:
                 f"{_PREFIX}['device_buffer_size'] must satisfy top_k ({self.top_k}) <= "
                 f"device_buffer_size <= {MAX_DEVICE_BUFFER_SIZE}, got {self.device_buffer_size}"
             )
-        if self.top_k > MAX_DEVICE_BUFFER_SIZE:
+        if self.max_num_seqs * self.device_buffer_size > _INT32_MAX:
             raise HiSparseConfigError(
-                f"{_PREFIX}['top_k'] must be <= {MAX_DEVICE_BUFFER_SIZE}, got {self.top_k}"
+                f"{_PREFIX}['max_num_seqs'] * device_buffer_size must be <= {_INT32_MAX} "
+                f"(hot rows are int32), got {self.max_num_seqs} * {self.device_buffer_size}"
             )
         g = self.host_pool_gib
         if isinstance(g, bool) or not isinstance(g, (int, float)):
@@ -55,6 +76,10 @@ class HiSparseConfig:
         if not g > 0 or g != g or g == float("inf"):
             raise HiSparseConfigError(
                 f"{_PREFIX}['host_pool_gib'] must be a finite number > 0, got {g!r}"
+            )
+        if g > MAX_HOST_POOL_GIB:
+            raise HiSparseConfigError(
+                f"{_PREFIX}['host_pool_gib'] must be <= {MAX_HOST_POOL_GIB} (GiB), got {g!r}"
             )
         object.__setattr__(self, "host_pool_gib", float(g))
         p = self.pin_host_pool
@@ -93,10 +118,12 @@ class HiSparseConfig:
         return asdict(self)
 
 
-def _check_int(key: str, value: Any, *, minimum: int) -> None:
+def _check_int(key: str, value: Any, *, minimum: int, maximum: Optional[int] = None) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
         raise HiSparseConfigError(
             f"{_PREFIX}[{key!r}] must be an integer, got {type(value).__name__} {value!r}"
         )
     if value < minimum:
         raise HiSparseConfigError(f"{_PREFIX}[{key!r}] must be >= {minimum}, got {value}")
+    if maximum is not None and value > maximum:
+        raise HiSparseConfigError(f"{_PREFIX}[{key!r}] must be <= {maximum}, got {value}")
