@@ -8,6 +8,7 @@ layer's attention waits only for its own rows (`wait_ready`).
 
 from __future__ import annotations
 
+import numbers
 from typing import Optional, Sequence, Union
 
 import torch
@@ -25,6 +26,25 @@ def _positive_int(name: str, value, minimum: int = 1) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
     return value
+
+
+def _int64_cpu(name: str, values: IntsLike) -> torch.Tensor:
+    """Flat int64 copy on the CPU; anything that is not a sequence of integers (floats,
+    bools, values past int64) is refused by name instead of being truncated."""
+    if isinstance(values, torch.Tensor):
+        if values.dtype.is_floating_point or values.dtype.is_complex or values.dtype == torch.bool:
+            raise ValueError(f"{name} must hold integers, got {values.dtype}")
+        return values.detach().reshape(-1).to("cpu", torch.int64)
+    try:
+        seq = list(values)
+    except TypeError:
+        raise ValueError(f"{name} must be a sequence of integers, got {type(values).__name__}") from None
+    for v in seq:
+        if isinstance(v, bool) or not isinstance(v, numbers.Integral):
+            raise ValueError(f"{name} must hold integers, got {type(v).__name__} {v!r}")
+        if not -2**63 <= int(v) < 2**63:
+            raise ValueError(f"{name} holds {v}, which is not a valid index")
+    return torch.tensor([int(v) for v in seq], dtype=torch.int64)
 
 
 class StateRowAllocator:
@@ -169,13 +189,14 @@ class HiSparseIndexGroup:
                     m.ready.record(self.copy_stream)
 
     def reset_hot_state(self) -> None:
-        """Empty every state row, reset the LRU order and zero the counters."""
+        """Empty every state row and reset the LRU order. The counters are kept: they are
+        cumulative telemetry that only a snapshot drains, and zeroing counts no snapshot has
+        reported yet would make Prometheus counters lose them."""
         self.slot_keys.fill_(-1)
         self._reset_lru()
-        self.counters.zero_()
 
     def _rows_tensor(self, name: str, rows: IntsLike) -> torch.Tensor:
-        t = torch.as_tensor(rows, dtype=torch.int64).reshape(-1).cpu()
+        t = _int64_cpu(name, rows)
         if t.numel() and (int(t.min()) < 0 or int(t.max()) >= self.num_state_rows):
             raise ValueError(
                 f"{name} must lie in [0, {self.num_state_rows}), got {t.tolist()}"
@@ -198,9 +219,17 @@ class HiSparseIndexGroup:
     def invalidate_keys(self, state_rows: IntsLike, keys: IntsLike) -> None:
         """Drop hot copies of keys whose KV was rewritten (keys[i] on state_rows[i])."""
         rows = self._rows_tensor("state_rows", state_rows)
-        k = torch.as_tensor(keys, dtype=torch.int64).reshape(-1)
+        k = _int64_cpu("keys", keys)
         if k.numel() != rows.numel():
             raise ValueError(f"keys must match state_rows in length, got {k.numel()} and {rows.numel()}")
+        # The op takes int32 keys: a key past int32 would wrap onto another key (2**32 + 1 -> 1)
+        # and drop that key's hot copy while the rewritten one stays stale.
+        bad = (k < 0) | (k >= self.num_keys)
+        if bool(bad.any()):
+            raise ValueError(
+                f"keys must lie in [0, num_keys={self.num_keys}), got {int(k[bad][0])} at index "
+                f"{int(bad.nonzero()[0])}"
+            )
         if rows.numel():
             ops.invalidate(self.slot_keys, self.lru, rows, self._upload(k))
 

@@ -65,15 +65,6 @@ def test_followers_cannot_resolve():
         rts[1].resolve(torch.zeros(1, K, dtype=torch.int32), torch.zeros(1, dtype=torch.int32))
 
 
-def test_reset_hot_state_zeroes_counters_and_state():
-    g, rts = make_group(1)
-    step(g, rts, [[1, 2, 3, 4]], [0])
-    rts[0].reset_hot_state()
-    assert g.counters.tolist() == [0, 0, 0]
-    assert bool((g.slot_keys == -1).all())
-    assert g.lru.tolist() == [list(range(H))] * S
-
-
 def test_release_makes_reused_state_row_miss_again():
     g, rts = make_group(1)
     step(g, rts, [[1, 2, 3, 4]], [1])
