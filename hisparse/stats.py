@@ -22,20 +22,35 @@ COUNTERS = (
     ("host_to_device_bytes", "vllm:hisparse_host_to_device_bytes",
      "Bytes HiSparse gathers copied from the host pool into hot buffers (exact)."),
 )
+# Hybrid residency (the reference engine's residency="hybrid"): whole requests move between the
+# device KV pages and the host pool. Rows are counted per layer, like the gathers' bytes.
+SPILL_COUNTERS = (
+    ("spilled_requests", "vllm:hisparse_spilled_requests",
+     "Requests whose KV rows were spilled from device pages to the HiSparse host pool."),
+    ("spilled_rows", "vllm:hisparse_spilled_rows",
+     "KV rows (per layer) copied from device pages to the host pool by spills."),
+    ("spilled_bytes", "vllm:hisparse_spilled_bytes",
+     "Bytes copied from device pages to the host pool by spills (exact)."),
+    ("returned_requests", "vllm:hisparse_returned_requests",
+     "Spilled requests whose KV rows were brought back into device pages."),
+    ("returned_rows", "vllm:hisparse_returned_rows",
+     "KV rows (per layer) copied from the host pool back into device pages."),
+)
 GAUGES = (
     ("host_pool_usage", "vllm:hisparse_host_pool_usage",
      "Fraction (0-1) of HiSparse host-pool rows held by live requests, at the last snapshot."),
     ("hot_rows_in_use", "vllm:hisparse_hot_rows_in_use",
      "HiSparse hot-buffer rows holding a token, summed over layers, at the last snapshot."),
 )
-COUNTER_NAMES = tuple(name for _, name, _ in COUNTERS)
+COUNTER_NAMES = tuple(name for _, name, _ in COUNTERS + SPILL_COUNTERS)
 GAUGE_NAMES = tuple(name for _, name, _ in GAUGES)
 #: Every metric name hisparse exports (the exported contract; see docs/telemetry.md).
 METRIC_NAMES = COUNTER_NAMES + GAUGE_NAMES
 
 _COUNTER_KEYS = tuple(k for k, _, _ in COUNTERS)
+_SPILL_KEYS = tuple(k for k, _, _ in SPILL_COUNTERS)
 _GAUGE_KEYS = tuple(k for k, _, _ in GAUGES)
-_KEYS = _COUNTER_KEYS + _GAUGE_KEYS
+_KEYS = _COUNTER_KEYS + _SPILL_KEYS + _GAUGE_KEYS
 
 
 def _nonneg_int(name: str, v: Any) -> int:
@@ -67,6 +82,13 @@ class HiSparseKVConnectorStats(KVConnectorStats):
                 "data['hits'], data['misses'] and data['host_to_device_bytes'] must have equal "
                 f"lengths, got {[len(clean[k]) for k in _COUNTER_KEYS]}"
             )
+        # Spill deltas are recorded together (one snapshot = one entry in each), independently
+        # of the hot-buffer counters: data from before spill counters existed has none.
+        if len({len(clean[k]) for k in _SPILL_KEYS}) != 1:
+            raise ValueError(
+                f"the spill counters {', '.join(_SPILL_KEYS)} must have equal lengths, got "
+                f"{[len(clean[k]) for k in _SPILL_KEYS]}"
+            )
         self.data = clean
 
     def reset(self) -> None:
@@ -80,8 +102,22 @@ class HiSparseKVConnectorStats(KVConnectorStats):
         *,
         host_pool_usage: Optional[float] = None,
         hot_rows_in_use: Optional[int] = None,
+        spilled_requests: Optional[int] = None,
+        spilled_rows: Optional[int] = None,
+        spilled_bytes: Optional[int] = None,
+        returned_requests: Optional[int] = None,
+        returned_rows: Optional[int] = None,
     ) -> None:
-        """Append one snapshot's deltas (and, if given, its gauge samples)."""
+        """Append one snapshot's deltas (and, if given, its gauge samples). The spill deltas are
+        given all together or not at all."""
+        spill = dict(spilled_requests=spilled_requests, spilled_rows=spilled_rows,
+                     spilled_bytes=spilled_bytes, returned_requests=returned_requests,
+                     returned_rows=returned_rows)
+        given = [k for k, v in spill.items() if v is not None]
+        if given and len(given) != len(spill):
+            missing = sorted(set(spill) - set(given))
+            raise ValueError(f"spill counters are recorded together; missing {', '.join(missing)}")
+        spill = {k: _nonneg_int(k, v) for k, v in spill.items()} if given else None
         self.data["hits"].append(_nonneg_int("hits", hits))
         self.data["misses"].append(_nonneg_int("misses", misses))
         self.data["host_to_device_bytes"].append(
@@ -94,6 +130,9 @@ class HiSparseKVConnectorStats(KVConnectorStats):
             self.data["host_pool_usage"].append(u)
         if hot_rows_in_use is not None:
             self.data["hot_rows_in_use"].append(_nonneg_int("hot_rows_in_use", hot_rows_in_use))
+        if spill is not None:
+            for k, v in spill.items():
+                self.data[k].append(v)
 
     def aggregate(self, other: Optional[KVConnectorStats]) -> "HiSparseKVConnectorStats":
         """Extend every list with ``other``'s entries (empty or None ``other`` is skipped)."""
@@ -119,6 +158,12 @@ class HiSparseKVConnectorStats(KVConnectorStats):
             out["HiSparse host-pool usage"] = round(self.data["host_pool_usage"][-1], 4)
         if self.data["hot_rows_in_use"]:
             out["HiSparse hot rows in use"] = self.data["hot_rows_in_use"][-1]
+        if self.data["spilled_requests"]:
+            out["HiSparse spilled requests"] = sum(self.data["spilled_requests"])
+            out["HiSparse spilled rows"] = sum(self.data["spilled_rows"])
+            out["HiSparse spilled bytes"] = sum(self.data["spilled_bytes"])
+            out["HiSparse returned requests"] = sum(self.data["returned_requests"])
+            out["HiSparse returned rows"] = sum(self.data["returned_rows"])
         return out
 
     def is_empty(self) -> bool:
@@ -128,6 +173,10 @@ class HiSparseKVConnectorStats(KVConnectorStats):
         """Counter sums keyed by data key (hits, misses, host_to_device_bytes)."""
         return {key: sum(self.data[key]) for key in _COUNTER_KEYS}
 
+    def spill_totals(self) -> dict:
+        """Spill counter sums keyed by data key (spilled_requests, ..., returned_rows)."""
+        return {key: sum(self.data[key]) for key in _SPILL_KEYS}
+
 
 class HiSparsePromMetrics(KVConnectorPromMetrics):
     """Per-engine Prometheus counters and gauges; ``observe`` adds each snapshot delta once."""
@@ -136,7 +185,7 @@ class HiSparsePromMetrics(KVConnectorPromMetrics):
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         self.counters: dict = {}
         self.gauges: dict = {}
-        for key, name, doc in COUNTERS:
+        for key, name, doc in COUNTERS + SPILL_COUNTERS:
             metric = self._counter_cls(name=name, documentation=doc, labelnames=labelnames)
             self.counters[key] = self._per_engine(metric)
         for key, name, doc in GAUGES:
@@ -160,7 +209,7 @@ class HiSparsePromMetrics(KVConnectorPromMetrics):
                 f"engine_idx {engine_idx} has no label values (known engines: "
                 f"{sorted(self.per_engine_labelvalues)})"
             )
-        for key in _COUNTER_KEYS:
+        for key in _COUNTER_KEYS + _SPILL_KEYS:
             child = self.counters[key][engine_idx]
             for delta in transfer_stats_data.get(key, ()):
                 if delta:

@@ -7,6 +7,7 @@ import json
 import pickle
 
 import pytest
+from types import SimpleNamespace
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from hisparse.connector import HiSparseConnector
@@ -119,4 +120,47 @@ def test_counter_names_are_the_contract():
         "vllm:hisparse_cache_hits",
         "vllm:hisparse_cache_misses",
         "vllm:hisparse_host_to_device_bytes",
+        "vllm:hisparse_spilled_requests",
+        "vllm:hisparse_spilled_rows",
+        "vllm:hisparse_spilled_bytes",
+        "vllm:hisparse_returned_requests",
+        "vllm:hisparse_returned_rows",
     )
+
+
+_SPILL = dict(spilled_requests=2, spilled_rows=64, spilled_bytes=64 * 656, returned_requests=1,
+              returned_rows=40)
+
+
+def test_spill_counters_travel_and_reach_prometheus():
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+    s = HiSparseKVConnectorStats()
+    s.record_snapshot(0, 0, 0, **_SPILL)
+    s.record_snapshot(3, 1, 656)  # a hot-buffer snapshot without spill deltas
+    rebuilt = HiSparseKVConnectorStats(data=dict(s.data))
+    assert rebuilt.spill_totals() == _SPILL
+    assert rebuilt.totals() == {"hits": 3, "misses": 1, "host_to_device_bytes": 656}
+    assert rebuilt.reduce()["HiSparse spilled requests"] == 2
+    agg = HiSparseKVConnectorStats().aggregate(rebuilt).aggregate(rebuilt)
+    assert agg.spill_totals()["returned_rows"] == 80
+    reg = CollectorRegistry()
+    types = {c: functools.partial(c, registry=reg) for c in (Gauge, Counter, Histogram)}
+    prom = HiSparsePromMetrics(SimpleNamespace(kv_transfer_config=None), types,
+                               ["model_name", "engine"], {0: ["m", "0"]})
+    prom.observe(agg.data, 0)
+    val = lambda n: reg.get_sample_value(n, {"model_name": "m", "engine": "0"})  # noqa: E731
+    assert val("vllm:hisparse_spilled_requests_total") == 4
+    assert val("vllm:hisparse_spilled_bytes_total") == 2 * 64 * 656
+    assert val("vllm:hisparse_returned_requests_total") == 2
+    assert val("vllm:hisparse_returned_rows_total") == 80
+
+
+def test_spill_counters_are_recorded_together_and_validated():
+    s = HiSparseKVConnectorStats()
+    with pytest.raises(ValueError, match="recorded together"):
+        s.record_snapshot(0, 0, 0, spilled_requests=1)
+    with pytest.raises(ValueError, match="spilled_rows"):
+        s.record_snapshot(0, 0, 0, **{**_SPILL, "spilled_rows": -1})
+    with pytest.raises(ValueError, match="equal lengths"):
+        HiSparseKVConnectorStats(data={"spilled_requests": [1], "spilled_rows": []})

@@ -11,6 +11,7 @@ from hisparse.engine.kvformat import ROW_LAYOUTS
 
 MAX_HOT_SIZE = 32768
 DTYPES = ("float64", "float32")
+RESIDENCIES = ("host", "hybrid")
 
 
 def _check_int(name: str, v, lo: int, hi: Optional[int] = None) -> None:
@@ -45,6 +46,14 @@ class EngineConfig:
     recent_window: int = 8         # the newest tokens are always selected (0 = none)
     # telemetry
     metrics_interval: int = 16     # engine steps between counter snapshots
+    # residency of HiSparse runs (mode="hisparse"): "host" = every row in the host pool, hot
+    # buffers for every request (always-host); "hybrid" = rows stay in device KV pages while they
+    # fit, whole requests spill to the host pool under pressure and may come back (docs/engine.md)
+    residency: str = "host"
+    device_pages: int = 0          # hybrid: device KV pages of block_size rows (0 = every state
+                                   # row at max context, i.e. nothing ever spills)
+    hot_slots: int = -1            # hybrid: requests that can be spilled at once (hot buffers
+                                   # allocated); -1 = max_running, 0 = none (no host pool)
 
     def __post_init__(self) -> None:
         _check_int("num_layers", self.num_layers, 1, 1024)
@@ -62,6 +71,10 @@ class EngineConfig:
         _check_int("output_len", self.output_len, 1)
         _check_int("recent_window", self.recent_window, 0)
         _check_int("metrics_interval", self.metrics_interval, 1)
+        _check_int("device_pages", self.device_pages, 0)
+        _check_int("hot_slots", self.hot_slots, -1, self.max_running)
+        if self.residency not in RESIDENCIES:
+            raise ValueError(f"residency must be one of {RESIDENCIES}, got {self.residency!r}")
         if self.row_layout not in ROW_LAYOUTS:
             raise ValueError(f"row_layout must be one of {sorted(ROW_LAYOUTS)}, got {self.row_layout!r}")
         if self.dtype not in DTYPES:
@@ -99,6 +112,19 @@ class EngineConfig:
         """Key rows reserved per state row: max prompt + output, rounded up to block_size."""
         c = self.prompt_len + self.output_len
         return -(-c // self.block_size) * self.block_size
+
+    @property
+    def pages_per_request(self) -> int:
+        """Device pages one request needs at max context (hybrid)."""
+        return self.max_context // self.block_size
+
+    @property
+    def num_device_pages(self) -> int:
+        return self.device_pages or self.num_state_rows * self.pages_per_request
+
+    @property
+    def num_hot_slots(self) -> int:
+        return self.max_running if self.hot_slots < 0 else self.hot_slots
 
     @property
     def num_keys(self) -> int:

@@ -11,7 +11,7 @@ import torch
 
 from hisparse.engine.config import EngineConfig, request_lengths
 from hisparse.engine.kvformat import LATENT_DIM, decode_rows, encode_rows
-from hisparse.engine.kvstore import BINDING_FAULTS, HiSparseKV, ResidentKV, StepRows
+from hisparse.engine.kvstore import BINDING_FAULTS, HiSparseKV, HybridKV, ResidentKV, StepRows
 from hisparse.engine.model import Model, ema_matrix, select_top_k
 
 MODES = ("resident", "hisparse")
@@ -44,6 +44,16 @@ class RunStats:
     decode_tokens_per_s: float = 0.0
     snapshots: int = 0
     connector: Dict[str, object] = field(default_factory=dict)
+    # hybrid residency (0 in the other modes); rows are counted per layer
+    residency: str = ""
+    spilled_requests: int = 0
+    spilled_rows: int = 0
+    spilled_bytes: int = 0
+    returned_requests: int = 0
+    returned_rows: int = 0
+    peak_spilled: int = 0
+    mid_request_spills: int = 0    # spills of running requests (spilled_requests also counts
+                                   # requests admitted straight to the host pool)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -104,6 +114,8 @@ class Engine:
         S, C = cfg.num_state_rows, cfg.max_context
         if mode == "resident":
             self.kv = ResidentKV(cfg, device, binding_fault)
+        elif cfg.residency == "hybrid":
+            self.kv = HybridKV(cfg, device, binding_fault, on_stats=on_stats)
         else:
             self.kv = HiSparseKV(cfg, device, binding_fault, on_stats=on_stats)
         self.idx_cache = [torch.zeros(S, C, cfg.indexer_dim, dtype=self.dtype, device=device)
@@ -381,7 +393,7 @@ def run_workload(
                 t_dec = None
             if not new:
                 decode_tokens += len(dec)
-            eng.kv.begin_step([r.rid for r in dec], [(r.rid, r.prompt_len) for r in new], finished_ids)
+            eng.kv.begin_step(dec, new, finished_ids)
             finished_ids = []
             eng.forward(dec, new, out_tokens, final_hidden)
             for r in dec:
@@ -398,7 +410,7 @@ def run_workload(
                 if r.generated >= r.output_len:
                     free_slots.append(r.slot)
                     free_slots.sort()
-                    eng.kv.finish(r.rid)
+                    eng.kv.finish(r)
                     finished_ids.append(r.rid)
                 else:
                     still.append(r)
@@ -428,6 +440,10 @@ def run_workload(
     cnt = float(eng.overlap_cnt)
     st.topk_overlap = float(eng.overlap_sum) / cnt if cnt else 0.0
     st.peak_running = peak_running
+    if mode == "hisparse":
+        st.residency = cfg.residency
+        st.peak_spilled = getattr(eng.kv, "peak_spilled", 0)
+        st.mid_request_spills = getattr(eng.kv, "mid_request_spills", 0)
     st.decode_tokens, st.decode_wall_s = decode_tokens, decode_wall
     st.decode_tokens_per_s = decode_tokens / decode_wall if decode_wall > 0 else 0.0
     agg = collected["agg"]
@@ -436,6 +452,8 @@ def run_workload(
         st.hits, st.misses = int(tot["hits"]), int(tot["misses"])
         st.host_to_device_bytes = int(tot["host_to_device_bytes"])
         st.connector = {k: v for k, v in agg.reduce().items()}
+        for k, v in agg.spill_totals().items():
+            setattr(st, k, int(v))
         st.snapshots = collected["n"]
     lookups = st.hits + st.misses
     st.hit_rate = st.hits / lookups if lookups else 0.0
