@@ -19,8 +19,8 @@ if REPO not in sys.path:
 
 from evals.parity import run_parity as cli  # noqa: E402
 from evals.parity.parity import (  # noqa: E402
-    NEGATIVE_CONTROL_SCENARIO, ParityReport, Scenario, bit_identical_rows, compare_pair,
-    run_parity, scenarios, token_agreement)
+    NEGATIVE_CONTROL, NEGATIVE_CONTROL_SCENARIO, SPILL_CONTROL_SCENARIO, ParityReport, Scenario, bit_identical_rows,
+    compare_pair, run_parity, scenarios, token_agreement)
 
 engine = pytest.importorskip("hisparse.engine")
 RUN_PARITY = os.path.join(REPO, "evals", "parity", "run_parity.py")
@@ -166,6 +166,54 @@ def test_a_workload_that_stops_exercising_the_spill_path_fails(small_pair):
     assert any("no misses" in p for p in pr.coverage_problems)
 
 
+@pytest.fixture(scope="module")
+def hybrid_report(tmp_path_factory):
+    """The hybrid CI profile through the CLI: spills and returns forced mid-request."""
+    out = tmp_path_factory.mktemp("parity") / "hybrid.json"
+    proc = subprocess.run([sys.executable, RUN_PARITY, "--profile", "hybrid-ci", "--json",
+                           str(out), "--quiet"], capture_output=True, text=True, timeout=600,
+                          cwd="/")
+    return proc, json.loads(out.read_text()) if out.exists() else None
+
+
+def test_hybrid_profile_passes_through_spills_and_returns(hybrid_report):
+    proc, doc = hybrid_report
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert doc["passed"] is True and doc["identical_token_pct"] == 100.0
+    parity = [p for p in doc["pairs"] if p["kind"] == "parity"]
+    assert {(p["scenario"], p["seed"]) for p in parity} == {
+        (s.name, seed) for s in scenarios("hybrid-ci") for seed in doc["seeds"]}
+    for p in parity:
+        assert p["attention_rows_identical"] == p["attention_rows_total"] > 0, p
+        assert p["hidden_identical"] and p["coverage_problems"] == [], p
+        c = p["coverage"]
+        assert c["mid_request_spills"] > 0 and c["returned_requests"] > 0, p
+        assert c["device_kv_ratio"] <= 0.75
+
+
+def test_hybrid_profile_negative_controls_are_detected(hybrid_report):
+    proc, doc = hybrid_report
+    controls = [p for p in doc["pairs"] if p["kind"] == "negative-control"]
+    assert len(controls) == 2 * len(doc["seeds"]) and doc["negative_control_detected"] is True
+    spill = [c for c in controls if "one row too few" in c["note"]]
+    assert len(spill) == len(doc["seeds"])
+    for c in controls:
+        assert c["scenario"] == (SPILL_CONTROL_SCENARIO if c in spill else NEGATIVE_CONTROL["hybrid-ci"])
+        assert c["parity_ok"] is False and c["ok"] is True
+    assert "hybrid spill off by one): detected" in proc.stdout
+
+
+def test_a_hybrid_run_without_spills_fails_coverage():
+    sc = scenarios("hybrid-ci", ["hybrid-spill-return-g1"])[0]
+    cfg = engine.EngineConfig(**{**sc.engine, "device_pages": 0})  # everything fits
+    res = engine.run_workload(cfg, mode="resident", record_attention=True)
+    hy = engine.run_workload(cfg, mode="hisparse", record_attention=True)
+    pr = compare_pair(sc, cfg, res, hy, "parity")
+    assert pr.parity_ok and pr.verdict == "FAIL"
+    assert any("no mid-request spill" in p for p in pr.coverage_problems)
+    assert any("no return" in p for p in pr.coverage_problems)
+
+
 def test_scenarios_are_valid_engine_configs_in_both_profiles():
     for profile in ("full", "ci"):
         got = scenarios(profile)
@@ -174,6 +222,13 @@ def test_scenarios_are_valid_engine_configs_in_both_profiles():
             cfg = engine.EngineConfig(**s.engine)
             assert cfg.num_requests > cfg.max_running
             assert (cfg.prompt_len + cfg.output_len) / cfg.hot_size >= s.min_context_over_hot
+    for s in scenarios("hybrid") + scenarios("hybrid-ci"):
+        cfg = engine.EngineConfig(**s.engine)
+        assert cfg.residency == "hybrid" and s.expect_spills
+        assert cfg.num_device_pages < cfg.max_running * cfg.pages_per_request
+    assert [s.name for s in scenarios("hybrid")] == [s.name for s in scenarios("hybrid-ci")]
+    with pytest.raises(ValueError, match="not in profile"):
+        scenarios("ci", ["hybrid-spill-return-g1"])
     with pytest.raises(ValueError, match="unknown scenario"):
         scenarios("ci", ["nope"])
     with pytest.raises(ValueError, match="profile"):

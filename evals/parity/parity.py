@@ -13,6 +13,12 @@ scenario whose workload stopped exercising the spill path fails instead of passi
 Negative control: the HiSparse run with the per-layer binding broken (every layer bound at the
 allocation's base offset, the upstream bug) must fail parity. If it "passes", the eval itself is
 broken and the overall verdict is FAIL.
+
+Hybrid profiles (``hybrid``, ``hybrid-ci``): the HiSparse run uses hybrid residency with a device
+page budget well under what the requests need, so running requests spill to the host pool
+mid-request and come back once others finish; every pair must show both (the counters say so).
+Their second negative control spills one row too few to the host pool (``spill_fault``) and must
+fail parity too.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ class Scenario:
     expect_reuse: bool = True        # more requests than state rows
     min_context_over_hot: float = 2.0  # longest context / hot_size
     max_device_kv_ratio: float = 0.5   # HiSparse device KV bytes / resident device KV bytes
+    expect_spills: bool = False      # hybrid: mid-request spills and returns must both happen
 
 
 # Two profiles of the same scenarios: "full" (the CLI default, minutes) and "ci" (seconds).
@@ -81,23 +88,69 @@ _SCENARIOS: Dict[str, Dict[str, Dict[str, object]]] = {
     },
 }
 
+# Hybrid residency under a device page budget about half of what the requests need at max
+# context: outputs longer than prompts (resident requests outgrow their pages mid-request) and
+# jittered lengths (early finishers free pages, spilled requests come back).
+_HYBRID = dict(residency="hybrid", length_jitter=0.75)
+_SCENARIOS.update({
+    "hybrid-spill-return-g1": {
+        "description": "hybrid residency, groups of 1, fast drift, hot buffer == top-k: requests "
+                       "spill mid-request, are served from hot buffers, and come back",
+        "hybrid": dict(_HYBRID, num_layers=4, index_share=1, top_k=64, hot_size=64, drift=0.5,
+                       recent_window=8, prompt_len=160, output_len=256, num_requests=12,
+                       max_running=4, block_size=16, device_pages=48),
+        "hybrid-ci": dict(_HYBRID, num_layers=2, index_share=1, top_k=16, hot_size=16, hidden=32,
+                          vocab=128, indexer_dim=16, drift=0.5, recent_window=4, prompt_len=40,
+                          output_len=64, num_requests=10, max_running=4, block_size=8,
+                          device_pages=18),
+    },
+    "hybrid-g4-bf16-nowindow": {
+        "description": "hybrid residency, groups of 4, BF16 rows, no forced recent tokens (a "
+                       "one-row device window: host writes land the very next step)",
+        "hybrid": dict(_HYBRID, num_layers=8, index_share=4, row_layout="bf16", top_k=64,
+                       hot_size=96, drift=0.1, recent_window=0, prompt_len=192, output_len=288,
+                       num_requests=10, max_running=3, block_size=16, device_pages=40),
+        "hybrid-ci": dict(_HYBRID, num_layers=4, index_share=4, row_layout="bf16", top_k=16,
+                          hot_size=24, hidden=32, vocab=128, indexer_dim=16, drift=0.2,
+                          recent_window=0, prompt_len=48, output_len=72, num_requests=8,
+                          max_running=3, block_size=8, device_pages=20),
+    },
+})
+_SCENARIO_CHECKS = {
+    # hybrid: the device holds pages + small hot buffers, so the ratio is looser; evictions are
+    # not the point (few requests are spilled at once), spills and returns are
+    "hybrid-spill-return-g1": dict(expect_spills=True, expect_eviction=False, max_device_kv_ratio=0.75),
+    "hybrid-g4-bf16-nowindow": dict(expect_spills=True, expect_eviction=False, max_device_kv_ratio=0.75),
+}
+
 # The negative control runs on the scenario where the bug is subtlest to see (groups of 4:
 # followers share the leader's plan, so only the row bytes differ between layers).
-NEGATIVE_CONTROL_SCENARIO = "hot-eq-topk-g4"
-PROFILES = ("full", "ci")
-DEFAULT_SEEDS = {"full": (0, 1, 2), "ci": (0, 1, 2)}
+NEGATIVE_CONTROL = {"full": "hot-eq-topk-g4", "ci": "hot-eq-topk-g4",
+                    "hybrid": "hybrid-g4-bf16-nowindow", "hybrid-ci": "hybrid-g4-bf16-nowindow"}
+NEGATIVE_CONTROL_SCENARIO = NEGATIVE_CONTROL["full"]
+# The spill-path control needs a scenario whose spilled rows are read back from the pool often
+# (a 4-row window, fast drift): there the missing row is always selected after it left the window.
+SPILL_CONTROL_SCENARIO = "hybrid-spill-return-g1"
+HYBRID_PROFILES = ("hybrid", "hybrid-ci")
+PROFILES = ("full", "ci") + HYBRID_PROFILES
+DEFAULT_SEEDS = {"full": (0, 1, 2), "ci": (0, 1, 2), "hybrid": (0, 1, 2), "hybrid-ci": (0, 1, 2)}
 
 
 def scenarios(profile: str = "full", names: Optional[Sequence[str]] = None) -> List[Scenario]:
     if profile not in PROFILES:
         raise ValueError(f"profile must be one of {PROFILES}, got {profile!r}")
-    chosen = list(_SCENARIOS) if not names else list(names)
+    in_profile = [n for n, s in _SCENARIOS.items() if profile in s]
+    chosen = in_profile if not names else list(names)
     out = []
     for n in chosen:
         if n not in _SCENARIOS:
             raise ValueError(f"unknown scenario {n!r}; known: {', '.join(_SCENARIOS)}")
         s = _SCENARIOS[n]
-        out.append(Scenario(name=n, description=str(s["description"]), engine=dict(s[profile])))
+        if profile not in s:
+            raise ValueError(f"scenario {n!r} is not in profile {profile!r} (its scenarios: "
+                             f"{', '.join(in_profile)})")
+        out.append(Scenario(name=n, description=str(s["description"]), engine=dict(s[profile]),
+                            **_SCENARIO_CHECKS.get(n, {})))
     return out
 
 
@@ -198,7 +251,15 @@ def _coverage(sc: Scenario, cfg, stats, resident_stats=None) -> tuple:
         "evictions_lower_bound": evictions_lb,
         "misses": int(stats.misses),
     }
+    if getattr(cfg, "residency", "host") == "hybrid":
+        cov.update(spilled_requests=int(stats.spilled_requests),
+                   mid_request_spills=int(stats.mid_request_spills),
+                   returned_requests=int(stats.returned_requests))
     problems = []
+    if sc.expect_spills and int(getattr(stats, "mid_request_spills", 0)) <= 0:
+        problems.append("no mid-request spill: every request stayed where it was admitted")
+    if sc.expect_spills and int(getattr(stats, "returned_requests", 0)) <= 0:
+        problems.append("no return: no spilled request came back to device pages")
     if resident_stats is not None and getattr(resident_stats, "device_kv_bytes", 0):
         ratio = int(stats.device_kv_bytes) / int(resident_stats.device_kv_bytes)
         cov["device_kv_ratio"] = ratio
@@ -329,7 +390,8 @@ class ParityReport:
         lines.append("")
         lines.append(
             f"identical tokens: {self.identical_token_pct():.2f}% over "
-            f"{len(self.parity_pairs)} pairs; negative control (base-offset binding): "
+            f"{len(self.parity_pairs)} pairs; negative control (base-offset binding"
+            f"{', hybrid spill off by one' if self.profile in HYBRID_PROFILES else ''}): "
             f"{'not run' if det is None else ('detected' if det else 'NOT DETECTED')}; "
             f"overall {'PASS' if self.passed else 'FAIL'} ({self.wall_s:.1f} s)")
         return "\n".join(lines)
@@ -364,6 +426,33 @@ def _negative_control(run_workload, sc: Scenario, cfg, resident, device) -> Pair
         nc.note = note if not nc.note else f"{note}; {nc.note}"
     nc.wall_s = time.monotonic() - t
     return nc
+
+
+def _spill_control(run_workload, sc: Scenario, cfg, resident, device) -> PairResult:
+    """Hybrid profiles: a spill that copies one row too few to the host pool must be caught."""
+    t = time.monotonic()
+    bad = run_workload(cfg, mode="hisparse", device=device, record_attention=True,
+                       spill_fault="off_by_one")
+    nc = compare_pair(sc, cfg, resident, bad, "negative-control")
+    nc.note = "hybrid spill copies one row too few to the host pool"
+    nc.wall_s = time.monotonic() - t
+    return nc
+
+
+def _control_scenarios(profile: str) -> List[str]:
+    names = [NEGATIVE_CONTROL[profile]]
+    if profile in HYBRID_PROFILES:
+        names.append(SPILL_CONTROL_SCENARIO)
+    return names
+
+
+def _controls(run_workload, profile: str, sc: Scenario, cfg, resident, device) -> List[PairResult]:
+    out = []
+    if sc.name == NEGATIVE_CONTROL[profile]:
+        out.append(_negative_control(run_workload, sc, cfg, resident, device))
+    if profile in HYBRID_PROFILES and sc.name == SPILL_CONTROL_SCENARIO:
+        out.append(_spill_control(run_workload, sc, cfg, resident, device))
+    return out
 
 
 def run_parity(profile: str = "full", seeds: Optional[Sequence[int]] = None,
@@ -403,19 +492,21 @@ def _run_parity(profile, seeds, names, device, negative_control, log) -> ParityR
             if log:
                 log(f"{sc.name} seed {seed}: {pr.verdict} ({pr.token_pct:.1f}% tokens, "
                     f"{pr.wall_s:.1f} s)")
-            if negative_control and sc.name == NEGATIVE_CONTROL_SCENARIO:
-                nc = _negative_control(run_workload, sc, cfg, res, device)
-                pairs.append(nc)
-                if log:
-                    log(f"{sc.name} seed {seed} negative control: "
-                        f"{'detected' if nc.ok else 'NOT DETECTED'}")
-    if negative_control and NEGATIVE_CONTROL_SCENARIO not in [s.name for s in chosen]:
-        # the control always runs, even when the scenario filter left its scenario out
-        sc = scenarios(profile, [NEGATIVE_CONTROL_SCENARIO])[0]
+            if negative_control:
+                for nc in _controls(run_workload, profile, sc, cfg, res, device):
+                    pairs.append(nc)
+                    if log:
+                        log(f"{sc.name} seed {seed} negative control: "
+                            f"{'detected' if nc.ok else 'NOT DETECTED'}")
+    missing = [n for n in _control_scenarios(profile) if n not in [s.name for s in chosen]]
+    for name in missing if negative_control else []:
+        # the controls always run, even when the scenario filter left their scenario out
+        sc = scenarios(profile, [name])[0]
         cfg = EngineConfig(**{**sc.engine, "seed": seeds[0]})
         res = run_workload(cfg, mode="resident", device=device, record_attention=True)
-        pairs.append(_negative_control(run_workload, sc, cfg, res, device))
-        if log:
-            log(f"negative control: {'detected' if pairs[-1].ok else 'NOT DETECTED'}")
+        for nc in _controls(run_workload, profile, sc, cfg, res, device):
+            pairs.append(nc)
+            if log:
+                log(f"negative control: {'detected' if nc.ok else 'NOT DETECTED'}")
     return ParityReport(profile=profile, device=str(device), seeds=seeds, pairs=pairs,
                         wall_s=time.monotonic() - t0)

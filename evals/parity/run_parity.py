@@ -5,11 +5,13 @@
     python evals/parity/run_parity.py --profile ci        # the small CI configuration
     python evals/parity/run_parity.py --seeds 5 6 --scenario hot-eq-topk-g4 --json out.json
     python evals/parity/run_parity.py --device cuda       # on a GPU (CUDA backend built)
+    python evals/parity/run_parity.py --profile hybrid-ci # hybrid residency, forced spills
 
 Threshold: 100% identical tokens, bit-identical attention outputs and final hidden states on
 every (scenario, seed), each scenario exercising what it claims (misses, evictions, state-row
-reuse, contexts longer than the hot buffer); and the negative control (per-layer binding broken:
-every layer at the base offset) must be detected.
+reuse, contexts longer than the hot buffer; in the hybrid profiles, spills mid-request and
+returns); and the negative control (per-layer binding broken: every layer at the base offset;
+in the hybrid profiles also a spill one row short) must be detected.
 
 Exit status: 0 PASS, 1 FAIL, 2 bad arguments.
 """
@@ -33,7 +35,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="run_parity.py", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--profile", choices=PROFILES, default="full",
-                   help="workload sizes: full (default, minutes on a CPU) or ci (seconds)")
+                   help="full (default, minutes on a CPU) or ci (seconds): always-host "
+                        "HiSparse; hybrid / hybrid-ci: hybrid residency with forced spills")
     p.add_argument("--seeds", type=int, nargs="+",
                    help=f"seeds (default: {DEFAULT_SEEDS['full']} full, {DEFAULT_SEEDS['ci']} ci)")
     p.add_argument("--scenario", action="append", choices=list(_SCENARIOS),

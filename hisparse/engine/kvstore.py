@@ -19,6 +19,8 @@ from hisparse.binding import PackedLayout, bind_layers, layer_view
 from hisparse.engine.config import EngineConfig
 
 BINDING_FAULTS = (None, "base_offset")
+# Negative control of the hybrid spill path: a spill copies one row too few to the host pool.
+SPILL_FAULTS = (None, "off_by_one")
 
 
 def packed_views(raw: torch.Tensor, layout: PackedLayout, binding_fault: Optional[str]) -> Dict[str, torch.Tensor]:
@@ -236,7 +238,10 @@ class HybridKV:
     mode = "hybrid"
 
     def __init__(self, cfg: EngineConfig, device: torch.device, binding_fault: Optional[str],
-                 on_stats=None) -> None:
+                 on_stats=None, spill_fault: Optional[str] = None) -> None:
+        if spill_fault not in SPILL_FAULTS:
+            raise ValueError(f"spill_fault must be one of {SPILL_FAULTS}, got {spill_fault!r}")
+        self.spill_fault = spill_fault
         self.cfg = cfg
         self.device = device
         self.on_cuda = device.type == "cuda"
@@ -351,10 +356,12 @@ class HybridKV:
         pages = self.pages.pop(slot)
         h = self.free_hot.pop()
         src_lo, src_hi = _spill_range(n)
+        if self.spill_fault == "off_by_one":
+            src_hi = max(src_lo, src_hi - 1)
         rows = self._rows_of(pages, src_lo, src_hi)
-        wlo = max(0, n - self.W + 1)
-        wrows = [self.win_base + h * self.W + p % self.W for p in range(wlo, n)]
-        src, wsrc, wdst = self._upload([rows, self._rows_of(pages, wlo, n), wrows])
+        wlo, whi = _window_range(n, self.W)
+        wrows = [self.win_base + h * self.W + p % self.W for p in range(wlo, whi)]
+        src, wsrc, wdst = self._upload([rows, self._rows_of(pages, wlo, whi), wrows])
         k0 = self._key0(slot)
         for l, f in enumerate(self.flat):
             if rows:
@@ -654,6 +661,12 @@ class HybridKV:
 
 
 def _spill_range(n: int) -> tuple:
-    """Positions a spill copies to the host pool: all of them, [0, n). (A test plants an
-    off-by-one here and expects parity to fail.)"""
+    """Positions a spill of a request holding positions [0, n) copies to the host pool: all."""
     return 0, n
+
+
+def _window_range(n: int, window: int) -> tuple:
+    """Positions a spill copies into the request's device window: the newest ``window - 1``
+    (the step's own row, position n, is written there by ``store``). Read from the window while
+    ``pos > cur - window``, so these are exactly the ones the resolve will ask it for."""
+    return max(0, n - window + 1), n

@@ -11,7 +11,8 @@ import torch
 
 from hisparse.engine.config import EngineConfig, request_lengths
 from hisparse.engine.kvformat import LATENT_DIM, decode_rows, encode_rows
-from hisparse.engine.kvstore import BINDING_FAULTS, HiSparseKV, HybridKV, ResidentKV, StepRows
+from hisparse.engine.kvstore import (BINDING_FAULTS, SPILL_FAULTS, HiSparseKV, HybridKV, ResidentKV,
+                                     StepRows)
 from hisparse.engine.model import Model, ema_matrix, select_top_k
 
 MODES = ("resident", "hisparse")
@@ -103,11 +104,15 @@ class Engine:
 
     def __init__(self, cfg: EngineConfig, mode: str, device: torch.device, *,
                  record_attention: bool = False, binding_fault: Optional[str] = None,
-                 on_stats: Optional[Callable] = None) -> None:
+                 on_stats: Optional[Callable] = None, spill_fault: Optional[str] = None) -> None:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         if binding_fault not in BINDING_FAULTS:
             raise ValueError(f"binding_fault must be one of {BINDING_FAULTS}, got {binding_fault!r}")
+        if spill_fault not in SPILL_FAULTS:
+            raise ValueError(f"spill_fault must be one of {SPILL_FAULTS}, got {spill_fault!r}")
+        if spill_fault is not None and not (mode == "hisparse" and cfg.residency == "hybrid"):
+            raise ValueError("spill_fault needs mode='hisparse' with residency='hybrid'")
         self.cfg, self.mode, self.device = cfg, mode, device
         self.model = Model(cfg, device)
         self.dtype = self.model.dtype
@@ -115,7 +120,7 @@ class Engine:
         if mode == "resident":
             self.kv = ResidentKV(cfg, device, binding_fault)
         elif cfg.residency == "hybrid":
-            self.kv = HybridKV(cfg, device, binding_fault, on_stats=on_stats)
+            self.kv = HybridKV(cfg, device, binding_fault, on_stats=on_stats, spill_fault=spill_fault)
         else:
             self.kv = HiSparseKV(cfg, device, binding_fault, on_stats=on_stats)
         self.idx_cache = [torch.zeros(S, C, cfg.indexer_dim, dtype=self.dtype, device=device)
@@ -334,6 +339,7 @@ def run_workload(
     binding_fault: Optional[str] = None,
     progress: Optional[Callable[[int], None]] = None,
     metrics=None,
+    spill_fault: Optional[str] = None,
 ) -> RunResult:
     """Run the whole workload (all requests to completion) and return tokens, hidden states and
     stats. ``metrics``: an object with ``observe(stats)`` (e.g. the CLI's Prometheus side)."""
@@ -358,7 +364,7 @@ def run_workload(
             metrics.observe(rebuilt.data)
 
     eng = Engine(cfg, mode, dev, record_attention=record_attention,
-                 binding_fault=binding_fault, on_stats=on_stats)
+                 binding_fault=binding_fault, on_stats=on_stats, spill_fault=spill_fault)
     reqs = make_requests(cfg)
     N = len(reqs)
     max_out = max(r.output_len for r in reqs)
