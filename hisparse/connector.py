@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any, Mapping, Optional
 
+import torch
+
 from hisparse._vllm_compat import (
     HAVE_VLLM,
     KVConnectorBase_V1,
@@ -75,53 +77,105 @@ def _defaults_from_vllm(vllm_config: Any, extra: Optional[Mapping]) -> dict:
     return merged
 
 
+def _vllm_request_view(scheduler_output: Any) -> dict:
+    """{req_id: (num_computed_tokens, block_ids or None, replace)} from a vLLM SchedulerOutput
+    (KV-cache group 0); {} for a ``StepSchedule``. ``replace``: the ids are the request's whole
+    block list (new or resumed request), else blocks appended this step."""
+    view = {}
+    for r in getattr(scheduler_output, "scheduled_new_reqs", None) or ():
+        view[r.req_id] = (int(r.num_computed_tokens), list(r.block_ids[0]), True)
+    cached = getattr(scheduler_output, "scheduled_cached_reqs", None)
+    if cached is not None:
+        resumed = getattr(cached, "resumed_req_ids", None) or set()
+        for rid, nc, new in zip(cached.req_ids, cached.num_computed_tokens, cached.new_block_ids):
+            view[rid] = (int(nc), list(new[0]) if new is not None else None, rid in resumed)
+    return view
+
+
 class _SchedulerState:
-    """State rows per request, token counts, and what the worker must reset next step."""
+    """State rows per request, token counts, and what the worker must reset next step.
+
+    With vLLM it also follows each request's block list, to send the worker the key of every
+    request's last scheduled token (``anchors``: the model's layers see batch rows, not request
+    ids) and to invalidate hot copies of positions that are written a second time."""
 
     def __init__(self, config: HiSparseConfig) -> None:
         self.rows = StateRowAllocator(config.max_num_seqs)
         self.max_num_seqs = config.max_num_seqs
+        self.block_size = config.block_size
         self.tokens: dict = {}
+        self.blocks: dict = {}
         self.pending_resets: list = []
         self.pending_invalidate: list = []
 
     def release(self, req_id) -> None:
         row = self.rows.free(req_id)
         self.tokens.pop(req_id, None)
+        self.blocks.pop(req_id, None)
         if row is not None:
             self.pending_resets.append(row)
 
+    def _key(self, blocks: list, req_id, pos: int) -> int:
+        b = pos // self.block_size
+        if b >= len(blocks):
+            raise ValueError(f"request {req_id!r}: position {pos} lies past its {len(blocks)} "
+                             f"blocks of {self.block_size} tokens")
+        return int(blocks[b]) * self.block_size + pos % self.block_size
+
     def build(self, scheduler_output: Any) -> HiSparseConnectorMetadata:
-        for attr in ("finished_req_ids", "preempted_req_ids"):
-            for rid in getattr(scheduler_output, attr, None) or ():
-                self.release(rid)
+        """One step's metadata. Nothing changes unless it succeeds (a failing step leaves the
+        state as it was, so a retry sees the same counts)."""
         scheduled = getattr(scheduler_output, "num_scheduled_tokens", None)
         if not isinstance(scheduled, Mapping):
             raise ValueError(
                 "scheduler_output.num_scheduled_tokens must be a dict {req_id: tokens}, got "
                 f"{type(scheduled).__name__}"
             )
-        resets = self.pending_resets
-        req_ids, state_rows = [], []
+        gone = [rid for attr in ("finished_req_ids", "preempted_req_ids")
+                for rid in getattr(scheduler_output, attr, None) or ()]
+        vllm_view = _vllm_request_view(scheduler_output)
+        live = {rid for rid in self.tokens if rid not in gone}
+        new_reqs = [rid for rid in scheduled if rid not in live]
+        if len(live) + len(new_reqs) > self.max_num_seqs:
+            raise RuntimeError(
+                f"request {new_reqs[-1]!r} needs a HiSparse state row but all "
+                f"kv_connector_extra_config['max_num_seqs'] = {self.max_num_seqs} are in use"
+            )
+        tokens, blocks, anchors, rewrites = {}, {}, [], []
         for rid, n in scheduled.items():
-            row = self.rows.row_of(rid)
-            if row is None:
-                if self.rows.in_use >= self.max_num_seqs:
-                    raise RuntimeError(
-                        f"request {rid!r} needs a HiSparse state row but all "
-                        f"kv_connector_extra_config['max_num_seqs'] = {self.max_num_seqs} are in use"
-                    )
-                row = self.rows.allocate(rid)
-                resets.append(row)
-            req_ids.append(rid)
-            state_rows.append(row)
-            self.tokens[rid] = self.tokens.get(rid, 0) + int(n)
+            n = int(n)
+            if rid not in vllm_view:
+                tokens[rid] = (self.tokens.get(rid, 0) if rid in live else 0) + n
+                continue
+            nc, ids, replace = vllm_view[rid]
+            have = [] if replace or rid not in live else self.blocks.get(rid, [])
+            blocks[rid] = have + (ids or [])
+            tokens[rid] = nc + n
+            anchors.append(self._key(blocks[rid], rid, nc + n - 1))
+            written = self.tokens.get(rid, 0) if rid in live else 0
+            rewrites.extend((rid, self._key(blocks[rid], rid, p))
+                            for p in range(nc, min(written, nc + n)))
+        # Commit.
+        for rid in gone:
+            self.release(rid)
+        resets = self.pending_resets
+        for rid in new_reqs:
+            resets.append(self.rows.allocate(rid))
+        self.tokens.update(tokens)
+        self.blocks.update(blocks)
+        invalidate = list(self.pending_invalidate)
+        invalidate.extend((self.rows.row_of(rid), key) for rid, key in rewrites)
+        if hasattr(scheduler_output, "has_sync_kv_loads"):
+            # State rows must be bound before the forward, not after it (vLLM's default for
+            # connectors without synchronous loads).
+            scheduler_output.has_sync_kv_loads = True
         meta = HiSparseConnectorMetadata(
-            req_ids=tuple(req_ids),
-            state_rows=tuple(state_rows),
+            req_ids=tuple(scheduled),
+            state_rows=tuple(self.rows.row_of(rid) for rid in scheduled),
             reset_rows=tuple(dict.fromkeys(resets)),
-            invalidate=tuple(self.pending_invalidate),
+            invalidate=tuple(invalidate),
             host_rows_in_use=sum(self.tokens.values()),
+            anchors=tuple(anchors) if len(anchors) == len(scheduled) else (),
         )
         self.pending_resets, self.pending_invalidate = [], []
         return meta
@@ -135,9 +189,21 @@ class HiSparseConnector(KVConnectorBase_V1, SupportsHMA):
         role = _role(role)
         super().__init__(vllm_config, role, kv_cache_config)
         extra = getattr(self._kv_transfer_config, "kv_connector_extra_config", None)
-        self.config = HiSparseConfig.from_extra_config(_defaults_from_vllm(vllm_config, extra))
+        settings = _defaults_from_vllm(vllm_config, extra)
+        self.config = HiSparseConfig.from_extra_config(settings)
         self.worker: Optional[HiSparseConnectorWorker] = None
         self._scheduler: Optional[_SchedulerState] = None
+        # Inside a vLLM engine (a real model config) the model's own layers must call us: a model
+        # without HiSparse layers is refused here, at start-up.
+        self._model_layers = None
+        if getattr(vllm_config, "model_config", None) is not None and role == KVConnectorRole.WORKER:
+            from hisparse.vllm.binding import find_model_layers
+
+            self._model_layers = find_model_layers(vllm_config, kv_cache_config, self.config,
+                                                   extra)
+            if self._model_layers.top_k is not None and "top_k" not in settings:
+                settings["top_k"] = self._model_layers.top_k
+                self.config = HiSparseConfig.from_extra_config(settings)
         if role == KVConnectorRole.WORKER:
             self.worker = HiSparseConnectorWorker(self.config)
         else:
@@ -170,7 +236,19 @@ class HiSparseConnector(KVConnectorBase_V1, SupportsHMA):
         return self.worker
 
     def register_kv_caches(self, kv_caches: dict) -> None:
-        self._need_worker("register_kv_caches").register_kv_caches(kv_caches)
+        """From an engine that hands over its hot buffers (the reference engine): bind them. From
+        vLLM (its own paged caches): leave those alone; allocate hot buffers for the model's
+        HiSparse layers and a host pool backing every vLLM slot."""
+        worker = self._need_worker("register_kv_caches")
+        if self._model_layers is None:
+            worker.register_kv_caches(kv_caches)
+            return
+        lay = self._model_layers
+        S, H = self.config.max_num_seqs, self.config.device_buffer_size
+        device = next(iter(kv_caches.values())).device if kv_caches else torch.device("cpu")
+        hot = {n: torch.zeros(S * H, rb, dtype=torch.uint8, device=device)
+               for n, rb in lay.row_bytes.items()}
+        worker.register_kv_caches(hot, host_rows=lay.host_rows, groups=lay.groups)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         """Apply this step's metadata (reset/invalidate state rows, set the batch's state rows).
@@ -181,9 +259,24 @@ class HiSparseConnector(KVConnectorBase_V1, SupportsHMA):
             raise RuntimeError("start_load_kv needs bind_connector_metadata(...) first")
         worker.start_step(self._get_connector_metadata())
 
-    def resolve(self, layer_name: str, top_k: Any, resident_rows: Any = None):
-        """After the indexer: the attention rows of ``layer_name`` for this step's top-k."""
-        return self._need_worker("resolve").resolve(layer_name, top_k, resident_rows)
+    def resolve(self, layer_name: str, top_k: Any, resident_rows: Any = None, *,
+                state_rows: Any = None):
+        """After the indexer: the attention rows of ``layer_name`` for this step's top-k (rows of
+        ``hot_rows(layer_name)``). Followers pass ``top_k=None`` and get the leader's plan."""
+        return self._need_worker("resolve").resolve(layer_name, top_k, resident_rows,
+                                                    state_rows=state_rows)
+
+    def batch_state_rows(self, anchor_keys: Any):
+        """The state row of each batch row, from the key of its last token this step."""
+        return self._need_worker("batch_state_rows").batch_state_rows(anchor_keys)
+
+    def host_rows(self, layer_name: str):
+        """The layer's host-pool rows, uint8 [keys, row_bytes] (row = key)."""
+        return self._need_worker("host_rows").host_view(layer_name)
+
+    def hot_rows(self, layer_name: str):
+        """The rows ``resolve`` returns indices into (the layer's hot buffers)."""
+        return self._need_worker("hot_rows").hot_view(layer_name)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         self._need_worker("wait_for_layer_load").wait_for_layer_load(layer_name)

@@ -32,6 +32,9 @@ class HiSparseConnectorMetadata(KVConnectorMetadata):
     reset_rows: state rows to reset before the step (handed to a new request, or released).
     invalidate: (state_row, key) pairs whose hot copy must be dropped (position rewritten).
     host_rows_in_use: tokens held in the host pool by live requests (host-pool usage gauge).
+    anchors: per request, the key (slot) of its last token scheduled this step, or empty. An
+        engine whose layers see batch rows rather than request ids (vLLM) finds each row's
+        state row through this (``batch_state_rows``).
     """
 
     req_ids: tuple = ()
@@ -39,12 +42,18 @@ class HiSparseConnectorMetadata(KVConnectorMetadata):
     reset_rows: tuple = ()
     invalidate: tuple = ()
     host_rows_in_use: int = 0
+    anchors: tuple = ()
 
     def __post_init__(self) -> None:
         if len(self.req_ids) != len(self.state_rows):
             raise ValueError(
                 f"req_ids and state_rows must have equal lengths, got {len(self.req_ids)} "
                 f"and {len(self.state_rows)}"
+            )
+        if self.anchors and len(self.anchors) != len(self.req_ids):
+            raise ValueError(
+                f"anchors must have one entry per request, got {len(self.anchors)} for "
+                f"{len(self.req_ids)} requests"
             )
 
 
@@ -119,6 +128,9 @@ class HiSparseConnectorWorker:
         self._resolved: set = set()
         self._gathered: set = set()
         self._host_rows_in_use = 0
+        self._row_of_slot: Optional[torch.Tensor] = None  # state row by anchor key (vLLM)
+        self._anchors: Optional[torch.Tensor] = None
+        self._anchor_owner: dict = {}
         self._shut_down = False
         # Two-phase sampling state.
         self._metrics_calls = 0
@@ -133,9 +145,17 @@ class HiSparseConnectorWorker:
     def registered(self) -> bool:
         return bool(self.runtimes)
 
-    def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
+    def register_kv_caches(
+        self,
+        kv_caches: Mapping[str, torch.Tensor],
+        *,
+        host_rows: Optional[int] = None,
+        groups: Optional[Sequence[Sequence[str]]] = None,
+    ) -> None:
         """Bind every layer: its registered buffer (attention rows, hot buffers at the end) and a
-        host view in a freshly allocated host pool; build index groups of ``index_share`` layers."""
+        host view in a freshly allocated host pool; build index groups of ``index_share`` layers
+        (or the explicit ``groups``, leader first). ``host_rows``: the key space (e.g. vLLM's
+        slots); by default as many whole blocks as ``host_pool_gib`` holds."""
         self._check_alive()
         if self.registered:
             raise RuntimeError("register_kv_caches was already called on this worker")
@@ -174,16 +194,23 @@ class HiSparseConnectorWorker:
         # Host pool: the same number of rows for every layer, a whole number of blocks.
         row_bytes = {n: int(views[n].shape[1]) for n in names}
         per_row = sum(row_bytes.values())
-        num_blocks = cfg.host_pool_bytes // (per_row * cfg.block_size)
-        if num_blocks < 1:
-            raise HiSparseConfigError(
-                f"kv_connector_extra_config['host_pool_gib'] = {cfg.host_pool_gib} is smaller "
-                f"than one block of every layer ({per_row * cfg.block_size} bytes)"
-            )
-        host_rows = num_blocks * cfg.block_size
-        if host_rows > 2**31 - 1:
-            num_blocks = (2**31 - 1) // cfg.block_size
+        if host_rows is None:
+            num_blocks = cfg.host_pool_bytes // (per_row * cfg.block_size)
+            if num_blocks < 1:
+                raise HiSparseConfigError(
+                    f"kv_connector_extra_config['host_pool_gib'] = {cfg.host_pool_gib} is smaller "
+                    f"than one block of every layer ({per_row * cfg.block_size} bytes)"
+                )
             host_rows = num_blocks * cfg.block_size
+            if host_rows > 2**31 - 1:
+                num_blocks = (2**31 - 1) // cfg.block_size
+                host_rows = num_blocks * cfg.block_size
+        else:
+            if isinstance(host_rows, bool) or not isinstance(host_rows, int) or host_rows < 1:
+                raise ValueError(f"host_rows must be a positive int, got {host_rows!r}")
+            if host_rows > 2**31 - 1:
+                raise ValueError(f"host_rows = {host_rows} does not fit int32 keys")
+            num_blocks = -(-host_rows // cfg.block_size)
         pool = HostPool(
             host_rows * per_row, pin=pin, what="HiSparse host pool (kv_connector_extra_config['host_pool_gib'])"
         )
@@ -195,18 +222,27 @@ class HiSparseConnectorWorker:
             offset = layout.nbytes()  # end of this layer (nbytes includes the offset)
         check_disjoint(host_views)
 
-        groups, runtimes = [], {}
-        share = cfg.index_share
-        for gi in range(0, len(names), share):
-            members = names[gi : gi + share]
+        if groups is None:
+            share = cfg.index_share
+            groups = [names[i : i + share] for i in range(0, len(names), share)]
+        else:
+            flat = [n for members in groups for n in members]
+            if sorted(flat) != sorted(names) or len(set(flat)) != len(flat):
+                raise ValueError(
+                    "groups must list every registered layer exactly once, got "
+                    f"{[list(m) for m in groups]} for layers {list(names)}"
+                )
+        group_objs, runtimes = [], {}
+        for gi, members in enumerate(groups):
             g = HiSparseIndexGroup(
-                f"group{gi // share}:{members[0]}",
+                f"group{gi}:{members[0]}",
                 num_state_rows=S, hot_size=H, top_k=cfg.top_k, max_batch=S,
                 num_keys=host_rows, device=device, hot_base=hot_base,
             )
             for n in members:
                 runtimes[n] = HiSparseRuntime(n, g, host_views[n], views[n])
-            groups.append(g)
+            group_objs.append(g)
+        groups = group_objs
 
         on_cuda = device.type == "cuda"
         self.device = device
@@ -241,6 +277,28 @@ class HiSparseConnectorWorker:
         """The layer's attention rows, uint8 [rows, row_bytes] (hot buffers from ``hot_base``)."""
         return self.runtime(layer_name).hot_view
 
+    def batch_state_rows(self, anchor_keys: torch.Tensor) -> torch.Tensor:
+        """The state row of each batch row, found by the key of the row's last token this step
+        (the ``anchors`` of the step's metadata): device int32 [B]. On the CPU a row that belongs
+        to no scheduled request is an error (on CUDA it stays -1, a padding row: no host sync)."""
+        self._check_registered()
+        if self._row_of_slot is None:
+            raise RuntimeError("batch_state_rows needs step metadata with anchors "
+                               "(the scheduler side of this connector sends them)")
+        if not isinstance(anchor_keys, torch.Tensor) or anchor_keys.dim() != 1:
+            raise ValueError("anchor_keys must be a 1-D tensor of keys")
+        keys = anchor_keys.to(self.device, torch.long)
+        rows = self._row_of_slot[keys.clamp(0, self.host_rows - 1)]
+        if self.device.type == "cpu":
+            bad = ((rows < 0) | (keys < 0) | (keys >= self.host_rows)).nonzero().flatten()
+            if bad.numel():
+                i = int(bad[0])
+                raise RuntimeError(
+                    f"batch row {i} ends at key {int(keys[i])}, which is no scheduled request's "
+                    f"last token this step (scheduled: {sorted(self._anchor_owner.values())})"
+                )
+        return rows
+
     @property
     def state_rows(self) -> torch.Tensor:
         """This step's state row of each batch row (device int32 [max_num_seqs], -1 padding)."""
@@ -265,40 +323,91 @@ class HiSparseConnectorWorker:
             keys = [int(k) for _, k in meta.invalidate]
             for g in self.groups:
                 g.invalidate_keys(rows, keys)
+        self._check_all_gathered()
         padded = list(meta.state_rows) + [-1] * (S - B)
-        src = torch.tensor(padded, dtype=torch.int32)
-        if self.device.type == "cuda":
-            # From the caching host allocator: the block is not reused before the copy is done.
-            self._state_rows.copy_(src.pin_memory(), non_blocking=True)
-        else:
-            self._state_rows.copy_(src)
+        self._state_rows.copy_(self._upload(padded))
+        if meta.anchors:
+            self._set_anchors(meta)
         self._batch = B
         self._resolved.clear()
         self._gathered.clear()
         self._host_rows_in_use = max(0, min(int(meta.host_rows_in_use), self.host_rows))
 
+    def _upload(self, values: list) -> torch.Tensor:
+        src = torch.tensor(values, dtype=torch.int32)
+        if self.device.type == "cuda":
+            # From the caching host allocator: the block is not reused before the copy is done.
+            return src.pin_memory().to(self.device, non_blocking=True)
+        return src
+
+    def _set_anchors(self, meta: HiSparseConnectorMetadata) -> None:
+        keys = [int(k) for k in meta.anchors]
+        bad = [(r, k) for r, k in zip(meta.req_ids, keys) if not 0 <= k < self.host_rows]
+        if bad:
+            raise ValueError(f"request {bad[0][0]!r}: anchor key {bad[0][1]} lies outside the "
+                             f"host pool's {self.host_rows} rows")
+        if self._row_of_slot is None:
+            self._row_of_slot = torch.full((self.host_rows,), -1, dtype=torch.int32,
+                                           device=self.device)
+        elif self._anchors is not None:
+            self._row_of_slot[self._anchors] = -1
+        idx = self._upload(keys).long()
+        self._row_of_slot[idx] = self._upload(list(meta.state_rows))
+        self._anchors = idx
+        self._anchor_owner = dict(zip(keys, meta.req_ids))
+
+    def _check_all_gathered(self) -> None:
+        """Every member of a group that resolved last step must have gathered: the shared slot
+        table already names the keys, so a member that skipped its copy would serve stale rows
+        later. Its group's hot state is dropped (nothing stale is ever read) and it is an error."""
+        for g in self.groups:
+            if g.name not in self._resolved:
+                continue
+            skipped = [m.layer_name for m in g.members if m.layer_name not in self._gathered]
+            if skipped:
+                g.release(list(range(g.num_state_rows)))
+                self._resolved.clear()
+                raise RuntimeError(
+                    f"layer {skipped[0]!r} did not gather (resolve) in the step its leader "
+                    f"{g.leader.layer_name!r} resolved; its group's hot buffers were reset"
+                )
+
     def resolve(
         self,
         layer_name: str,
-        top_k: torch.Tensor,
+        top_k: Optional[torch.Tensor],
         resident_rows: Optional[torch.Tensor] = None,
+        *,
+        state_rows: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
-        """Leader: resolve residency for the batch. Every layer (leader or follower) then gathers
-        the group's plan into its own hot rows, here, after its own `save_kv_layer` of this step:
-        gathering a follower earlier would copy rows it has not written yet and cache them as
-        hits. Returns the attention rows [B, top_k]; a follower gets the leader's result."""
+        """Leader: resolve residency for the batch (once per step). Every layer (leader or
+        follower) then gathers the group's plan into its own hot rows, here, after its own
+        `save_kv_layer` of this step: gathering a follower earlier would copy rows it has not
+        written yet and cache them as hits. Returns the attention rows [B, top_k]; a follower
+        gets the leader's result. ``state_rows``: the batch rows' state rows (device int32 [B],
+        e.g. from ``batch_state_rows``); by default the metadata's order."""
         rt = self.runtime(layer_name)
         g = rt.index_group
         if rt.is_leader:
             if not isinstance(top_k, torch.Tensor) or top_k.dim() != 2:
                 raise ValueError(f"top_k must be a 2-D int32 tensor [B, {self.config.top_k}]")
+            if g.name in self._resolved:
+                raise RuntimeError(
+                    f"layer {layer_name!r} already resolved this step: a second plan would "
+                    "replace the one its member layers have not gathered yet"
+                )
             n = top_k.shape[0]
             if n > self.config.max_num_seqs:
                 raise ValueError(f"top_k has {n} rows, more than max_num_seqs = {self.config.max_num_seqs}")
-            g.resolve(top_k, self._state_rows[:n], resident_rows)
-            self._resolved.add(id(g))
+            if state_rows is None:
+                state_rows = self._state_rows[:n]
+            elif state_rows.shape != (n,):
+                raise ValueError(f"state_rows must have shape ({n},) like top_k's rows, got "
+                                 f"{tuple(state_rows.shape)}")
+            g.resolve(top_k, state_rows, resident_rows)
+            self._resolved.add(g.name)
             self._gathered.difference_update(m.layer_name for m in g.members)
-        elif id(g) not in self._resolved:
+        elif g.name not in self._resolved:
             raise RuntimeError(
                 f"layer {layer_name!r} follows {g.leader.layer_name!r}, which has not resolved this step"
             )

@@ -1,0 +1,78 @@
+"""What the worker connector needs from a vLLM engine, checked once at start-up.
+
+A model takes part in HiSparse through layers that carry ``row_bytes`` (bytes of one KV row) and
+``group_leader`` (the layer whose indexer picks their top-k), registered in vLLM's
+``static_forward_context`` (``hisparse.vllm.layers.SparseMLACache``). A model without such layers
+(any stock vLLM model) would never call the connector: it is refused here, before the first
+request, with one line.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping, Optional
+
+from hisparse.config import HiSparseConfig, HiSparseConfigError
+
+
+@dataclass(frozen=True)
+class ModelLayers:
+    row_bytes: dict   # {layer_name: row bytes}, model order
+    groups: list      # [[leader, follower, ...], ...]
+    host_rows: int    # keys = vLLM slots: num_blocks * block_size
+    top_k: Optional[int]
+
+
+class HiSparseModelError(RuntimeError):
+    """The served model cannot run with the HiSparse connector (one line says why)."""
+
+
+def _architectures(vllm_config: Any) -> str:
+    archs = getattr(getattr(vllm_config, "model_config", None), "architectures", None)
+    return ", ".join(archs) if archs else "unknown"
+
+
+def find_model_layers(vllm_config: Any, kv_cache_config: Any, config: HiSparseConfig,
+                      extra: Optional[Mapping]) -> ModelLayers:
+    ctx = getattr(getattr(vllm_config, "compilation_config", None), "static_forward_context",
+                  None) or {}
+    layers = {n: lay for n, lay in ctx.items()
+              if hasattr(lay, "row_bytes") and hasattr(lay, "group_leader")}
+    if not layers:
+        raise HiSparseModelError(
+            f"HiSparse connector: model architecture {_architectures(vllm_config)} has no "
+            "HiSparse sparse-attention layers, so nothing would call the connector; serve a "
+            "model whose attention calls it (e.g. a directory from `hisparse export-model`) or "
+            "drop --kv-transfer-config"
+        )
+    groups: dict = {}
+    for name, lay in layers.items():
+        if lay.group_leader not in layers:
+            raise HiSparseModelError(f"HiSparse layer {name!r} names leader "
+                                     f"{lay.group_leader!r}, which is not a HiSparse layer")
+        groups.setdefault(lay.group_leader, [lay.group_leader])
+        if name != lay.group_leader:
+            groups[lay.group_leader].append(name)
+    top_k = getattr(getattr(vllm_config.model_config, "hf_config", None), "hisparse", None)
+    top_k = top_k.get("top_k") if isinstance(top_k, Mapping) else None
+    extra = dict(extra or {})
+    if top_k is not None and extra.get("top_k", top_k) != top_k:
+        raise HiSparseConfigError(
+            f"kv_connector_extra_config['top_k'] = {extra['top_k']} differs from the model's "
+            f"top-k ({top_k}); leave it unset"
+        )
+    num_blocks = getattr(kv_cache_config, "num_blocks", None)
+    if not isinstance(num_blocks, int) or num_blocks < 1:
+        raise HiSparseModelError("HiSparse connector: vLLM passed no KV cache config with "
+                                 "num_blocks; the host pool backs vLLM's KV blocks")
+    host_rows = num_blocks * config.block_size
+    row_bytes = {n: int(lay.row_bytes) for n, lay in layers.items()}
+    need = host_rows * sum(row_bytes.values())
+    if "host_pool_gib" in extra and need > config.host_pool_bytes:
+        raise HiSparseConfigError(
+            f"kv_connector_extra_config['host_pool_gib'] = {config.host_pool_gib} is smaller "
+            f"than vLLM's {num_blocks} KV blocks need ({need / 2**30:.3f} GiB): raise it, or "
+            "leave it unset to size the pool to the blocks, or cap them with "
+            "--num-gpu-blocks-override"
+        )
+    return ModelLayers(row_bytes, list(groups.values()), host_rows, top_k)
