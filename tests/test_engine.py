@@ -44,6 +44,40 @@ def test_select_top_k_forces_recent_window_sorts_and_pads():
     assert sel[1].tolist() == [0, 1, -1, -1]
 
 
+def _select_by_stable_sort(scores, num_valid, k, recent):
+    """The reference: a stable descending sort, ties to the lower position."""
+    N, T = scores.shape
+    pos = torch.arange(T)
+    nv = num_valid.unsqueeze(-1)
+    s = scores.masked_fill(pos >= nv, float("-inf"))
+    if recent > 0:
+        s = s.masked_fill((pos < nv) & (pos >= nv - recent), float("inf"))
+    kk = min(k, T)
+    vals, idx = torch.sort(s, dim=-1, descending=True, stable=True)
+    vals, idx = vals[:, :kk], idx[:, :kk]
+    idx = torch.where(vals == float("-inf"), torch.full_like(idx, T), idx)
+    idx, _ = torch.sort(idx, dim=-1)
+    idx = torch.where(idx >= T, torch.full_like(idx, -1), idx)
+    if kk < k:
+        idx = torch.cat([idx, idx.new_full((N, k - kk), -1)], dim=-1)
+    return idx
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_select_top_k_equals_a_stable_sort_with_ties(seed):
+    g = torch.Generator().manual_seed(seed)
+    for T, k, recent in ((40, 8, 2), (40, 40, 0), (7, 16, 3), (300, 64, 8), (64, 5, 5)):
+        N = 9
+        # few distinct values: many ties, also right at the k-th value
+        scores = torch.randint(0, 4, (N, T), generator=g).double()
+        nv = torch.randint(1, T + 1, (N,), generator=g)
+        nv[0], nv[1] = 1, T
+        got = select_top_k(scores, nv, k, recent)
+        assert torch.equal(got, _select_by_stable_sort(scores, nv, k, recent)), (T, k, recent)
+        cont = torch.randn(N, T, generator=g, dtype=torch.float64)
+        assert torch.equal(select_top_k(cont, nv, k, recent), _select_by_stable_sort(cont, nv, k, recent))
+
+
 def test_same_config_same_result_and_seed_matters():
     cfg = small_config()
     a = run_workload(cfg, "resident")

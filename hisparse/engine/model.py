@@ -122,12 +122,18 @@ def select_top_k(scores: torch.Tensor, num_valid: torch.Tensor, k: int, recent: 
     if recent > 0:
         s = s.masked_fill((pos < nv) & (pos >= nv - recent), float("inf"))
     kk = min(k, T)
-    # A stable sort, not topk: equal scores (a repeated token has the same indexer key) must be
-    # broken the same way on every device -- the lower position wins.
-    vals, idx = torch.sort(s, dim=-1, descending=True, stable=True)
-    vals, idx = vals[:, :kk], idx[:, :kk]
-    idx = torch.where(vals == NEG_INF, torch.full_like(idx, T), idx)
-    idx, _ = torch.sort(idx, dim=-1)
+    # Equal scores (a repeated token has the same indexer key) must be broken the same way on
+    # every device -- the lower position wins, as a stable sort would. topk's values do not
+    # depend on how it breaks ties, so: everything above the k-th largest value, then the lowest
+    # positions equal to it: the set a stable descending sort's first k would give, without
+    # ordering all T scores of every row (the prefill runs this over [2048, 8k] chunks).
+    thr = torch.topk(s, kk, dim=-1, sorted=False).values.amin(dim=-1, keepdim=True)
+    gt = s > thr
+    eq = s == thr
+    take = gt | (eq & (eq.cumsum(dim=-1) <= kk - gt.sum(dim=-1, keepdim=True)))
+    take &= s != NEG_INF  # selected only for lack of valid positions: padding
+    cand = torch.where(take, pos, torch.full_like(pos, T))
+    idx = torch.topk(cand, kk, dim=-1, largest=False, sorted=True).values
     idx = torch.where(idx >= T, torch.full_like(idx, -1), idx)
     if kk < k:
         idx = torch.cat([idx, idx.new_full((N, k - kk), -1)], dim=-1)
