@@ -138,3 +138,21 @@ def test_spill_fault_hook_is_detected(cfg, resident):
 def test_exhausted_budget_is_an_error_not_a_wrong_answer(cfg):
     with pytest.raises(RuntimeError, match="hot slot"):
         run_workload(hybrid(cfg, 6, hot_slots=1), mode="hisparse")
+
+
+@pytest.mark.cuda
+def test_hybrid_on_cuda_is_bit_identical_to_resident_and_to_cpu(cfg, spilled):
+    """Spills, staged host writes, returns and hot-buffer gathers on the GPU (pinned pool, copy
+    streams): the same tokens and bits as all-resident on the GPU and as the CPU run."""
+    from hisparse import _ext
+
+    if not torch.cuda.is_available() or "cuda" not in _ext.built_backends():
+        pytest.skip("needs a CUDA GPU and the CUDA backend")
+    res = run_workload(cfg, mode="resident", device="cuda", record_attention=True)
+    for c in (hybrid(cfg), hybrid(cfg, 14), hybrid(cfg.replace(recent_window=0), 18)):
+        hy = run_workload(c, mode="hisparse", device="cuda", record_attention=True)
+        ref = res if c.recent_window == cfg.recent_window else run_workload(
+            c.replace(residency="host"), mode="resident", device="cuda", record_attention=True)
+        assert compare_runs(ref, hy).ok, compare_runs(ref, hy).describe()
+        assert hy.stats.mid_request_spills >= 1 and hy.stats.returned_requests >= 1
+    assert res.tokens == spilled.tokens
