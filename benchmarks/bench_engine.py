@@ -285,7 +285,7 @@ def profile_point(cfg: EngineConfig, mode: str, c: int, device: str, budget: int
             state["t1"] = time.perf_counter()
             prof.stop()
 
-    run_workload(c_cfg.replace(output_len=max(cfg.output_len, steps + 4)),
+    run_workload(c_cfg.replace(output_len=steps + 4),
                  mode="resident" if mode == "resident" else "hisparse", device=device, progress=on_step)
     ka = prof.key_averages()
     dev_attr = "self_device_time_total" if hasattr(ka[0], "self_device_time_total") else "self_cuda_time_total"
