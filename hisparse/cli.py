@@ -12,9 +12,19 @@ import math
 import os
 import platform
 import sys
+import tempfile
 from typing import Callable, Optional, Sequence
 
 from hisparse import __version__
+
+
+class CommandError(Exception):
+    """A problem found while running a command: one line on stderr, prefixed with the
+    command's name, and exit status ``code`` (2 for a bad flag value, as argparse does)."""
+
+    def __init__(self, message: str, code: int = 1) -> None:
+        super().__init__(message)
+        self.code = code
 
 
 class _Parser(argparse.ArgumentParser):
@@ -83,6 +93,17 @@ def output_path(suffixes: Sequence[str] = ()) -> Callable[[str], str]:
             probe = os.path.dirname(probe)
         if not os.path.isdir(probe) or not os.access(probe, os.W_OK):
             raise argparse.ArgumentTypeError(f"cannot write {text!r}: {probe!r} is not a writable directory")
+        # os.access answers yes to root everywhere, and a read-only mount only fails the write
+        # itself; try it now rather than after the run.
+        try:
+            if os.path.exists(text):
+                with open(text, "ab"):
+                    pass
+            else:
+                with tempfile.TemporaryFile(dir=probe):
+                    pass
+        except OSError as e:
+            raise argparse.ArgumentTypeError(f"cannot write {text!r}: {e.strerror or e}") from None
         return text
     parse.__name__ = "path"
     return parse
@@ -180,6 +201,8 @@ def check_engine_flags(parser: argparse.ArgumentParser, args: argparse.Namespace
         parser.error(f"argument --hot-size: must be >= --top-k ({args.top_k}), got {args.hot_size}")
     if args.recent_window > args.top_k:
         parser.error(f"argument --recent-window: must be <= --top-k ({args.top_k}), got {args.recent_window}")
+    if args.index_share > args.layers:
+        parser.error(f"argument --index-share: must be <= --layers ({args.layers}), got {args.index_share}")
     try:
         return engine_config_from_args(args, **over)
     except ValueError as e:
@@ -191,10 +214,26 @@ def check_engine_flags(parser: argparse.ArgumentParser, args: argparse.Namespace
         parser.error(msg)
 
 
+def _require_backend(device: str) -> None:
+    """The kernels for ``device`` must be built (a source tree without a build has none)."""
+    import torch
+
+    from hisparse import _ext
+
+    if device == "cuda" and not torch.cuda.is_available():
+        raise CommandError("argument --device: torch sees no CUDA GPU (use --device cpu)", 2)
+    try:
+        _ext.require(device)
+    except _ext.BackendUnavailableError as e:
+        raise CommandError(str(e)) from None
+
+
 def _demo(args: argparse.Namespace) -> int:
-    check_engine_flags(args._parser, args)
+    cfg = check_engine_flags(args._parser, args)
+    _require_backend(args.device)
     from hisparse import demo
 
+    demo.check_memory(cfg, args.device)
     return demo.main(args)
 
 
@@ -203,6 +242,13 @@ def _bench(args: argparse.Namespace) -> int:
     bad = [h for h in args.hot_sizes if h < args.top_k]
     if bad:
         args._parser.error(f"argument --hot-sizes: every size must be >= --top-k ({args.top_k}), got {bad}")
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            args._parser.error("argument --plot: needs matplotlib, which is not installed "
+                               "(pip install 'hisparse[plot]')")
+    _require_backend(args.device)
     from hisparse import bench
 
     return bench.main(args)
@@ -270,12 +316,66 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_plan_flags(p, int_range=int_range, float_range=float_range, output_path=output_path)
     p.set_defaults(func=_plan, _parser=p)
+
+    p = sub.add_parser(
+        "export-model", help="write the reference sparse-MLA model as a directory vLLM serves",
+        description="Write config.json, model.safetensors (seeded weights) and a byte-level "
+                    "tokenizer into DIR, for `python -m vllm.entrypoints.openai.api_server "
+                    "--model DIR` (with or without the HiSparse connector). No network needed.")
+    p.add_argument("dir", metavar="DIR", help="output directory (created if missing)")
+    m = p.add_argument_group("model")
+    m.add_argument("--layers", type=int_range(1, 1024), default=2, help="decoder layers (default: 2)")
+    m.add_argument("--index-share", type=int_range(1, 1024), default=2,
+                   help="layers per index group (default: 2)")
+    m.add_argument("--hidden", type=int_range(1, 65536), default=64, help="residual width (default: 64)")
+    m.add_argument("--vocab", type=int_range(257, 1 << 20), default=512,
+                   help="vocabulary, >= 257: 256 byte tokens + end-of-text (default: 512)")
+    m.add_argument("--indexer-dim", type=int_range(1, 4096), default=32,
+                   help="indexer key/query width (default: 32)")
+    m.add_argument("--top-k", type=int_range(1, 32768), default=64,
+                   help="tokens each query attends to (default: 64)")
+    m.add_argument("--row-layout", choices=("fp8", "bf16"), default="fp8",
+                   help="KV row layout: fp8 = 656-B rows, bf16 = 1152-B rows (default: fp8)")
+    m.add_argument("--drift", type=float_range(0.0, 1.0), default=0.05,
+                   help="indexer query drift per token (default: 0.05)")
+    m.add_argument("--recent-window", type=int_range(0, 32768), default=8,
+                   help="newest tokens always selected (default: 8)")
+    m.add_argument("--seed", type=int_range(0, 2**31 - 1), default=0, help="weights seed (default: 0)")
+    m.add_argument("--max-model-len", type=int_range(2, 1 << 20), default=2048,
+                   help="longest context in tokens (default: 2048)")
+    p.set_defaults(func=_export_model, _parser=p)
     return parser
 
 
+def _export_model(args: argparse.Namespace) -> int:
+    from hisparse.model_export import ExportError, export_model, model_config
+
+    try:
+        cfg = model_config(
+            args.max_model_len, num_layers=args.layers, index_share=args.index_share,
+            hidden=args.hidden, vocab=args.vocab, indexer_dim=args.indexer_dim,
+            top_k=args.top_k, row_layout=args.row_layout, drift=args.drift,
+            recent_window=args.recent_window, seed=args.seed)
+        if args.index_share > args.layers:
+            raise ExportError(f"--index-share ({args.index_share}) must be <= --layers "
+                              f"({args.layers})")
+        out = export_model(args.dir, cfg)
+    except (ExportError, OSError) as e:
+        args._parser.error(str(e))
+        return 2
+    print(f"wrote {out}: {cfg.num_layers} layers, top-k {cfg.top_k}, {cfg.row_bytes}-B rows, "
+          f"context {cfg.max_context}")
+    return 0
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Run one command; returns its exit status. Errors raise SystemExit with one line on
+    stderr that names the command (HISPARSE_TRACEBACK=1 re-raises them for debugging)."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    sub: argparse.ArgumentParser = getattr(args, "_parser", parser)
+    if unknown:
+        sub.error(f"unrecognized arguments: {' '.join(unknown)}")
     func: Optional[Callable[[argparse.Namespace], int]] = getattr(args, "func", None)
     if func is None:
         parser.print_help()
@@ -284,7 +384,25 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         k = args.top_k
         args.hot_sizes = sorted({k, int(1.25 * k), int(1.5 * k), 2 * k, 3 * k, 4 * k} - {0})
         args.hot_sizes = [h for h in args.hot_sizes if h <= 32768]
-    return int(func(args) or 0)
+    try:
+        return int(func(args) or 0)
+    except KeyboardInterrupt:
+        print(f"\n{sub.prog}: interrupted", file=sys.stderr, flush=True)
+        raise SystemExit(130) from None
+    except CommandError as e:
+        sub.exit(e.code, f"{sub.prog}: error: {_one_line(e)}\n")
+    except Exception as e:  # noqa: BLE001  (a command never ends in a traceback)
+        if os.environ.get("HISPARSE_TRACEBACK", "") not in ("", "0"):
+            raise
+        sub.exit(1, f"{sub.prog}: error: {type(e).__name__}: {_one_line(e)} "
+                    f"(HISPARSE_TRACEBACK=1 shows where)\n")
+    return 1  # unreachable: sub.exit raises
+
+
+def _one_line(e: BaseException) -> str:
+    # The first line carries the message; torch appends C++ frames on the lines after it.
+    text = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), type(e).__name__)
+    return text if len(text) <= 400 else text[:397] + "..."
 
 
 if __name__ == "__main__":

@@ -107,6 +107,23 @@ class _SchedulerState:
         self.blocks: dict = {}
         self.pending_resets: list = []
         self.pending_invalidate: list = []
+        self.host_rows: Optional[int] = None  # known with vLLM: its KV blocks x block_size
+        self._last_gauges: Optional[tuple] = None
+
+    def gauges(self) -> Optional[HiSparseKVConnectorStats]:
+        """Scheduler-side gauge samples, when they changed: host-pool usage from the live
+        requests' tokens (exact every step), and hot rows in use = 0 once no request is live
+        (the worker's snapshot still counts rows of requests it has not been told are gone)."""
+        if not self.host_rows:
+            return None
+        usage = min(1.0, sum(self.tokens.values()) / self.host_rows)
+        idle = not self.tokens
+        if self._last_gauges == (usage, idle):
+            return None
+        self._last_gauges = (usage, idle)
+        stats = HiSparseKVConnectorStats()
+        stats.record_snapshot(0, 0, 0, host_pool_usage=usage, hot_rows_in_use=0 if idle else None)
+        return stats
 
     def release(self, req_id) -> None:
         row = self.rows.free(req_id)
@@ -208,6 +225,9 @@ class HiSparseConnector(KVConnectorBase_V1, SupportsHMA):
             self.worker = HiSparseConnectorWorker(self.config)
         else:
             self._scheduler = _SchedulerState(self.config)
+            blocks = getattr(kv_cache_config, "num_blocks", None)
+            if isinstance(blocks, int) and blocks > 0:
+                self._scheduler.host_rows = blocks * self.config.block_size
 
     @classmethod
     def from_extra_config(
@@ -302,7 +322,7 @@ class HiSparseConnector(KVConnectorBase_V1, SupportsHMA):
 
     def get_kv_connector_stats(self) -> Optional[HiSparseKVConnectorStats]:
         if self.worker is None:
-            return None
+            return self._scheduler.gauges() if self._scheduler is not None else None
         return self.worker.get_kv_connector_stats()
 
     def shutdown(self) -> None:

@@ -164,6 +164,16 @@ class HiSparseConnectorWorker:
         cfg = self.config
         S, H = cfg.max_num_seqs, cfg.device_buffer_size
         names = tuple(kv_caches)
+        if groups is None:
+            share = cfg.index_share
+            groups = [names[i : i + share] for i in range(0, len(names), share)]
+        else:
+            flat = [n for members in groups for n in members]
+            if sorted(flat) != sorted(names) or len(set(flat)) != len(flat):
+                raise ValueError(
+                    "groups must list every registered layer exactly once, got "
+                    f"{[list(m) for m in groups]} for layers {list(names)}"
+                )
         views = {n: _as_row_bytes(n, kv_caches[n]) for n in names}
         devices = {v.device for v in views.values()}
         if len(devices) != 1:
@@ -211,6 +221,7 @@ class HiSparseConnectorWorker:
             if host_rows > 2**31 - 1:
                 raise ValueError(f"host_rows = {host_rows} does not fit int32 keys")
             num_blocks = -(-host_rows // cfg.block_size)
+            host_rows = num_blocks * cfg.block_size
         pool = HostPool(
             host_rows * per_row, pin=pin, what="HiSparse host pool (kv_connector_extra_config['host_pool_gib'])"
         )
@@ -222,16 +233,6 @@ class HiSparseConnectorWorker:
             offset = layout.nbytes()  # end of this layer (nbytes includes the offset)
         check_disjoint(host_views)
 
-        if groups is None:
-            share = cfg.index_share
-            groups = [names[i : i + share] for i in range(0, len(names), share)]
-        else:
-            flat = [n for members in groups for n in members]
-            if sorted(flat) != sorted(names) or len(set(flat)) != len(flat):
-                raise ValueError(
-                    "groups must list every registered layer exactly once, got "
-                    f"{[list(m) for m in groups]} for layers {list(names)}"
-                )
         group_objs, runtimes = [], {}
         for gi, members in enumerate(groups):
             g = HiSparseIndexGroup(

