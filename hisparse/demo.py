@@ -15,6 +15,7 @@ from typing import Optional
 import torch
 
 from hisparse.binding import BindingError
+from hisparse.cli import CommandError
 from hisparse.engine import EngineConfig, compare_runs, run_workload
 
 # Counter data keys -> Prometheus series as exposed (counters get `_total`).
@@ -38,6 +39,47 @@ def engine_config_from_args(args, **over) -> EngineConfig:
     )
     fields.update(over)
     return EngineConfig(**fields)
+
+
+def memory_needs(cfg: EngineConfig) -> dict:
+    """Bytes of the big allocations of each run: the resident run's device KV (every key row
+    of every layer), the HiSparse run's device rows (recent window + hot buffers) and host pool
+    (every key row plus one block of slack), as the engine allocates them."""
+    per_row = cfg.row_bytes * cfg.num_layers
+    window = max(1, cfg.recent_window)
+    return {
+        "resident_device": cfg.num_keys * per_row,
+        "hisparse_device": cfg.num_state_rows * (window + cfg.hot_size) * per_row,
+        "hisparse_host": (cfg.num_keys + cfg.block_size) * per_row,
+    }
+
+
+def check_memory(cfg: EngineConfig, device: str, *, host_free: Optional[int] = None,
+                 device_free: Optional[int] = None) -> dict:
+    """Refuse, before anything is allocated, a workload whose KV cannot fit: the allocator
+    would otherwise fail deep inside the run (a 27-line traceback, or the OOM killer)."""
+    from hisparse.host_pool import _RESERVE_BYTES, available_host_bytes
+
+    need = memory_needs(cfg)
+    if host_free is None:
+        host_free = max(0, available_host_bytes() - _RESERVE_BYTES)
+    if device == "cuda":
+        if device_free is None:
+            device_free = torch.cuda.mem_get_info()[0]
+        budgets = [("resident", "device", need["resident_device"], device_free),
+                   ("HiSparse", "device", need["hisparse_device"], device_free),
+                   ("HiSparse", "host", need["hisparse_host"], host_free)]
+    else:  # both runs keep everything in RAM; they run one after the other
+        budgets = [("resident", "host", need["resident_device"], host_free),
+                   ("HiSparse", "host", need["hisparse_device"] + need["hisparse_host"], host_free)]
+    for run, where, n, free in budgets:
+        if n > free:
+            raise CommandError(
+                f"the {run} run needs {_fmt_bytes(n)} of {where} memory for its KV but "
+                f"{_fmt_bytes(free)} is free: lower --prompt-len + --output-len ("
+                f"{cfg.prompt_len} + {cfg.output_len}), --concurrency ({cfg.max_running}) or "
+                f"--layers ({cfg.num_layers})", 2)
+    return need
 
 
 def tokens_digest(tokens) -> str:
@@ -116,7 +158,7 @@ def run_demo(args, *, exporter=None, out=None) -> DemoOutcome:
     cfg = engine_config_from_args(args)
     device = args.device
     if device == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("hisparse demo: --device cuda: torch sees no CUDA GPU (use --device cpu)")
+        raise CommandError("argument --device: torch sees no CUDA GPU (use --device cpu)", 2)
     prev_threads = torch.get_num_threads()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -129,7 +171,7 @@ def run_demo(args, *, exporter=None, out=None) -> DemoOutcome:
             exporter.start(args.metrics_port)
         except OSError as e:
             torch.set_num_threads(prev_threads)
-            raise SystemExit(f"hisparse demo: error: argument --metrics-port: {e}") from None
+            raise CommandError(f"argument --metrics-port: {e}", 2) from None
         own_exporter = True
     try:
         if exporter is not None:

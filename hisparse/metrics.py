@@ -92,3 +92,46 @@ class HiSparseMetricsExporter:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """``python -m hisparse.metrics``: serve the HiSparse series (zero until a server observes
+    stats into them) so a Prometheus scrape config or the Grafana board can be wired up and
+    checked before a real server runs."""
+    import sys
+    import time
+
+    from hisparse.cli import _Parser  # one-line usage errors, exit status 2
+
+    parser = _Parser(
+        prog="python -m hisparse.metrics",
+        description="Serve the HiSparse Prometheus metrics on /metrics until interrupted.")
+    parser.add_argument("--port", type=int, default=9400, help="TCP port, 0 = any free port (default: 9400)")
+    parser.add_argument("--addr", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
+    parser.add_argument("--model-name", default="hisparse", help="model_name label (default: hisparse)")
+    parser.add_argument("--duration", type=float, default=None,
+                        help="stop after this many seconds (default: serve until Ctrl-C)")
+    args = parser.parse_args(argv)
+    if not 0 <= args.port <= 65535:
+        parser.error(f"argument --port: must be in [0, 65535], got {args.port}")
+    if args.duration is not None and not args.duration > 0:
+        parser.error(f"argument --duration: must be > 0, got {args.duration}")
+    exporter = HiSparseMetricsExporter(model_name=args.model_name)
+    try:
+        port = exporter.start(args.port, addr=args.addr)
+    except (OSError, ValueError) as e:
+        parser.error(f"argument --port: {e}")
+    print(f"serving HiSparse metrics on http://{args.addr}:{port}/metrics (Ctrl-C stops)", flush=True)
+    deadline = None if args.duration is None else time.monotonic() + args.duration
+    try:
+        while deadline is None or time.monotonic() < deadline:
+            time.sleep(0.2)
+    except KeyboardInterrupt:
+        print("stopped", file=sys.stderr)
+    finally:
+        exporter.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
