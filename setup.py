@@ -3,10 +3,23 @@ of torch are both present (HISPARSE_NO_CUDA=1 forces a CPU-only build)."""
 
 import glob
 import os
+import re
 import shutil
+import sys
 
 from setuptools import setup
 from torch.utils import cpp_extension
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+
+
+def cxx_standard(torch_version: str) -> str:
+    """The C++ standard torch's headers need: ATen requires C++20 from torch 2.14 on and
+    refuses to compile otherwise (`#error C++20 or later compatible compiler is required`)."""
+    m = re.match(r"(\d+)\.(\d+)", torch_version)
+    if m is None:
+        raise ValueError(f"cannot read a torch version from {torch_version!r}")
+    return "c++20" if (int(m.group(1)), int(m.group(2))) >= (2, 14) else "c++17"
 
 
 def _want_cuda() -> bool:
@@ -18,11 +31,18 @@ def _want_cuda() -> bool:
     return torch.version.cuda is not None and has_nvcc
 
 
-def _extension():
-    root = os.path.dirname(os.path.abspath(__file__))
+def build_temp_dir(torch_version: str, with_cuda: bool) -> str:
+    """A build folder that outlives the build: setuptools' editable builds compile in a fresh
+    temporary folder each time, so ninja found no objects and recompiled everything (~60 s)
+    even with csrc/ untouched. One folder per python/torch/backend keeps builds apart."""
+    tag = f"py{sys.version_info[0]}{sys.version_info[1]}-torch{torch_version}" + ("-cuda" if with_cuda else "")
+    return os.path.join(ROOT, "build", "temp-" + re.sub(r"[^A-Za-z0-9.+_-]", "_", tag))
+
+
+def _extension(with_cuda: bool, std: str):
     cpp = sorted(glob.glob(os.path.join("csrc", "*.cpp")))
-    cxx_flags = ["-O3", "-std=c++17"]
-    if _want_cuda():
+    cxx_flags = ["-O3", f"-std={std}"]
+    if with_cuda:
         cu = sorted(glob.glob(os.path.join("csrc", "cuda", "*.cpp")) +
                     glob.glob(os.path.join("csrc", "cuda", "*.cu")))
         arch = os.environ.get("TORCH_CUDA_ARCH_LIST")
@@ -31,22 +51,43 @@ def _extension():
         return cpp_extension.CUDAExtension(
             "hisparse._C",
             cpp + cu,
-            include_dirs=[os.path.join(root, "csrc")],
+            include_dirs=[os.path.join(ROOT, "csrc")],
             define_macros=[("HISPARSE_WITH_CUDA", "1")],
             extra_compile_args={
                 "cxx": cxx_flags,
-                "nvcc": ["-O3", "-std=c++17", "--use_fast_math", "-lineinfo"],
+                "nvcc": ["-O3", f"-std={std}", "--use_fast_math", "-lineinfo"],
             },
         )
     return cpp_extension.CppExtension(
         "hisparse._C",
         cpp,
-        include_dirs=[os.path.join(root, "csrc")],
+        include_dirs=[os.path.join(ROOT, "csrc")],
         extra_compile_args={"cxx": cxx_flags},
     )
 
 
-setup(
-    ext_modules=[_extension()],
-    cmdclass={"build_ext": cpp_extension.BuildExtension.with_options(use_ninja=True)},
-)
+def _build_ext_class(temp_dir: str, with_cuda: bool):
+    base = cpp_extension.BuildExtension.with_options(use_ninja=True)
+
+    class BuildExt(base):
+        def finalize_options(self):
+            super().finalize_options()
+            self.build_temp = temp_dir
+
+        def build_extensions(self):
+            print(f"hisparse: compiling the C++{'/CUDA' if with_cuda else ''} "
+                  f"kernels in {temp_dir} (first build 40-130 s; later builds reuse the objects)",
+                  flush=True)
+            super().build_extensions()
+
+    return BuildExt
+
+
+if __name__ == "__main__":
+    import torch
+
+    _cuda = _want_cuda()
+    setup(
+        ext_modules=[_extension(_cuda, cxx_standard(torch.__version__))],
+        cmdclass={"build_ext": _build_ext_class(build_temp_dir(torch.__version__, _cuda), _cuda)},
+    )
