@@ -64,8 +64,15 @@ def _request_id(request: Any) -> str:
 
 
 def _defaults_from_vllm(vllm_config: Any, extra: Optional[Mapping]) -> dict:
-    """Fill max_num_seqs / block_size from vLLM's own config when the extra config omits them."""
+    """Fill max_num_seqs / block_size from vLLM's own config, and top_k from the served model's
+    config (an exported HiSparse model), when the extra config omits them."""
+    if extra is not None and not isinstance(extra, Mapping):
+        return extra  # the config names the problem
     merged = dict(extra or {})
+    hf = getattr(getattr(vllm_config, "model_config", None), "hf_config", None)
+    model = getattr(hf, "hisparse", None)
+    if "top_k" not in merged and isinstance(model, Mapping) and isinstance(model.get("top_k"), int):
+        merged["top_k"] = model["top_k"]
     sched = getattr(vllm_config, "scheduler_config", None)
     cache = getattr(vllm_config, "cache_config", None)
     seqs = getattr(sched, "max_num_seqs", None)
@@ -206,8 +213,7 @@ class HiSparseConnector(KVConnectorBase_V1, SupportsHMA):
         role = _role(role)
         super().__init__(vllm_config, role, kv_cache_config)
         extra = getattr(self._kv_transfer_config, "kv_connector_extra_config", None)
-        settings = _defaults_from_vllm(vllm_config, extra)
-        self.config = HiSparseConfig.from_extra_config(settings)
+        self.config = HiSparseConfig.from_extra_config(_defaults_from_vllm(vllm_config, extra))
         self.worker: Optional[HiSparseConnectorWorker] = None
         self._scheduler: Optional[_SchedulerState] = None
         # Inside a vLLM engine (a real model config) the model's own layers must call us: a model
@@ -218,9 +224,6 @@ class HiSparseConnector(KVConnectorBase_V1, SupportsHMA):
 
             self._model_layers = find_model_layers(vllm_config, kv_cache_config, self.config,
                                                    extra)
-            if self._model_layers.top_k is not None and "top_k" not in settings:
-                settings["top_k"] = self._model_layers.top_k
-                self.config = HiSparseConfig.from_extra_config(settings)
         if role == KVConnectorRole.WORKER:
             self.worker = HiSparseConnectorWorker(self.config)
         else:

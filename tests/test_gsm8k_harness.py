@@ -65,7 +65,7 @@ def test_glm_config_has_exactly_the_issue_values():
     assert cfg.server_option("--enforce-eager") == ""
     assert cfg.server_option("--kv-cache-dtype") == "bfloat16"
     assert cfg.kv_transfer_config() == {
-        "kv_connector": "HiSparseConnector",
+        "kv_connector": "HiSparseOOTConnector",
         "kv_connector_module_path": "hisparse.connector",
         "kv_role": "kv_both",
         "kv_connector_extra_config": {"host_pool_gib": 32},
@@ -78,7 +78,7 @@ def test_deepseek_config_loads_and_uses_the_connector():
     assert cfg.model_name == "deepseek-ai/DeepSeek-V3.2"
     assert cfg.num_questions == 1319 and cfg.num_fewshot == 5
     kv = cfg.kv_transfer_config()
-    assert kv["kv_connector"] == "HiSparseConnector"
+    assert kv["kv_connector"] == "HiSparseOOTConnector"
     assert kv["kv_connector_module_path"] == "hisparse.connector"
     assert kv["kv_role"] == "kv_both"
 
@@ -500,3 +500,15 @@ def test_hisparse_counters_are_scraped_into_the_result(tmp_path):
         res = evaluate(cfg, srv.base_url, data_dir=data, quiet=True)
     assert res.passed and res.hisparse_metrics == {}
     assert "no vllm:hisparse_* metrics exported" in res.summary_line()
+
+
+def test_config_naming_vllms_in_tree_connector_for_this_package_is_refused(tmp_path):
+    """vLLM 0.32 routes the name HiSparseConnector to its own CUDA path even with our module
+    path: a nightly config saying so would never load this package."""
+    p = tmp_path / "bad.yaml"
+    text = open(DSV).read().replace('"kv_connector":"HiSparseOOTConnector"',
+                                         '"kv_connector":"HiSparseConnector"')
+    assert '"HiSparseConnector"' in text
+    p.write_text(text)
+    with pytest.raises(ConfigError, match="use 'HiSparseOOTConnector'"):
+        load_config(str(p))
