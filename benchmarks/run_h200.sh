@@ -2,6 +2,9 @@
 # One device session on an H200: build, check the binary, run every test (CUDA ones included),
 # compute-sanitizer over the op workload, then the benchmarks. Logs and results go to $OUT.
 #   STAGES="build tests sanitizer bench engine demo" bash benchmarks/run_h200.sh
+# STAGES may also name "cudatests" (only the CUDA tests, the oracle property tests and the
+# save_rows tests: the quick gate after a kernel change) and "bench2" (a second bench_ops run,
+# for the spread between runs).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/hisparse-out}
@@ -26,15 +29,26 @@ if has tests; then
   timeout 400 python3 -m pytest -q -rs -p no:cacheprovider tests/ > "$OUT/pytest.txt" 2>&1 || status=1
   tail -15 "$OUT/pytest.txt"
 fi
+if has cudatests; then
+  timeout 300 python3 -m pytest -q -rs -p no:cacheprovider -m cuda tests/ > "$OUT/pytest_cuda.txt" 2>&1 || status=1
+  tail -5 "$OUT/pytest_cuda.txt"
+  timeout 200 python3 -m pytest -q -rs -p no:cacheprovider tests/test_ops_property.py tests/test_save_rows.py > "$OUT/pytest_ops.txt" 2>&1 || status=1
+  tail -3 "$OUT/pytest_ops.txt"
+fi
 if has sanitizer; then
   for tool in memcheck racecheck; do
-    timeout 150 compute-sanitizer --tool $tool python3 tests/cuda_sanitizer_workload.py > "$OUT/$tool.txt" 2>&1 || status=1
+    extra=""; [ $tool = memcheck ] && extra="--fallback"  # the global-workspace path too
+    timeout 150 compute-sanitizer --tool $tool python3 tests/cuda_sanitizer_workload.py $extra > "$OUT/$tool.txt" 2>&1 || status=1
     grep -E "ERROR SUMMARY|RACECHECK SUMMARY|hazard|workload" "$OUT/$tool.txt" | tail -3
   done
 fi
 if has bench; then
   timeout 300 python3 benchmarks/bench_ops.py --device cuda --json "$OUT/bench_ops_h200.json" > "$OUT/bench.txt" 2>&1 || status=1
-  tail -25 "$OUT/bench.txt"
+  sed -n '/## Issue table/,/^$/p' "$OUT/bench.txt"
+fi
+if has bench2; then
+  timeout 300 python3 benchmarks/bench_ops.py --device cuda --json "$OUT/bench_ops_h200_run2.json" > "$OUT/bench2.txt" 2>&1 || status=1
+  sed -n '/## Issue table/,/^$/p' "$OUT/bench2.txt"
 fi
 if has engine; then
   timeout 400 python3 benchmarks/bench_engine.py --device cuda --out-dir "$OUT" > "$OUT/engine.txt" 2>&1 || status=1

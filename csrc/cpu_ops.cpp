@@ -29,26 +29,29 @@ struct RowCounts {
 };
 
 // Open-addressing map from a selected key to its index in first-occurrence order. Keys are
-// >= 0, so -1 marks an empty bucket; the table is at least twice the row's entries.
+// >= 0, so -1 marks an empty bucket; the table is at least four times the row's entries (short
+// probe runs), and a bucket holds key and index together (one cache line per probe).
 class KeyIndex {
  public:
   void reset(int64_t entries) {
-    size_t cap = 16;
-    while (cap < static_cast<size_t>(2 * entries)) cap <<= 1;
-    keys_.assign(cap, -1);
-    vals_.resize(cap);
+    int log2 = 4;
+    while ((int64_t(1) << log2) < 4 * entries) ++log2;
+    const size_t cap = size_t(1) << log2;
+    if (table_.size() != cap) table_.resize(cap);
+    std::fill(table_.begin(), table_.end(), Bucket{-1, 0});
     mask_ = cap - 1;
+    shift_ = 32 - log2;
   }
   // Index of `key`, inserting `next` if it is new; `inserted` says which happened.
   int32_t find_or_insert(int32_t key, int32_t next, bool* inserted) {
     for (size_t h = bucket(key);; h = (h + 1) & mask_) {
-      if (keys_[h] == key) {
+      Bucket& b = table_[h];
+      if (b.key == key) {
         *inserted = false;
-        return vals_[h];
+        return b.val;
       }
-      if (keys_[h] == -1) {
-        keys_[h] = key;
-        vals_[h] = next;
+      if (b.key == -1) {
+        b = Bucket{key, next};
         *inserted = true;
         return next;
       }
@@ -57,17 +60,20 @@ class KeyIndex {
   int32_t find(int32_t key) const {
     if (key < 0) return -1;
     for (size_t h = bucket(key);; h = (h + 1) & mask_) {
-      if (keys_[h] == key) return vals_[h];
-      if (keys_[h] == -1) return -1;
+      const Bucket& b = table_[h];
+      if (b.key == key) return b.val;
+      if (b.key == -1) return -1;
     }
   }
 
  private:
-  size_t bucket(int32_t key) const {
-    return (static_cast<uint32_t>(key) * 0x9E3779B1u >> 7) & mask_;
-  }
-  std::vector<int32_t> keys_, vals_;
+  struct Bucket {
+    int32_t key, val;
+  };
+  size_t bucket(int32_t key) const { return (static_cast<uint32_t>(key) * 0x9E3779B1u) >> shift_; }
+  std::vector<Bucket> table_;
   size_t mask_ = 0;
+  int shift_ = 28;
 };
 
 // Per-thread buffers, reused across rows and calls.
@@ -115,15 +121,24 @@ RowCounts resolve_row(const int32_t* keys, const int32_t* resident, int32_t* slo
       hit_slot[j] = 1;
     }
   }
+  // Split the LRU order into evictable and hit slots (branch-free: both lists get every slot,
+  // only the right one advances).
   std::vector<int16_t>& evictable = w.evictable;
   std::vector<int16_t>& hits_in_order = w.hits_in_order;
-  evictable.clear();
-  hits_in_order.clear();
+  evictable.resize(H + 1);
+  hits_in_order.resize(H + 1);
+  int64_t ne = 0, nh = 0;
   for (int64_t p = 0; p < H; ++p) {
     const int16_t slot = lru[p];
-    if (slot < 0 || slot >= H) continue;
-    (hit_slot[slot] ? hits_in_order : evictable).push_back(slot);
+    const bool valid = slot >= 0 && slot < H;
+    const bool hit = valid && hit_slot[valid ? slot : 0];
+    evictable[ne] = slot;
+    hits_in_order[nh] = slot;
+    ne += valid && !hit;
+    nh += hit;
   }
+  evictable.resize(ne);
+  hits_in_order.resize(nh);
   RowCounts c;
   int64_t m = 0;
   for (int64_t u = 0; u < U; ++u) {
@@ -150,6 +165,17 @@ RowCounts resolve_row(const int32_t* keys, const int32_t* resident, int32_t* slo
   for (int64_t e = 0; e < m; ++e) lru[p++] = evictable[e];
   for (int16_t slot : hits_in_order) lru[p++] = slot;
   return c;
+}
+
+// Copies row `s` of view `from` to row `t` of view `to`; false (nothing copied) when either
+// row is out of range.
+bool copy_row(const RowView& from, int64_t s, const RowView& to, int64_t t) {
+  if (s < 0 || s >= from.rows() || t < 0 || t >= to.rows()) return false;
+  const uint8_t* a =
+      from.base + (s / from.block_size) * from.block_stride + (s % from.block_size) * from.row_stride;
+  uint8_t* b = to.base + (t / to.block_size) * to.block_stride + (t % to.block_size) * to.row_stride;
+  std::memcpy(b, a, static_cast<size_t>(from.row_bytes));
+  return true;
 }
 
 }  // namespace
@@ -212,27 +238,41 @@ void gather_cpu(at::TensorList host, at::TensorList hot, const at::Tensor& miss_
   uint64_t moved = 0;
   for (size_t l = 0; l < plan.host.size(); ++l) {
     const RowView h = plan.host[l], d = plan.hot[l];
-    std::vector<int64_t> copied(B, 0);
     at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
+      uint64_t rows = 0;
       for (int64_t r = begin; r < end; ++r) {
         const int64_t n = std::min<int64_t>(std::max<int32_t>(count[r], 0), K);
-        for (int64_t m = 0; m < n; ++m) {
-          const int64_t s = src[r * K + m], t = dst[r * K + m];
-          if (s < 0 || s >= h.rows() || t < 0 || t >= d.rows()) continue;
-          const uint8_t* from =
-              h.base + (s / h.block_size) * h.block_stride + (s % h.block_size) * h.row_stride;
-          uint8_t* to =
-              d.base + (t / d.block_size) * d.block_stride + (t % d.block_size) * d.row_stride;
-          std::memcpy(to, from, static_cast<size_t>(h.row_bytes));
-          ++copied[r];
-        }
+        for (int64_t m = 0; m < n; ++m)
+          rows += copy_row(h, src[r * K + m], d, dst[r * K + m]) ? 1 : 0;
       }
+      __atomic_fetch_add(&moved, rows * static_cast<uint64_t>(h.row_bytes), __ATOMIC_RELAXED);
     });
-    for (int64_t r = 0; r < B; ++r) moved += static_cast<uint64_t>(copied[r] * h.row_bytes);
   }
-  if (moved_bytes.has_value() && moved_bytes->defined()) {
-    moved_bytes->data_ptr<uint64_t>()[0] += moved;
+  if (moved_bytes.has_value() && moved_bytes->defined())
+    __atomic_fetch_add(moved_bytes->data_ptr<uint64_t>(), moved, __ATOMIC_RELAXED);
+}
+
+void save_rows_cpu(at::TensorList src, at::TensorList host, const at::Tensor& src_rows,
+                   const at::Tensor& host_rows, const c10::optional<at::Tensor>& moved_bytes) {
+  const SavePlan plan = check_save_args(
+      src, host, src_rows, host_rows, moved_bytes,
+      [](const at::Tensor& t, const std::string& name) {
+        TORCH_CHECK(t.device().is_cpu(), "hisparse_save_rows: argument '", name,
+                    "' must be on cpu for the CPU backend, got ", t.device());
+      });
+  const int32_t* from = src_rows.data_ptr<int32_t>();
+  const int32_t* to = host_rows.data_ptr<int32_t>();
+  uint64_t moved = 0;
+  for (size_t l = 0; l < plan.src.size(); ++l) {
+    const RowView s = plan.src[l], h = plan.host[l];
+    at::parallel_for(0, plan.N, 256, [&](int64_t begin, int64_t end) {
+      uint64_t rows = 0;
+      for (int64_t i = begin; i < end; ++i) rows += copy_row(s, from[i], h, to[i]) ? 1 : 0;
+      __atomic_fetch_add(&moved, rows * static_cast<uint64_t>(s.row_bytes), __ATOMIC_RELAXED);
+    });
   }
+  if (moved_bytes.has_value() && moved_bytes->defined())
+    __atomic_fetch_add(moved_bytes->data_ptr<uint64_t>(), moved, __ATOMIC_RELAXED);
 }
 
 void invalidate_cpu(at::Tensor& slot_keys, at::Tensor& lru, const at::Tensor& state_rows,

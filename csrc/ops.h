@@ -16,6 +16,9 @@ void gather_cpu(at::TensorList host, at::TensorList hot, const at::Tensor& miss_
                 const at::Tensor& miss_dst, const at::Tensor& miss_count,
                 const c10::optional<at::Tensor>& moved_bytes);
 
+void save_rows_cpu(at::TensorList src, at::TensorList host, const at::Tensor& src_rows,
+                   const at::Tensor& host_rows, const c10::optional<at::Tensor>& moved_bytes);
+
 void invalidate_cpu(at::Tensor& slot_keys, at::Tensor& lru, const at::Tensor& state_rows,
                     const c10::optional<at::Tensor>& keys);
 

@@ -17,12 +17,16 @@ TORCH_LIBRARY(hisparse, m) {
   m.def(
       "hisparse_invalidate(Tensor(a!) slot_keys, Tensor(b!) lru, Tensor state_rows, "
       "Tensor? keys) -> ()");
+  m.def(
+      "hisparse_save_rows(Tensor[] src, Tensor(a!)[] host, Tensor src_rows, Tensor host_rows, "
+      "Tensor(b!)? moved_bytes) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(hisparse, CPU, m) {
   m.impl("hisparse_resolve_residency", &hisparse::resolve_residency_cpu);
   m.impl("hisparse_gather", &hisparse::gather_cpu);
   m.impl("hisparse_invalidate", &hisparse::invalidate_cpu);
+  m.impl("hisparse_save_rows", &hisparse::save_rows_cpu);
 }
 
 // A plain Python module so `import hisparse._C` loads the library and its registrations.

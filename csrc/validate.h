@@ -205,6 +205,48 @@ GatherPlan check_gather_args(at::TensorList host, at::TensorList hot, const at::
   return plan;
 }
 
+struct SavePlan {
+  int64_t N;
+  std::vector<RowView> src, host;
+};
+
+// save_rows: `src[l]` holds the new rows of member layer l, `host[l]` is its host view;
+// `host_ok` decides where a host view may live (backend-specific, as for gather).
+template <typename HostOk>
+SavePlan check_save_args(at::TensorList src, at::TensorList host, const at::Tensor& src_rows,
+                         const at::Tensor& host_rows, const c10::optional<at::Tensor>& moved_bytes,
+                         HostOk host_ok) {
+  const char* op = "hisparse_save_rows";
+  TORCH_CHECK(src.size() >= 1, op, ": argument 'src' must list at least one view");
+  TORCH_CHECK(src.size() == host.size(), op, ": arguments 'src' and 'host' must have the same ",
+              "length, got ", src.size(), " and ", host.size());
+  check_defined(src_rows, op, "src_rows");
+  const at::Device dev = src_rows.device();
+  check_tensor(src_rows, at::kInt, 1, dev, op, "src_rows");
+  const int64_t N = src_rows.size(0);
+  TORCH_CHECK(N <= kInt32Max, op, ": argument 'src_rows' has more than 2^31-1 entries");
+  check_tensor(host_rows, at::kInt, 1, dev, op, "host_rows");
+  check_shape(host_rows, {N}, op, "host_rows");
+  if (moved_bytes.has_value() && moved_bytes->defined()) {
+    check_tensor(*moved_bytes, at::kUInt64, 1, dev, op, "moved_bytes");
+    check_shape(*moved_bytes, {1}, op, "moved_bytes");
+  }
+  SavePlan plan{N, {}, {}};
+  for (size_t l = 0; l < src.size(); ++l) {
+    const std::string sn = "src[" + std::to_string(l) + "]";
+    const std::string hn = "host[" + std::to_string(l) + "]";
+    RowView s = check_row_view(src[l], op, sn);
+    RowView h = check_row_view(host[l], op, hn);
+    check_device(src[l], dev, op, sn.c_str());
+    host_ok(host[l], hn);
+    TORCH_CHECK(s.row_bytes == h.row_bytes, op, ": arguments '", sn, "' and '", hn,
+                "' must have the same row size, got ", s.row_bytes, " and ", h.row_bytes);
+    plan.src.push_back(s);
+    plan.host.push_back(h);
+  }
+  return plan;
+}
+
 struct InvalidateDims {
   int64_t N, S, H;
 };

@@ -89,6 +89,26 @@ def _check_one_device(op: str, ref_name: str, ref: torch.Tensor, named, *,
                                f"in host memory, got {t.device}")
 
 
+def save_rows(
+    src: Sequence[torch.Tensor],
+    host: Sequence[torch.Tensor],
+    src_rows: torch.Tensor,
+    host_rows: torch.Tensor,
+    moved_bytes: Optional[torch.Tensor] = None,
+) -> None:
+    """Write a step's new rows to the host pool: for every member layer l and entry i, copy row
+    ``src_rows[i]`` of ``src[l]`` into row ``host_rows[i]`` of ``host[l]``, all in one launch.
+
+    ``src[l]`` is where layer l's new rows are (the paged KV cache or the hot buffer, on the
+    compute device), ``host[l]`` its host view (pinned host memory for the CUDA backend);
+    entries whose source or host row is out of range (e.g. -1 padding) are skipped. Host rows
+    must be distinct among the copied entries. See docs/ops.md.
+    """
+    if isinstance(src_rows, torch.Tensor):
+        _ext.require(_device_type(src_rows))
+    _op("hisparse_save_rows")(list(src), list(host), src_rows, host_rows, moved_bytes)
+
+
 def _register_fakes() -> None:
     # The ops only mutate their arguments, so tracing needs nothing but their existence and
     # the device check.

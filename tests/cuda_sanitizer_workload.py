@@ -4,10 +4,12 @@
     compute-sanitizer --tool racecheck python tests/cuda_sanitizer_workload.py
 
 Runs resolve (resident tier on and off, padding rows and entries, duplicate state rows,
-out-of-range keys, a corrupted LRU), gather for a 2-layer index group from pinned host memory
-(bad plan entries included), and invalidate in both modes, and checks every result against the
-CPU backend so a silent wrong answer also fails. `--fallback` adds the global-workspace resolve
-path (K = H = 9000), which is too slow under racecheck and has no shared-memory scratch anyway.
+out-of-range keys, a corrupted LRU; a batch small enough for the wide one-CTA-per-SM kernel and
+one larger than the SM count), gather for a 2-layer index group from pinned host memory (bad
+plan entries included), save_rows of the hot rows back to a pinned host copy, and invalidate in
+both modes, and checks every result against the CPU backend so a silent wrong answer also
+fails. `--fallback` adds the global-workspace resolve path (K = H = 9000), which is too slow
+under racecheck and has no shared-memory scratch anyway.
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ def main() -> int:
     args = ap.parse_args()
     dev = "cuda"
     g = torch.Generator().manual_seed(0)
-    configs = [(6, 256, 512, 8), (3, 64, 64, 3)]
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    configs = [(6, 256, 512, 8), (3, 64, 64, 3), (sms + 8, 32, 64, sms + 10)]
     if args.fallback:
         configs.append((2, 9000, 9000, 2))
     failures = 0
@@ -40,6 +43,8 @@ def main() -> int:
                          lru=torch.arange(H, dtype=torch.int16, device=d).repeat(S, 1),
                          stats=torch.zeros(2, dtype=torch.uint64, device=d),
                          moved=torch.zeros(1, dtype=torch.uint64, device=d),
+                         saved=torch.zeros(1, dtype=torch.uint64, device=d),
+                         back=host_raw.clone().pin_memory() if d != "cpu" else host_raw.clone(),
                          hot=[torch.zeros(hot_rows, row_bytes, dtype=torch.uint8, device=d)
                               for _ in range(L)])
                  for d in ("cpu", dev)}
@@ -67,6 +72,13 @@ def main() -> int:
                                       resident_rows=None if resident is None else resident.to(d))
                 dst[0, 0] = hot_rows + 3  # an out-of-range destination is skipped
                 ops.gather(host, st["hot"], src, dst, cnt, st["moved"])
+                # write the first rows of each hot view back to the host copy (bad rows too)
+                n = min(40, hot_rows)
+                h_rows = torch.arange(n, dtype=torch.int32, device=d) * 3 - 2
+                s_rows = torch.arange(n, dtype=torch.int32, device=d)
+                s_rows[1] = hot_rows + 1
+                ops.save_rows(st["hot"], [st["back"][:, l] for l in range(L)], s_rows, h_rows,
+                              st["saved"])
                 drop = torch.tensor([rows[0].item(), -1, S + 1], dtype=torch.int32, device=d)
                 keys = torch.tensor([int(top_k[0, 1]), 5, 6], dtype=torch.int32, device=d)
                 ops.invalidate(st["sk"], st["lru"], drop, keys)
@@ -83,7 +95,10 @@ def main() -> int:
                 if not torch.equal(c[name], u[name].cpu()):
                     print(f"MISMATCH B={B} K={K} H={H} step {step}: {name}")
                     failures += 1
-            for name in ("stats", "moved"):
+            if not torch.equal(c["back"], u["back"]):
+                print(f"MISMATCH B={B} K={K} H={H} step {step}: saved host rows")
+                failures += 1
+            for name in ("stats", "moved", "saved"):
                 if c[name].tolist() != u[name].cpu().tolist():
                     print(f"MISMATCH B={B} K={K} H={H} step {step}: {name}")
                     failures += 1

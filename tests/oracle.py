@@ -82,6 +82,20 @@ def gather(host_rows, hot_rows, miss_src, miss_dst, miss_count):
     return moved
 
 
+def save_rows(src_rows_bytes, host_rows_bytes, src_rows, host_rows):
+    """src_rows_bytes/host_rows_bytes: lists of bytes per row (host mutated). Returns bytes moved.
+
+    Entry i copies source row src_rows[i] to host row host_rows[i]; out-of-range entries are
+    skipped. (Host rows are distinct among copied entries by contract.)
+    """
+    moved = 0
+    for s, d in zip(src_rows, host_rows):
+        if 0 <= s < len(src_rows_bytes) and 0 <= d < len(host_rows_bytes):
+            host_rows_bytes[d] = src_rows_bytes[s]
+            moved += len(src_rows_bytes[s])
+    return moved
+
+
 def invalidate(slot_keys, lru, state_rows, keys=None):
     S = len(slot_keys)
     for i, s in enumerate(state_rows):

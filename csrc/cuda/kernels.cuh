@@ -12,10 +12,13 @@
 namespace hisparse {
 namespace cuda {
 
+// resolve_residency: one CTA per batch row. Batches that fit in one CTA per multiprocessor use
+// kResolveThreadsWide threads per CTA (batch 1 is then a single wide CTA); larger batches use
+// kResolveThreads with two CTAs per multiprocessor.
 constexpr int kResolveThreads = 512;
+constexpr int kResolveThreadsWide = 1024;
 constexpr int kResolveItems = 8;  // consecutive positions per thread in the scanning passes
-constexpr int kResolveTile = kResolveThreads * kResolveItems;
-constexpr int kNone = INT_MAX;  // "no slot" / "no occurrence" in the hash
+constexpr int kNone = INT_MAX;    // "no slot" / "no occurrence" in the hash
 
 struct ResolveArgs {
   const int32_t* top_k;
@@ -35,47 +38,68 @@ struct ResolveArgs {
 };
 
 __host__ __device__ __forceinline__ int64_t round16(int64_t x) { return (x + 15) & ~int64_t(15); }
+__host__ __device__ __forceinline__ int64_t round8(int64_t x) { return (x + 7) & ~int64_t(7); }
 
-// Per-row scratch: open-addressing hash of the row's selected keys (key, first occurrence,
-// hit/assigned slot), the hash index of every entry, the evictable/hit slot lists, the hit-slot
-// bitmap.
-__host__ __device__ __forceinline__ int64_t resolve_scratch_bytes(int K, int H, int cap) {
-  return int64_t(cap) * 12 + round16(int64_t(K) * 4) + round16(int64_t(H) * 2) +
-         round16(int64_t((H + 31) / 32) * 4);
-}
+// Per-row scratch of resolve, in this order (each part 16-byte aligned):
+//   hash      cap x (key, first occurrence, hit/assigned slot)
+//   entries   K (padded to 8) int32: the row's keys as loaded, then each entry's hash index
+//   resident  K (padded to 8) int32: the row's resident rows as loaded (resident tier only)
+//   slots     H int32: the state row's slot keys as loaded, then each slot's hash index
+//   order     H (padded to 8) int16: the state row's LRU order as loaded
+//   list      H int16: evictable slots (front) and hit slots (back) in LRU order
+// Every global read of a row is issued at once into this scratch before any work starts.
+struct ResolveLayout {
+  int64_t entries, resident, slots, order, list, total;
+  __host__ __device__ ResolveLayout(int K, int H, int cap, bool has_res) {
+    entries = round16(int64_t(cap) * 12);
+    resident = entries + round16(round8(K) * 4);
+    slots = resident + (has_res ? round16(round8(K) * 4) : 0);
+    order = slots + round16(int64_t(H) * 4);
+    list = order + round16(round8(H) * 2);
+    total = list + round16(int64_t(H) * 2);
+  }
+};
 
-constexpr int kMaxGatherLayers = 64;
-constexpr int kSmallGatherLayers = 8;
-constexpr int kGatherThreads = 128;
-constexpr int kGatherRows = 16;     // misses of one batch row per work item
-constexpr int kGatherUnroll = 8;    // independent 16-byte loads in flight per thread
-constexpr int kGatherMaxBatch = 8192;  // batch rows per launch (chunk prefix in shared memory)
+// gather and save_rows share one row-copy kernel: work items are (layer, batch row, chunk of
+// up to 32 planned rows), one warp per item; a warp moves each row in 16-byte words laid on the
+// 128-byte lines of the host-side address, so every line crossing PCIe is requested once.
+constexpr int kMaxCopyLayers = 64;      // member layers per launch (larger calls are split)
+constexpr int kSmallCopyLayers = 8;
+constexpr int kCopyThreads = 256;
+constexpr int kCopyWarps = kCopyThreads / 32;
+constexpr int kCopyUnroll = 8;          // independent 16-byte loads in flight per lane
+constexpr int kCopyMaxBatch = 8192;     // batch rows per launch (chunk prefix in shared memory)
 
-struct GatherLayer {
+struct CopyLayer {
   const uint8_t* src;
   uint8_t* dst;
   int64_t src_block_stride, src_row_stride, dst_block_stride, dst_row_stride;
   int32_t src_block_size, dst_block_size, src_rows, dst_rows;
   int32_t words;  // row_bytes / 16
+  int32_t parts;  // warp-wide 16-byte accesses per row: ceil((words + 7) / 32)
 };
 
 template <int MAXL>
-struct GatherArgs {
-  GatherLayer layer[MAXL];
-  const int32_t* miss_src;
-  const int32_t* miss_dst;
-  const int32_t* miss_count;
+struct CopyArgs {
+  CopyLayer layer[MAXL];
+  const int32_t* src_idx;    // [B, K] source row of each planned copy
+  const int32_t* dst_idx;    // [B, K] destination row
+  const int32_t* count;      // [B] planned copies per batch row; nullptr: all K
   unsigned long long* moved;  // nullptr: not counted
   int B, K, L;
+  int chunk_log2;  // planned rows per work item = 1 << chunk_log2 (<= 32)
+  int align_dst;   // lay the words on the destination's lines (save: host is the destination)
 };
 
 constexpr int kInvalidateThreads = 256;
 
 // Each launcher returns the launch's error status (cudaGetLastError) for the caller to check.
-cudaError_t launch_resolve(const ResolveArgs& a, int grid, size_t smem, cudaStream_t stream);
+cudaError_t launch_resolve(const ResolveArgs& a, bool wide, int grid, size_t smem,
+                           cudaStream_t stream);
 cudaError_t set_resolve_max_smem(int bytes);
 template <int MAXL>
-cudaError_t launch_gather(const GatherArgs<MAXL>& a, int grid, size_t smem, cudaStream_t stream);
+cudaError_t launch_copy(const CopyArgs<MAXL>& a, int grid, size_t smem, cudaStream_t stream);
+int copy_blocks_per_sm(bool many_layers);
 cudaError_t launch_invalidate(int32_t* slot_keys, int16_t* lru, const int32_t* state_rows,
                               const int32_t* keys, int64_t N, int64_t S, int H, int grid,
                               cudaStream_t stream);

@@ -70,8 +70,8 @@ void resolve_residency_cuda(const at::Tensor& top_k, const at::Tensor& state_row
   const bool has_res = resident_rows.has_value() && resident_rows->defined();
   int cap_log2 = 1;
   while ((int64_t(1) << cap_log2) < 2 * d.K) ++cap_log2;
-  const int64_t scratch = resolve_scratch_bytes(static_cast<int>(d.K), static_cast<int>(d.H),
-                                                1 << cap_log2);
+  const int64_t scratch =
+      ResolveLayout(static_cast<int>(d.K), static_cast<int>(d.H), 1 << cap_log2, has_res).total;
 
   ResolveArgs a;
   a.top_k = top_k.data_ptr<int32_t>();
@@ -92,14 +92,16 @@ void resolve_residency_cuda(const at::Tensor& top_k, const at::Tensor& state_row
   a.hot_base = static_cast<int>(hot_base);
   a.cap_log2 = cap_log2;
 
-  // Static shared memory of the kernel (warp totals) plus a margin.
+  // One wide CTA per row while the batch fits one CTA per multiprocessor; otherwise two
+  // narrower CTAs per multiprocessor. Static shared memory of the kernel plus a margin.
+  const bool wide = d.B <= num_sms(device);
   const int64_t smem_limit = max_optin_smem(device) - 1024;
   if (scratch <= smem_limit) {
     a.workspace = nullptr;
     a.ws_stride = 0;
     if (scratch > 48 * 1024) {
       static std::atomic<int> raised[64];
-      std::atomic<int>& cur = raised[device < 64 ? device : 0];
+      std::atomic<int>& cur = raised[device >= 0 && device < 64 ? device : 0];
       if (cur.load(std::memory_order_relaxed) < scratch) {
         relaxed([&] {
           C10_CUDA_CHECK(set_resolve_max_smem(static_cast<int>(smem_limit)));
@@ -109,64 +111,152 @@ void resolve_residency_cuda(const at::Tensor& top_k, const at::Tensor& state_row
       }
     }
     const int grid = static_cast<int>(std::min<int64_t>(d.B, 1 << 20));
-    C10_CUDA_CHECK(launch_resolve(a, grid, static_cast<size_t>(scratch), stream));
+    C10_CUDA_CHECK(launch_resolve(a, wide, grid, static_cast<size_t>(scratch), stream));
   } else {
-    // Too large for shared memory (K and H in the tens of thousands): per-CTA scratch in
+    // Too large for shared memory (K or H in the tens of thousands): per-CTA scratch in
     // global memory, a bounded persistent grid walking the batch rows.
     const int grid = static_cast<int>(std::min<int64_t>(d.B, 2 * num_sms(device)));
     a.ws_stride = round16(scratch);
     at::Tensor ws = at::empty({grid * a.ws_stride}, top_k.options().dtype(at::kByte));
     a.workspace = ws.data_ptr<uint8_t>();
-    C10_CUDA_CHECK(launch_resolve(a, grid, 0, stream));
+    C10_CUDA_CHECK(launch_resolve(a, false, grid, 0, stream));
   }
 }
 
+// One planned row copy between two row views per (batch row, planned row, layer): the shared
+// launch path of gather (host -> hot) and save_rows (device -> host). Layers are launched in
+// groups of at most kMaxCopyLayers, batch rows in groups of at most kCopyMaxBatch.
+struct CopyPlan {
+  std::vector<RowView> src, dst;
+  std::vector<const uint8_t*> src_ptr;  // device-visible addresses
+  std::vector<uint8_t*> dst_ptr;
+  const int32_t* src_idx;
+  const int32_t* dst_idx;
+  const int32_t* count;  // nullptr: every planned row
+  int64_t B, K;
+  bool align_dst;
+};
+
+int copy_blocks(int device, bool many) {
+  static std::atomic<int> cached[2][64];
+  std::atomic<int>& slot = cached[many ? 1 : 0][device >= 0 && device < 64 ? device : 0];
+  int v = slot.load(std::memory_order_relaxed);
+  if (v == 0) {
+    v = relaxed([&] { return copy_blocks_per_sm(many); });
+    slot.store(v, std::memory_order_relaxed);
+  }
+  return v;
+}
+
 template <int MAXL>
-void gather_launches(const GatherPlan& plan, const std::vector<const uint8_t*>& src_ptrs,
-                   const at::Tensor& miss_src, const at::Tensor& miss_dst,
-                   const at::Tensor& miss_count, unsigned long long* moved, int device,
-                   cudaStream_t stream) {
-  GatherArgs<MAXL> a;
-  const int L = static_cast<int>(plan.host.size());
+void copy_launches(const CopyPlan& plan, int64_t l0, int64_t L, unsigned long long* moved,
+                   int device, cudaStream_t stream) {
+  CopyArgs<MAXL> a;
   for (int l = 0; l < MAXL; ++l) {
-    GatherLayer g{};
+    CopyLayer g{};
     if (l < L) {
-      const RowView& h = plan.host[l];
-      const RowView& d = plan.hot[l];
-      g.src = src_ptrs[l];
-      g.dst = d.base;
-      g.src_block_stride = h.block_stride;
-      g.src_row_stride = h.row_stride;
+      const RowView& s = plan.src[l0 + l];
+      const RowView& d = plan.dst[l0 + l];
+      g.src = plan.src_ptr[l0 + l];
+      g.dst = plan.dst_ptr[l0 + l];
+      g.src_block_stride = s.block_stride;
+      g.src_row_stride = s.row_stride;
       g.dst_block_stride = d.block_stride;
       g.dst_row_stride = d.row_stride;
       // A view with zero blocks has no rows; keep the divisor non-zero.
-      g.src_block_size = static_cast<int32_t>(std::max<int64_t>(h.block_size, 1));
+      g.src_block_size = static_cast<int32_t>(std::max<int64_t>(s.block_size, 1));
       g.dst_block_size = static_cast<int32_t>(std::max<int64_t>(d.block_size, 1));
-      g.src_rows = static_cast<int32_t>(h.rows());
+      g.src_rows = static_cast<int32_t>(s.rows());
       g.dst_rows = static_cast<int32_t>(d.rows());
-      g.words = static_cast<int32_t>(h.row_bytes / 16);
+      g.words = static_cast<int32_t>(s.row_bytes / 16);
+      g.parts = static_cast<int32_t>((g.words + 7 + 31) / 32);
     }
     a.layer[l] = g;
   }
   a.moved = moved;
   a.K = static_cast<int>(plan.K);
-  a.L = L;
-  const int32_t* src = miss_src.data_ptr<int32_t>();
-  const int32_t* dst = miss_dst.data_ptr<int32_t>();
-  const int32_t* cnt = miss_count.data_ptr<int32_t>();
-  const int64_t chunks_per_row = (plan.K + kGatherRows - 1) / kGatherRows;
-  const int64_t max_grid = int64_t(num_sms(device)) * 8;
-  for (int64_t r0 = 0; r0 < plan.B; r0 += kGatherMaxBatch) {
-    const int Bc = static_cast<int>(std::min<int64_t>(kGatherMaxBatch, plan.B - r0));
-    a.miss_src = src + r0 * plan.K;
-    a.miss_dst = dst + r0 * plan.K;
-    a.miss_count = cnt + r0;
+  a.L = static_cast<int>(L);
+  a.align_dst = plan.align_dst ? 1 : 0;
+  const int64_t resident_warps =
+      int64_t(num_sms(device)) * copy_blocks(device, MAXL > kSmallCopyLayers) * kCopyWarps;
+  for (int64_t r0 = 0; r0 < plan.B; r0 += kCopyMaxBatch) {
+    const int Bc = static_cast<int>(std::min<int64_t>(kCopyMaxBatch, plan.B - r0));
+    a.src_idx = plan.src_idx + r0 * plan.K;
+    a.dst_idx = plan.dst_idx + r0 * plan.K;
+    a.count = plan.count != nullptr ? plan.count + r0 : nullptr;
     a.B = Bc;
-    const int64_t upper = chunks_per_row * Bc * L;
-    const int grid = static_cast<int>(std::max<int64_t>(1, std::min(upper, max_grid)));
+    // Rows per work item from the largest possible plan: small plans get one row per warp
+    // (every row in flight at once), large ones up to 8 (fewer plan reads per row).
+    const int64_t upper_rows = int64_t(Bc) * plan.K * L;
+    int chunk_log2 = 0;
+    while (chunk_log2 < 3 && (upper_rows >> (chunk_log2 + 1)) >= 2 * resident_warps) ++chunk_log2;
+    a.chunk_log2 = chunk_log2;
+    const int64_t items = int64_t(Bc) * ((plan.K + (1 << chunk_log2) - 1) >> chunk_log2) * L;
+    const int64_t max_grid = resident_warps / kCopyWarps;
+    const int grid = static_cast<int>(
+        std::max<int64_t>(1, std::min((items + kCopyWarps - 1) / kCopyWarps, max_grid)));
     const size_t smem = static_cast<size_t>(Bc + 1) * sizeof(int);
-    C10_CUDA_CHECK(launch_gather<MAXL>(a, grid, smem, stream));
+    C10_CUDA_CHECK(launch_copy<MAXL>(a, grid, smem, stream));
   }
+}
+
+void copy_rows(const CopyPlan& plan, unsigned long long* moved, int device, cudaStream_t stream) {
+  const int64_t L = static_cast<int64_t>(plan.src.size());
+  for (int64_t l0 = 0; l0 < L; l0 += kMaxCopyLayers) {
+    const int64_t n = std::min<int64_t>(kMaxCopyLayers, L - l0);
+    if (n <= kSmallCopyLayers)
+      copy_launches<kSmallCopyLayers>(plan, l0, n, moved, device, stream);
+    else
+      copy_launches<kMaxCopyLayers>(plan, l0, n, moved, device, stream);
+  }
+}
+
+// The device-visible address of a row view in pinned host memory (or on the device). Where the
+// device can use host pointers of registered memory (UVA, every x86 system we run on) that is
+// the host address itself and no runtime call is made; otherwise ask the runtime, and leave the
+// thread's CUDA error state as it was before (an unrelated pending error stays pending).
+const uint8_t* device_address(const at::Tensor& t, uint8_t* p, int device, const char* op,
+                              const std::string& name) {
+  if (!t.device().is_cpu() || p == nullptr) return p;
+  if (device_attr<cudaDevAttrCanUseHostPointerForRegisteredMem>(device) == 1) return p;
+  void* dp = nullptr;
+  const cudaError_t before = cudaPeekAtLastError();
+  const cudaError_t e = relaxed([&] { return cudaHostGetDevicePointer(&dp, p, 0); });
+  if (e != cudaSuccess && before == cudaSuccess) (void)cudaGetLastError();  // ours only
+  TORCH_CHECK(e == cudaSuccess && dp != nullptr, op, ": argument '", name,
+              "' is pinned but has no device mapping (", cudaGetErrorString(e), ")");
+  return static_cast<const uint8_t*>(dp);
+}
+
+// Fills in the device-visible addresses (the host side is `cp.dst` when `cp.align_dst`, else
+// `cp.src`) and launches on the current stream of `index`'s device.
+void run_copy(CopyPlan& cp, at::TensorList host, const at::Tensor& index,
+              const c10::optional<at::Tensor>& moved_bytes, const char* op) {
+  c10::cuda::CUDAGuard guard(index.device());
+  const int device = index.get_device();
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device);
+  const bool host_is_dst = cp.align_dst;
+  for (size_t l = 0; l < cp.src.size(); ++l) {
+    uint8_t* h = host_is_dst ? cp.dst[l].base : cp.src[l].base;
+    uint8_t* h_dev = const_cast<uint8_t*>(
+        device_address(host[l], h, device, op, "host[" + std::to_string(l) + "]"));
+    cp.src_ptr.push_back(host_is_dst ? cp.src[l].base : h_dev);
+    cp.dst_ptr.push_back(host_is_dst ? h_dev : cp.dst[l].base);
+  }
+  unsigned long long* moved = nullptr;
+  if (moved_bytes.has_value() && moved_bytes->defined())
+    moved = reinterpret_cast<unsigned long long*>(moved_bytes->data_ptr<uint64_t>());
+  copy_rows(cp, moved, device, stream);
+}
+
+// Host views: pinned host memory or the plan's CUDA device.
+void check_host_side(const at::Tensor& t, const std::string& name, const at::Device& dev,
+                     const char* op) {
+  const bool on_dev = t.is_cuda() && t.device() == dev;
+  const bool pinned = t.device().is_cpu() && t.is_pinned();
+  TORCH_CHECK(on_dev || pinned, op, ": argument '", name,
+              "' must be in pinned host memory or on ", dev, " for the CUDA backend, got ",
+              t.device(), t.device().is_cpu() ? " (not pinned)" : "");
 }
 
 void gather_cuda(at::TensorList host, at::TensorList hot, const at::Tensor& miss_src,
@@ -175,57 +265,49 @@ void gather_cuda(at::TensorList host, at::TensorList hot, const at::Tensor& miss
   const char* op = "hisparse_gather";
   // is_pinned() queries pointer attributes: relax the capture mode around it.
   const GatherPlan plan = relaxed([&] {
-    return check_gather_args(
-        host, hot, miss_src, miss_dst, miss_count, moved_bytes,
-        [&](const at::Tensor& t, const std::string& name) {
-          const at::Device dev = miss_src.device();
-          const bool on_dev = t.is_cuda() && t.device() == dev;
-          const bool pinned = t.device().is_cpu() && t.is_pinned();
-          TORCH_CHECK(on_dev || pinned, op, ": argument '", name,
-                      "' must be in pinned host memory or on ", dev,
-                      " for the CUDA backend, got ", t.device(),
-                      t.device().is_cpu() ? " (not pinned)" : "");
-        });
+    return check_gather_args(host, hot, miss_src, miss_dst, miss_count, moved_bytes,
+                             [&](const at::Tensor& t, const std::string& name) {
+                               check_host_side(t, name, miss_src.device(), op);
+                             });
   });
   TORCH_CHECK(miss_src.is_cuda(), op, ": argument 'miss_src' must be on a CUDA device for the ",
               "CUDA backend, got ", miss_src.device());
-  const int64_t L = static_cast<int64_t>(plan.host.size());
-  TORCH_CHECK(L <= kMaxGatherLayers, op, ": argument 'host' lists ", L,
-              " views; the CUDA backend gathers at most ", kMaxGatherLayers,
-              " member layers per call");
   TORCH_CHECK(plan.B <= kInt32Max, op, ": argument 'miss_src' has more than 2^31-1 rows");
-  if (plan.B == 0) return;
-  c10::cuda::CUDAGuard guard(miss_src.device());
-  const int device = miss_src.get_device();
-  cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device);
+  if (plan.B == 0 || plan.K == 0) return;
+  CopyPlan cp;
+  cp.src = plan.host;
+  cp.dst = plan.hot;
+  cp.src_idx = miss_src.data_ptr<int32_t>();
+  cp.dst_idx = miss_dst.data_ptr<int32_t>();
+  cp.count = miss_count.data_ptr<int32_t>();
+  cp.B = plan.B;
+  cp.K = plan.K;
+  cp.align_dst = false;
+  run_copy(cp, host, miss_src, moved_bytes, op);
+}
 
-  // Device address of each host view: pinned memory is mapped (UVA); ask the driver for the
-  // device alias and fall back to the host address (identical under UVA).
-  std::vector<const uint8_t*> src_ptrs(L);
-  for (int64_t l = 0; l < L; ++l) {
-    const uint8_t* p = plan.host[l].base;
-    if (host[l].device().is_cpu() && p != nullptr) {
-      void* dp = nullptr;
-      const cudaError_t e = relaxed([&] {
-        return cudaHostGetDevicePointer(&dp, const_cast<uint8_t*>(p), 0);
-      });
-      if (e == cudaSuccess && dp != nullptr) {
-        p = static_cast<const uint8_t*>(dp);
-      } else {
-        (void)cudaGetLastError();  // clear the sticky-free error; UVA address is used
-      }
-    }
-    src_ptrs[l] = p;
-  }
-  unsigned long long* moved = nullptr;
-  if (moved_bytes.has_value() && moved_bytes->defined())
-    moved = reinterpret_cast<unsigned long long*>(moved_bytes->data_ptr<uint64_t>());
-  if (L <= kSmallGatherLayers)
-    gather_launches<kSmallGatherLayers>(plan, src_ptrs, miss_src, miss_dst, miss_count, moved,
-                                      device, stream);
-  else
-    gather_launches<kMaxGatherLayers>(plan, src_ptrs, miss_src, miss_dst, miss_count, moved,
-                                    device, stream);
+void save_rows_cuda(at::TensorList src, at::TensorList host, const at::Tensor& src_rows,
+                    const at::Tensor& host_rows, const c10::optional<at::Tensor>& moved_bytes) {
+  const char* op = "hisparse_save_rows";
+  const SavePlan plan = relaxed([&] {
+    return check_save_args(src, host, src_rows, host_rows, moved_bytes,
+                           [&](const at::Tensor& t, const std::string& name) {
+                             check_host_side(t, name, src_rows.device(), op);
+                           });
+  });
+  TORCH_CHECK(src_rows.is_cuda(), op, ": argument 'src_rows' must be on a CUDA device for the ",
+              "CUDA backend, got ", src_rows.device());
+  if (plan.N == 0) return;
+  CopyPlan cp;
+  cp.src = plan.src;
+  cp.dst = plan.host;
+  cp.src_idx = src_rows.data_ptr<int32_t>();
+  cp.dst_idx = host_rows.data_ptr<int32_t>();
+  cp.count = nullptr;
+  cp.B = 1;
+  cp.K = plan.N;
+  cp.align_dst = true;  // the host side is the destination
+  run_copy(cp, host, src_rows, moved_bytes, op);
 }
 
 void invalidate_cuda(at::Tensor& slot_keys, at::Tensor& lru, const at::Tensor& state_rows,
@@ -250,4 +332,5 @@ TORCH_LIBRARY_IMPL(hisparse, CUDA, m) {
   m.impl("hisparse_resolve_residency", &hisparse::resolve_residency_cuda);
   m.impl("hisparse_gather", &hisparse::gather_cuda);
   m.impl("hisparse_invalidate", &hisparse::invalidate_cuda);
+  m.impl("hisparse_save_rows", &hisparse::save_rows_cuda);
 }
