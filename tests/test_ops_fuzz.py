@@ -75,6 +75,17 @@ def _unchanged(args, snap):
     return True
 
 
+def _expect_named_error(op_name, call, args, fragment, where):
+    """The op's own RuntimeError, naming an argument (and ``fragment``), before any write."""
+    snap = _snapshot(args)
+    with pytest.raises(RuntimeError, match=ARG_ERROR) as err:
+        call()
+    msg = str(err.value)
+    assert msg.startswith(op_name), (where, msg)
+    assert fragment in msg, (where, fragment, msg)
+    assert _unchanged(args, snap), where
+
+
 # ---- generic malformations ---------------------------------------------------------------------
 
 def _break_tensor(t: torch.Tensor, rng: random.Random):
@@ -211,13 +222,7 @@ def test_fuzz_resolve(seed):
             _check_resolve_against_oracle(case, t, where)
             valid += 1
             continue
-        snap = _snapshot(t)
-        with pytest.raises(RuntimeError, match=ARG_ERROR) as err:
-            _call_resolve(t)
-        msg = str(err.value)
-        assert msg.startswith("hisparse_resolve_residency"), (where, msg)
-        assert expect_name in msg, (where, expect_name, msg)
-        assert _unchanged(t, snap), where
+        _expect_named_error("hisparse_resolve_residency", lambda: _call_resolve(t), t, expect_name, where)
         errors += 1
     assert errors > CALLS_PER_SEED // 3 and valid > CALLS_PER_SEED // 4
 
@@ -332,13 +337,7 @@ def test_fuzz_gather(seed):
             assert int(args[5][0]) == moved, where
             valid += 1
             continue
-        snap = _snapshot(args)
-        with pytest.raises(RuntimeError, match=ARG_ERROR) as err:
-            ops.gather(*args)
-        msg = str(err.value)
-        assert msg.startswith("hisparse_gather"), (where, msg)
-        assert expect in msg, (where, expect, msg)
-        assert _unchanged(args, snap), where
+        _expect_named_error("hisparse_gather", lambda: ops.gather(*args), args, expect, where)
         errors += 1
     assert errors > CALLS_PER_SEED // 3 and valid > CALLS_PER_SEED // 4
 
@@ -382,12 +381,6 @@ def test_fuzz_invalidate(seed):
             assert args[0].tolist() == o_keys and args[1].tolist() == o_lru, where
             valid += 1
             continue
-        snap = _snapshot(args)
-        with pytest.raises(RuntimeError, match=ARG_ERROR) as err:
-            ops.invalidate(*args)
-        msg = str(err.value)
-        assert msg.startswith("hisparse_invalidate"), (where, msg)
-        assert expect in msg, (where, expect, msg)
-        assert _unchanged(args, snap), where
+        _expect_named_error("hisparse_invalidate", lambda: ops.invalidate(*args), args, expect, where)
         errors += 1
     assert errors > CALLS_PER_SEED // 4 and valid > CALLS_PER_SEED // 4
