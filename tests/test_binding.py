@@ -100,7 +100,7 @@ def test_default_strides_pack_tightly():
 
 
 def test_interleaved_layout_packs_layers_block_by_block():
-    """Layers of one group side by side inside each block (DESIGN §3): legal, disjoint."""
+    """Layers of one group side by side inside each block (docs/hardware.md): legal, disjoint."""
     lay = PackedLayout(("a", "b", "c"), num_blocks=4, block_size=2, row_bytes=32,
                        layer_stride=64, block_stride=3 * 64)
     raw = torch.zeros(lay.nbytes(), dtype=torch.uint8)
