@@ -9,9 +9,19 @@ import re
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def _readme():
+    return open(os.path.join(ROOT, "README.md")).read()
+
+
+def _section(title):
+    text = _readme()
+    start = text.index(f"## {title}\n")
+    end = text.find("\n## ", start + 1)
+    return text[start:end if end >= 0 else None]
+
+
 def _readme_commands():
-    text = open(os.path.join(ROOT, "README.md")).read()
-    return re.findall(r"```bash\n(.+?)\n```", text.split("## Results")[0])
+    return re.findall(r"```bash\n(.+?)\n```", _section("Two commands"))
 
 
 def test_readme_leads_with_two_commands():
@@ -28,3 +38,21 @@ def test_ci_runs_the_readme_test_command_verbatim():
     _, test = _readme_commands()
     ci = open(os.path.join(ROOT, ".ci", "run")).read().splitlines()
     assert test in ci
+
+
+def test_installing_names_the_cpu_index_with_the_same_pin():
+    """A stock machine gets the CUDA build from PyPI for a bare pin: the README says where the
+    CPU build is, for the very version the two commands pin."""
+    install, _ = _readme_commands()
+    pin = re.search(r"torch==([0-9.]+)", install).group(1)
+    text = _section("Installing")
+    assert (f"pip install torch=={pin} --index-url https://download.pytorch.org/whl/cpu" in text)
+    assert f"{pin}+cpu" in text
+    # Next to a CUDA torch: build against it, never pin another torch there.
+    cuda_part = text[text.index("Next to a CUDA build"):text.index("**Extras.**")]
+    assert "--no-build-isolation" in cuda_part and "torch==" not in cuda_part
+
+
+def test_installing_explains_the_silent_compile_step():
+    text = _section("Installing")
+    assert "40–130 s" in text and "-v" in text and "build/temp-" in text
