@@ -115,19 +115,16 @@ class _SchedulerState:
         self.pending_resets: list = []
         self.pending_invalidate: list = []
         self.host_rows: Optional[int] = None  # known with vLLM: its KV blocks x block_size
-        self._last_gauges: Optional[tuple] = None
 
     def gauges(self) -> Optional[HiSparseKVConnectorStats]:
-        """Scheduler-side gauge samples, when they changed: host-pool usage from the live
-        requests' tokens (exact every step), and hot rows in use = 0 once no request is live
-        (the worker's snapshot still counts rows of requests it has not been told are gone)."""
+        """Scheduler-side gauge samples, every step (vLLM appends them after the worker's, so
+        they are the ones that stand): host-pool usage from the live requests' tokens, and hot
+        rows in use = 0 once no request is live (the worker's snapshot still counts the rows of
+        requests it has not yet been told are gone)."""
         if not self.host_rows:
             return None
         usage = min(1.0, sum(self.tokens.values()) / self.host_rows)
         idle = not self.tokens
-        if self._last_gauges == (usage, idle):
-            return None
-        self._last_gauges = (usage, idle)
         stats = HiSparseKVConnectorStats()
         stats.record_snapshot(0, 0, 0, host_pool_usage=usage, hot_rows_in_use=0 if idle else None)
         return stats

@@ -297,7 +297,7 @@ def test_gsm8k_harness_runs_against_the_server(hisparse, hisparse_server, tmp_pa
         (data / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     cfg = tmp_path / "tiny.yaml"
     cfg.write_text(
-        f'model_name: "{hisparse_server.model_name()}"\naccuracy_threshold: 0.0\ntolerance: 0.0\n'
+        f'model_name: "{hisparse_server.model_name()}"\naccuracy_threshold: 0.01\ntolerance: 0.0\n'
         "num_questions: 3\nnum_fewshot: 1\nmax_tokens: 8\nmax_concurrency: 3\n"
         "request_timeout_seconds: 120\nstartup_max_wait_seconds: 60\n"
         "server_args: --max-model-len 512\n")
@@ -306,9 +306,11 @@ def test_gsm8k_harness_runs_against_the_server(hisparse, hisparse_server, tmp_pa
                         "--base-url", hisparse_server.url, "--data-dir", str(data),
                         "--skip-gpu-check", "--json", str(out), "--log-dir", str(tmp_path)],
                        cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stdout + r.stderr
+    # Seeded weights answer nothing right: the run must complete (exit 1 = below the floor).
+    assert r.returncode in (0, 1) and out.is_file(), r.stdout + r.stderr
     res = json.loads(out.read_text())["results"][0]
     assert res["num_questions"] == 3 and not res.get("error"), res
+    assert not res.get("first_errors"), res
 
 
 def test_stock_model_with_the_connector_is_refused_at_startup(tmp_path):
@@ -317,7 +319,7 @@ def test_stock_model_with_the_connector_is_refused_at_startup(tmp_path):
     (d / "config.json").write_text(json.dumps({
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 128,
         "intermediate_size": 256, "num_attention_heads": 2, "num_key_value_heads": 2,
-        "num_hidden_layers": 2, "vocab_size": 512, "max_position_embeddings": 256,
+        "num_hidden_layers": 2, "vocab_size": 512, "max_position_embeddings": MAX_LEN,
         "rms_norm_eps": 1e-6, "torch_dtype": "float32"}))
     tok = export_model(tmp_path / "tok", CFG)
     for name in ("tokenizer.json", "tokenizer_config.json"):
