@@ -114,8 +114,50 @@ def compute(p: PlanInputs) -> dict:
             "h2d_ms": h2d_s * 1e3,
             "pcie_gbps": p.pcie_gbps,
         },
+        "hybrid": _hybrid(p, gpu, host, batch, resident_req, hisparse_dev_req, host_req,
+                          T * idx_per_token, misses_req * L * b, n_hs_gpu),
         "notes": _notes(p, T, H, k),
     }
+
+
+def hybrid_resident(batch: int, gpu: int, resident_req: int, hisparse_dev_req: int) -> int:
+    """Hybrid residency: of `batch` running requests, how many keep all their KV in device
+    memory; the rest are spilled (host pool + hot buffer). Every request keeps its indexer keys
+    on the device, so a resident request costs `resident_req` and a spilled one
+    `hisparse_dev_req`; the most that fit stay resident."""
+    if batch * hisparse_dev_req > gpu:
+        return -1  # not even all-spilled fits
+    extra = resident_req - hisparse_dev_req
+    if extra <= 0:
+        return batch
+    return int(min(batch, (gpu - batch * hisparse_dev_req) // extra))
+
+
+def _hybrid(p, gpu, host, batch, resident_req, hisparse_dev_req, host_req, idx_req, miss_bytes_req,
+            n_hs_gpu) -> dict:
+    """The hybrid mode's plan: spills start past the resident capacity; only spilled requests
+    use the host pool and move rows host->device, so its host limit is looser than always-host's."""
+    def fits(n):
+        r = hybrid_resident(n, gpu, resident_req, hisparse_dev_req)
+        return r >= 0 and (n - r) * host_req <= host
+
+    lo, hi = 0, n_hs_gpu  # fits() is monotone in n: each added request adds >= one spill's need
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+    n_hyb = lo
+    limit = "GPU memory (hot buffers + indexer keys)" if n_hyb == n_hs_gpu else "host memory (pool)"
+    r = hybrid_resident(batch, gpu, resident_req, hisparse_dev_req)
+    out = {"max_concurrency": n_hyb, "limited_by": limit, "spills_above": gpu // resident_req,
+           "batch": batch}
+    if r < 0:
+        out.update(resident=None, spilled=None, host_pool_bytes=None, h2d_bytes=None, h2d_ms=None)
+        return out
+    spilled = batch - r
+    h2d = spilled * miss_bytes_req
+    out.update(resident=r, spilled=spilled, host_pool_bytes=spilled * host_req, h2d_bytes=h2d,
+               h2d_ms=h2d / (p.pcie_gbps * 1e9) * 1e3)
+    return out
 
 
 def _notes(p: PlanInputs, T: int, H: int, k: int) -> list:
@@ -152,6 +194,18 @@ def render(r: dict) -> str:
         f"  decode step at batch {st['batch']:,}: {st['h2d_bytes'] / 1e9:,.3f} GB host->device "
         f"= {st['h2d_ms']:,.3f} ms at {st['pcie_gbps']:g} GB/s",
     ]
+    hy = r["hybrid"]
+    lines += [
+        f"  hybrid residency:             all resident up to {hy['spills_above']:,} requests, spills "
+        f"beyond; max concurrency {hy['max_concurrency']:,} (limited by {hy['limited_by']})",
+    ]
+    if hy["resident"] is not None:
+        lines.append(
+            f"  hybrid at batch {hy['batch']:,}: {hy['resident']:,} resident + {hy['spilled']:,} spilled, "
+            f"host pool {_gib(hy['host_pool_bytes'])}, {hy['h2d_bytes'] / 1e9:,.3f} GB host->device "
+            f"= {hy['h2d_ms']:,.3f} ms per step")
+    else:
+        lines.append(f"  hybrid at batch {hy['batch']:,}: does not fit the GPU budget")
     lines += [f"  note: {n}" for n in r["notes"]]
     return "\n".join(lines)
 
