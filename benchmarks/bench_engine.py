@@ -173,7 +173,7 @@ def markdown(res: dict) -> str:
         f"({best_res:,.0f} tok/s) beyond.",
         "",
         "| concurrency | resident | always-host | hybrid | hybrid ÷ resident | always-host ÷ resident "
-        "| hybrid: resident / spilled requests | hit rate (host, hybrid) | parity |",
+        "| hybrid: paged / hot slots, requests spilled | hit rate (host, hybrid) | parity |",
         "|---:|---:|---:|---:|---:|---:|---:|---:|:---:|",
     ]
     levels = sorted({row["concurrency"] for row in res["rows"]})
@@ -187,7 +187,7 @@ def markdown(res: dict) -> str:
         split = "-"
         if hy_rows:
             x = hy_rows[0]
-            split = f"{c - x['hot_slots']} / {x['hot_slots']} slots, {x['spilled_requests']} spilled"
+            split = f"{c - x['hot_slots']} / {x['hot_slots']}, {x['spilled_requests']}"
         hrs = []
         for m in ("host", "hybrid"):
             hr = [x["hit_rate"] for x in res["rows"] if x["mode"] == m and x["concurrency"] == c
@@ -202,6 +202,19 @@ def markdown(res: dict) -> str:
         lines += ["", f"Best medians: resident {best_res:,.0f} tok/s, always-host "
                       f"{top['host']['median']:,.0f} ({top['host']['median'] / best_res:.2f}×), hybrid "
                       f"{top['hybrid']['median']:,.0f} tok/s (**{top['hybrid']['median'] / best_res:.2f}×**)."]
+    steps = {}
+    for x in res["rows"]:
+        if x["status"] == "ok" and x.get("decode_wall_s") and x.get("steps", 0) > 1:
+            steps.setdefault((x["mode"], x["concurrency"]), []).append(1e3 * x["decode_wall_s"] / (x["steps"] - 1))
+    if steps:
+        lines += ["", "Decode step time, ms (median of the runs; every step decodes all running requests):", "",
+                  "| concurrency | " + " | ".join(LABELS[m] for m in MODES) + " |",
+                  "|---:|" + "---:|" * len(MODES)]
+        for c in levels:
+            cells = [f"{statistics.median(steps[(m, c)]):.1f}" if (m, c) in steps else "-" for m in MODES]
+            lines.append(f"| {c} | " + " | ".join(cells) + " |")
+    for note in res.get("notes", []):
+        lines += ["", note]
     if res.get("profile"):
         lines += ["", "## Where a decode step's time goes", ""]
         for p in res["profile"]:
