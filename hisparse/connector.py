@@ -210,17 +210,22 @@ class HiSparseConnector(KVConnectorBase_V1, SupportsHMA):
         role = _role(role)
         super().__init__(vllm_config, role, kv_cache_config)
         extra = getattr(self._kv_transfer_config, "kv_connector_extra_config", None)
+        # Inside a vLLM engine the worker is built after the model is loaded: the model's own
+        # layers must call us, and a model without HiSparse layers is refused first, at start-up.
+        layers = None
+        if getattr(vllm_config, "model_config", None) is not None and role == KVConnectorRole.WORKER:
+            from hisparse.vllm.binding import model_hisparse_layers
+
+            layers = model_hisparse_layers(vllm_config)
         self.config = HiSparseConfig.from_extra_config(_defaults_from_vllm(vllm_config, extra))
         self.worker: Optional[HiSparseConnectorWorker] = None
         self._scheduler: Optional[_SchedulerState] = None
-        # Inside a vLLM engine (a real model config) the model's own layers must call us: a model
-        # without HiSparse layers is refused here, at start-up.
         self._model_layers = None
-        if getattr(vllm_config, "model_config", None) is not None and role == KVConnectorRole.WORKER:
+        if layers is not None:
             from hisparse.vllm.binding import find_model_layers
 
             self._model_layers = find_model_layers(vllm_config, kv_cache_config, self.config,
-                                                   extra)
+                                                   extra, layers)
         if role == KVConnectorRole.WORKER:
             self.worker = HiSparseConnectorWorker(self.config)
         else:
@@ -361,7 +366,13 @@ class HiSparseConnector(KVConnectorBase_V1, SupportsHMA):
         row = sched.rows.row_of(rid)
         if row is None:
             raise ValueError(f"request {rid!r} holds no HiSparse state row")
-        sched.pending_invalidate.extend((row, int(k)) for k in keys)
+        limit = sched.host_rows or 2**31 - 1
+        checked = []
+        for k in keys:
+            if isinstance(k, bool) or not isinstance(k, (int, torch.Tensor)) or not 0 <= int(k) < limit:
+                raise ValueError(f"keys must be integer host rows in [0, {limit}), got {k!r}")
+            checked.append(int(k))
+        sched.pending_invalidate.extend((row, k) for k in checked)
 
     # ------------------------------------------------------------- telemetry
     @classmethod

@@ -316,6 +316,19 @@ class HiSparseConnectorWorker:
         B = len(meta.state_rows)
         if B > S:
             raise ValueError(f"batch of {B} requests exceeds max_num_seqs = {S}")
+        bad = [(rid, r) for rid, r in zip(meta.req_ids, meta.state_rows)
+               if isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < S]
+        if bad:
+            raise ValueError(f"request {bad[0][0]!r}: state row {bad[0][1]!r} is not in "
+                             f"[0, max_num_seqs = {S})")
+        if len(set(meta.state_rows)) != B:
+            raise ValueError(f"state_rows of one step must be distinct, got {meta.state_rows}")
+        if meta.host_rows_in_use > self.host_rows:
+            raise ValueError(
+                f"live requests hold {meta.host_rows_in_use} tokens but the host pool has "
+                f"{self.host_rows} rows: raise kv_connector_extra_config['host_pool_gib'] "
+                "or admit fewer requests"
+            )
         if meta.reset_rows:
             for g in self.groups:
                 g.release(list(meta.reset_rows))
@@ -332,7 +345,7 @@ class HiSparseConnectorWorker:
         self._batch = B
         self._resolved.clear()
         self._gathered.clear()
-        self._host_rows_in_use = max(0, min(int(meta.host_rows_in_use), self.host_rows))
+        self._host_rows_in_use = max(0, int(meta.host_rows_in_use))
 
     def _upload(self, values: list) -> torch.Tensor:
         src = torch.tensor(values, dtype=torch.int32)
@@ -457,7 +470,7 @@ class HiSparseConnectorWorker:
         if slots.numel() and int(slots.max()) >= self.host_rows:
             raise ValueError(
                 f"slot_mapping of {layer_name!r} holds slot {int(slots.max())}, outside the host "
-                f"pool's {self.host_rows} rows"
+                f"pool's {self.host_rows} rows: raise kv_connector_extra_config['host_pool_gib']"
             )
         host = self.host_view(layer_name)
         if rows.device.type == "cpu":

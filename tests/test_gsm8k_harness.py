@@ -273,6 +273,7 @@ def test_few_shot_prompt_layout():
     assert "99" not in p  # the test answer never leaks into the prompt
     assert build_prompt([], Example("Only?", "#### 1")) == "Question: Only?\nAnswer:"
     assert "Question:" in STOP
+    assert len(STOP) <= 4  # the OpenAI API / vLLM refuse more stop strings (HTTP 400)
 
 
 # ----------------------------------------------------------------------------- pass/fail rule

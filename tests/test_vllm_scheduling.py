@@ -12,7 +12,7 @@ import torch
 
 from hisparse.config import HiSparseConfig
 from hisparse.connector import HiSparseConnector
-from hisparse.vllm.binding import HiSparseModelError, find_model_layers
+from hisparse.vllm.binding import HiSparseModelError, find_model_layers, model_hisparse_layers
 from hisparse.worker import HiSparseConnectorWorker
 
 BS = 4
@@ -179,21 +179,68 @@ def _ctx(layers):
 
 def test_stock_model_is_refused_with_one_line_naming_the_architecture():
     with pytest.raises(HiSparseModelError) as e:
-        find_model_layers(_ctx({"model.layers.0.self_attn.attn": object()}),
-                          SimpleNamespace(num_blocks=8), HiSparseConfig(), {})
+        model_hisparse_layers(_ctx({"model.layers.0.self_attn.attn": object()}))
     msg = str(e.value)
     assert "\n" not in msg and "LlamaForCausalLM" in msg and "export-model" in msg
+    assert model_hisparse_layers(_ctx({})) is None  # no model loaded: the caller drives the worker
 
 
 def test_model_layers_give_groups_host_rows_and_a_pool_check():
     lay = lambda leader: SimpleNamespace(row_bytes=656, group_leader=leader)  # noqa: E731
     ctx = _ctx({"l0": lay("l0"), "l1": lay("l0"), "l2": lay("l2"), "idx": object()})
     cfg = HiSparseConfig(block_size=BS)
-    got = find_model_layers(ctx, SimpleNamespace(num_blocks=10), cfg, {})
+    layers = model_hisparse_layers(ctx)
+    assert sorted(layers) == ["l0", "l1", "l2"]
+    got = find_model_layers(ctx, SimpleNamespace(num_blocks=10), cfg, {}, layers)
     assert got.groups == [["l0", "l1"], ["l2"]] and got.host_rows == 40 and got.top_k == 2
     with pytest.raises(Exception, match=r"\['host_pool_gib'\].*--num-gpu-blocks-override"):
         find_model_layers(ctx, SimpleNamespace(num_blocks=10**7),
                           HiSparseConfig(block_size=BS, host_pool_gib=0.001),
-                          {"host_pool_gib": 0.001})
+                          {"host_pool_gib": 0.001}, layers)
     with pytest.raises(Exception, match=r"\['top_k'\] = 5 differs from the model's top-k"):
-        find_model_layers(ctx, SimpleNamespace(num_blocks=10), cfg, {"top_k": 5})
+        find_model_layers(ctx, SimpleNamespace(num_blocks=10), cfg, {"top_k": 5}, layers)
+
+
+def test_a_rewritten_position_is_never_served_from_its_stale_hot_copy():
+    """Speculative rollback: the scheduler sees position 1 scheduled again and the worker drops
+    the key's hot copy, so the next resolve misses and gathers the new bytes. Without the
+    invalidation the old bytes would be a hit."""
+    sched = _sched()
+    w = HiSparseConnectorWorker(HiSparseConfig(top_k=2, device_buffer_size=4, max_num_seqs=4,
+                                               block_size=BS))
+    w.register_kv_caches({"l0": torch.zeros(16, 16, dtype=torch.uint8)}, host_rows=40)
+    host = w.host_view("l0")
+
+    def step(out, value):
+        meta = sched.build_connector_meta(out)
+        w.start_step(meta)
+        key = meta.anchors[0]
+        w.save_kv_layer("l0", torch.full((1, 16), value, dtype=torch.uint8), [key])
+        where = w.resolve("l0", torch.tensor([[key - 1, key]], dtype=torch.int32),
+                          state_rows=w.batch_state_rows(torch.tensor([key])))
+        return w.hot_view("l0")[where.long()][0, :, 0].tolist()
+
+    host[8] = 7  # position 0 of block 2
+    assert step(_out({"a": 2}, new=[_new("a", 0, [2])]), 11) == [7, 11]
+    assert step(_out({"a": 1}, cached=[("a", 2, None)]), 12)[1] == 12
+    # rollback to position 2: it is written again with new bytes and must be read as such
+    assert step(_out({"a": 1}, cached=[("a", 2, None)]), 99) == [11, 99]
+
+
+def test_invalidate_keys_and_metadata_values_are_checked():
+    s = _sched()
+    s.build_connector_meta(_out({"a": 2}, new=[_new("a", 0, [2])]))
+    for bad in (2**32 + 1, -5, 10**12, 1.5, True):
+        with pytest.raises(ValueError, match="keys must be integer host rows"):
+            s.invalidate_keys("a", [bad])
+    s.invalidate_keys("a", [3])
+    w = _worker()
+    with pytest.raises(ValueError, match=r"state row 7 is not in \[0, max_num_seqs = 2\)"):
+        w.start_step(_meta(["a"], [7], [5]))
+    with pytest.raises(ValueError, match="distinct"):
+        w.start_step(_meta(["a", "b"], [1, 1], [5, 6]))
+    from hisparse.worker import HiSparseConnectorMetadata
+
+    over = HiSparseConnectorMetadata(req_ids=("a",), state_rows=(0,), host_rows_in_use=41)
+    with pytest.raises(ValueError, match=r"\['host_pool_gib'\]"):
+        w.start_step(over)

@@ -20,7 +20,9 @@ from typing import List, Sequence
 
 from evals.gsm8k.dataset import Example
 
-STOP = ["Question:", "</s>", "<|im_end|>", "<|endoftext|>", "\n\n\n"]
+# At most 4: the OpenAI API (and vLLM, VLLM_MAX_STOP_STRINGS) refuses longer stop lists with
+# HTTP 400. End-of-sequence tokens stop generation anyway.
+STOP = ["Question:", "<|im_end|>", "<|endoftext|>", "\n\n\n"]
 
 
 def format_example(ex: Example, with_answer: bool) -> str:

@@ -32,10 +32,14 @@ def _architectures(vllm_config: Any) -> str:
     return ", ".join(archs) if archs else "unknown"
 
 
-def find_model_layers(vllm_config: Any, kv_cache_config: Any, config: HiSparseConfig,
-                      extra: Optional[Mapping]) -> ModelLayers:
+def model_hisparse_layers(vllm_config: Any) -> Optional[dict]:
+    """The loaded model's HiSparse layers by name; None when no model is loaded in this process
+    (a caller driving the worker itself, e.g. a test or the reference engine). A loaded model
+    without any is refused with one line."""
     ctx = getattr(getattr(vllm_config, "compilation_config", None), "static_forward_context",
                   None) or {}
+    if not ctx:
+        return None
     layers = {n: lay for n, lay in ctx.items()
               if hasattr(lay, "row_bytes") and hasattr(lay, "group_leader")}
     if not layers:
@@ -45,6 +49,12 @@ def find_model_layers(vllm_config: Any, kv_cache_config: Any, config: HiSparseCo
             "model whose attention calls it (e.g. a directory from `hisparse export-model`) or "
             "drop --kv-transfer-config"
         )
+    return layers
+
+
+def find_model_layers(vllm_config: Any, kv_cache_config: Any, config: HiSparseConfig,
+                      extra: Optional[Mapping], layers: Mapping) -> ModelLayers:
+    """Groups, host rows and the pool check for the model's HiSparse ``layers``."""
     groups: dict = {}
     for name, lay in layers.items():
         if lay.group_leader not in layers:
