@@ -14,6 +14,7 @@ from typing import Callable, Mapping, Optional, Sequence
 import torch
 
 from hisparse._vllm_compat import KVConnectorMetadata
+from hisparse import ops
 from hisparse.binding import BindingError, PackedLayout, bind_layers, check_disjoint
 from hisparse.config import HiSparseConfig, HiSparseConfigError
 from hisparse.host_pool import HostPool
@@ -86,20 +87,6 @@ def _as_row_bytes(name: str, t: torch.Tensor) -> torch.Tensor:
         )
     b = t.view(torch.uint8) if t.dtype != torch.uint8 else t
     return b.reshape(-1, row_bytes)
-
-
-def contiguous_runs(slots: Sequence[int]) -> list:
-    """Index ranges [a, b) of ``slots`` whose entries are consecutive slots (s, s+1, ...);
-    negative (padding) entries belong to no run. One copy per run instead of one per row."""
-    runs, start = [], None
-    for i in range(len(slots) + 1):
-        valid = i < len(slots) and slots[i] >= 0
-        if valid and start is not None and slots[i] == slots[i - 1] + 1:
-            continue
-        if start is not None:
-            runs.append((start, i))
-        start = i if valid else None
-    return runs
 
 
 class HiSparseConnectorWorker:
@@ -441,19 +428,19 @@ class HiSparseConnectorWorker:
         slot_mapping: "Sequence[int] | torch.Tensor",
     ) -> None:
         """Write this step's new KV rows of one layer into the host pool at their slots (keys).
-        Slots < 0 are padding and skipped."""
+        Slots < 0 are padding and skipped. ``slot_mapping``: a list, a CPU tensor, or (CUDA) a
+        tensor on the rows' device, which is used there without a host sync."""
         rt = self.runtime(layer_name)
+        if not isinstance(kv_rows, torch.Tensor):
+            raise ValueError(f"kv_layer must be a tensor, got {type(kv_rows).__name__}")
         if isinstance(slot_mapping, torch.Tensor):
-            if slot_mapping.device.type != "cpu":
-                raise ValueError(
-                    "slot_mapping must be a CPU tensor or a list (reading a device tensor would "
-                    "synchronise the host with the GPU)"
-                )
+            if slot_mapping.device.type not in ("cpu", kv_rows.device.type) or (
+                    slot_mapping.device.type != "cpu" and slot_mapping.device != kv_rows.device):
+                raise ValueError(f"slot_mapping is on {slot_mapping.device}; it must be on the "
+                                 f"CPU or on the rows' device {kv_rows.device}")
             slots = slot_mapping.reshape(-1).to(torch.int64)
         else:
             slots = torch.as_tensor(list(slot_mapping), dtype=torch.int64)
-        if not isinstance(kv_rows, torch.Tensor):
-            raise ValueError(f"kv_layer must be a tensor, got {type(kv_rows).__name__}")
         if not kv_rows.is_contiguous():
             kv_rows = kv_rows.contiguous()
         b = kv_rows.view(torch.uint8) if kv_rows.dtype != torch.uint8 else kv_rows
@@ -467,32 +454,34 @@ class HiSparseConnectorWorker:
                 f"kv_layer of {layer_name!r} has {rows.shape[0]} rows but slot_mapping has "
                 f"{slots.numel()} entries"
             )
-        if slots.numel() and int(slots.max()) >= self.host_rows:
+        if slots.device.type == "cpu" and slots.numel() and int(slots.max()) >= self.host_rows:
             raise ValueError(
                 f"slot_mapping of {layer_name!r} holds slot {int(slots.max())}, outside the host "
                 f"pool's {self.host_rows} rows: raise kv_connector_extra_config['host_pool_gib']"
             )
-        host = self.host_view(layer_name)
         if rows.device.type == "cpu":
             keep = slots >= 0  # padding slots are skipped
             if not bool(keep.all()):
                 rows, slots = rows[keep], slots[keep]
             if slots.numel():
-                host.index_copy_(0, slots, rows)
+                self.host_view(layer_name).index_copy_(0, slots, rows)
             return
-        # CUDA: async device -> pinned-host copies of contiguous runs, on the group's copy stream
-        # after the compute that produced the rows; later gathers run on that stream too. The runs
-        # are planned from the CPU slot list only (no device tensor is read on the host).
-        s = slots.tolist()
-        runs = contiguous_runs(s)
-        if not runs:
+        if not slots.numel():
             return
+        # CUDA: one launch on the group's copy stream, after the compute that produced the rows
+        # (later gathers run on that stream too); the kernel writes pinned host rows directly.
+        dev = rows.device
+        if slots.device.type == "cpu":
+            slots = slots.to(torch.int32).pin_memory().to(dev, non_blocking=True)
+        else:
+            slots = slots.to(torch.int32)
+        src = torch.arange(rows.shape[0], dtype=torch.int32, device=dev)
         stream = rt.index_group.copy_stream
-        stream.wait_stream(torch.cuda.current_stream(rows.device))
+        stream.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(stream):
-            for a, b in runs:
-                host[s[a] : s[b - 1] + 1].copy_(rows[a:b], non_blocking=True)
-        rows.record_stream(stream)
+            ops.save_rows([rows], [rt.host_view], src, slots)
+        for t in (rows, slots, src):
+            t.record_stream(stream)
 
     # ------------------------------------------------------------ telemetry
     def _is_capturing(self) -> bool:

@@ -8,7 +8,7 @@ import torch
 from hisparse.binding import BindingError
 from hisparse.connector import StepSchedule
 from hisparse.config import HiSparseConfig, HiSparseConfigError
-from hisparse.worker import HiSparseConnectorMetadata, HiSparseConnectorWorker, contiguous_runs
+from hisparse.worker import HiSparseConnectorMetadata, HiSparseConnectorWorker
 from telemetry_helpers import Workload, make_pair
 
 
@@ -154,17 +154,6 @@ def test_capture_suppresses_arming():
     assert s is not None and s.totals()["hits"] + s.totals()["misses"] == sum(counts[:2])
 
 
-def test_contiguous_runs_for_device_to_host_saves():
-    assert contiguous_runs([]) == []
-    assert contiguous_runs([-1, -1]) == []
-    assert contiguous_runs([4]) == [(0, 1)]
-    assert contiguous_runs([-1, 5, 6, 7, -1, 3, 9, 10]) == [(1, 4), (5, 6), (6, 8)]
-    assert contiguous_runs([2, 2, 3]) == [(0, 1), (1, 3)]
-    slots = [7, 8, 20, -1, 21, 22, 0]
-    covered = [i for a, b in contiguous_runs(slots) for i in range(a, b)]
-    assert covered == [i for i, x in enumerate(slots) if x >= 0]
-
-
 def test_pending_suppresses_arming_and_is_harvested_when_complete():
     sched, work, caches = make_pair({"metrics_interval": 1})
     w = work.worker
@@ -277,7 +266,7 @@ def test_step_api_errors():
         w.resolve(names[1], top)  # follower before its leader
     out = w.resolve(names[0], top).clone()
     assert torch.equal(w.resolve(names[1], top), out)
-    with pytest.raises(ValueError, match="CPU tensor"):
+    with pytest.raises(ValueError, match="must be on the CPU or on the rows. device"):
         w.save_kv_layer(names[0], torch.zeros(1, 32, dtype=torch.uint8), torch.zeros(1, dtype=torch.int32, device="meta"))
     with pytest.raises(ValueError, match="slot_mapping has"):
         w.save_kv_layer(names[0], torch.zeros(2, 32, dtype=torch.uint8), [1])
