@@ -79,7 +79,7 @@ class KeyIndex {
 // Per-thread buffers, reused across rows and calls.
 struct RowScratch {
   KeyIndex index;
-  std::vector<int32_t> unique, entry_u, slot_of;
+  std::vector<int32_t> unique, entry_u, slot_of, miss_u;
   std::vector<char> hit_slot;
   std::vector<int16_t> evictable, hits_in_order;
 };
@@ -111,15 +111,15 @@ RowCounts resolve_row(const int32_t* keys, const int32_t* resident, int32_t* slo
   }
   const int64_t U = static_cast<int64_t>(unique.size());
   std::vector<int32_t>& slot_of = w.slot_of;
-  slot_of.assign(U, -1);
+  slot_of.assign(U + 1, -1);  // slot_of[U]: a sink for slot keys not selected (branch-free)
   std::vector<char>& hit_slot = w.hit_slot;
-  hit_slot.assign(H, 0);
+  hit_slot.resize(H);
   for (int64_t j = 0; j < H; ++j) {
     const int32_t u = index.find(slot_keys[j]);
-    if (u >= 0 && slot_of[u] < 0) {
-      slot_of[u] = static_cast<int32_t>(j);
-      hit_slot[j] = 1;
-    }
+    const int64_t uu = u >= 0 ? u : U;
+    const bool first = (u >= 0) & (slot_of[uu] < 0);
+    slot_of[uu] = first ? static_cast<int32_t>(j) : slot_of[uu];
+    hit_slot[j] = first;
   }
   // Split the LRU order into evictable and hit slots (branch-free: both lists get every slot,
   // only the right one advances).
@@ -139,20 +139,26 @@ RowCounts resolve_row(const int32_t* keys, const int32_t* resident, int32_t* slo
   }
   evictable.resize(ne);
   hits_in_order.resize(nh);
+  // Misses in first-occurrence order (compacted branch-free); the m-th takes evictable[m]
+  // (fewer evictable slots than misses happens on a corrupted LRU only).
   RowCounts c;
-  int64_t m = 0;
+  std::vector<int32_t>& miss_u = w.miss_u;
+  miss_u.resize(U + 1);
+  int64_t nm = 0;
   for (int64_t u = 0; u < U; ++u) {
-    if (slot_of[u] >= 0) {
-      ++c.hits;
-      continue;
-    }
-    if (m >= static_cast<int64_t>(evictable.size())) continue;  // only on a corrupted LRU
+    miss_u[nm] = static_cast<int32_t>(u);
+    nm += slot_of[u] < 0;
+  }
+  c.hits = static_cast<uint64_t>(U - nm);
+  const int64_t M = std::min<int64_t>(nm, static_cast<int64_t>(evictable.size()));
+  int64_t m = 0;
+  for (; m < M; ++m) {
+    const int64_t u = miss_u[m];
     const int16_t slot = evictable[m];
     slot_of[u] = slot;
     slot_keys[slot] = unique[u];
     miss_src[m] = unique[u];
     miss_dst[m] = static_cast<int32_t>(row_base + slot);
-    ++m;
   }
   c.misses = static_cast<uint64_t>(m);
   for (int64_t i = 0; i < K; ++i) {
