@@ -156,3 +156,22 @@ def test_hybrid_on_cuda_is_bit_identical_to_resident_and_to_cpu(cfg, spilled):
         assert compare_runs(ref, hy).ok, compare_runs(ref, hy).describe()
         assert hy.stats.mid_request_spills >= 1 and hy.stats.returned_requests >= 1
     assert res.tokens == spilled.tokens
+
+
+def test_spill_counters_reach_a_prometheus_scrape(cfg, resident):
+    """End to end: the hybrid run's spill deltas, through the engine's metrics hook, show up in
+    the exporter's scrape under the exported names."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from hisparse.metrics import HiSparseMetricsExporter
+
+    exp = HiSparseMetricsExporter()
+    hy = run_workload(hybrid(cfg), mode="hisparse", metrics=exp)
+    got = {s.name: s.value for fam in text_string_to_metric_families(exp.render().decode())
+           for s in fam.samples}
+    s = hy.stats
+    assert got["vllm:hisparse_spilled_requests_total"] == s.spilled_requests > 0
+    assert got["vllm:hisparse_spilled_rows_total"] == s.spilled_rows
+    assert got["vllm:hisparse_spilled_bytes_total"] == s.spilled_bytes
+    assert got["vllm:hisparse_returned_requests_total"] == s.returned_requests > 0
+    assert got["vllm:hisparse_returned_rows_total"] == s.returned_rows
