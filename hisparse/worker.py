@@ -117,7 +117,7 @@ class HiSparseConnectorWorker:
         self._host_rows_in_use = 0
         self._row_of_slot: Optional[torch.Tensor] = None  # state row by anchor key (vLLM)
         self._anchors: Optional[torch.Tensor] = None
-        self._anchor_owner: dict = {}
+        self._anchor_rows: Optional[dict] = None  # key -> [(state row, request id)], step order
         self._shut_down = False
         # Two-phase sampling state.
         self._metrics_calls = 0
@@ -267,25 +267,32 @@ class HiSparseConnectorWorker:
 
     def batch_state_rows(self, anchor_keys: torch.Tensor) -> torch.Tensor:
         """The state row of each batch row, found by the key of the row's last token this step
-        (the ``anchors`` of the step's metadata): device int32 [B]. On the CPU a row that belongs
-        to no scheduled request is an error (on CUDA it stays -1, a padding row: no host sync)."""
+        (the ``anchors`` of the step's metadata): device int32 [B].
+
+        On the CPU, requests that share an anchor (identical prompts recomputing the same cached
+        token in one step) get their rows in turn, and a row that belongs to no scheduled request
+        is an error. On CUDA the lookup is a device table (no host sync): such rows stay -1
+        (padding) and a shared anchor maps to one state row."""
         self._check_registered()
-        if self._row_of_slot is None:
+        if self._anchor_rows is None:
             raise RuntimeError("batch_state_rows needs step metadata with anchors "
                                "(the scheduler side of this connector sends them)")
         if not isinstance(anchor_keys, torch.Tensor) or anchor_keys.dim() != 1:
             raise ValueError("anchor_keys must be a 1-D tensor of keys")
-        keys = anchor_keys.to(self.device, torch.long)
-        rows = self._row_of_slot[keys.clamp(0, self.host_rows - 1)]
-        if self.device.type == "cpu":
-            bad = ((rows < 0) | (keys < 0) | (keys >= self.host_rows)).nonzero().flatten()
-            if bad.numel():
-                i = int(bad[0])
+        if self.device.type != "cpu":
+            keys = anchor_keys.to(self.device, torch.long)
+            return self._row_of_slot[keys.clamp(0, self.host_rows - 1)]
+        pending = {k: list(v) for k, v in self._anchor_rows.items()}
+        rows = []
+        for i, k in enumerate(anchor_keys.tolist()):
+            if not pending.get(k):
+                owners = sorted(rid for v in self._anchor_rows.values() for _, rid in v)
                 raise RuntimeError(
-                    f"batch row {i} ends at key {int(keys[i])}, which is no scheduled request's "
-                    f"last token this step (scheduled: {sorted(self._anchor_owner.values())})"
+                    f"batch row {i} ends at key {k}, which is no scheduled request's last token "
+                    f"this step (scheduled: {owners})"
                 )
-        return rows
+            rows.append(pending[k].pop(0)[0])
+        return torch.tensor(rows, dtype=torch.int32)
 
     @property
     def state_rows(self) -> torch.Tensor:
@@ -347,6 +354,11 @@ class HiSparseConnectorWorker:
         if bad:
             raise ValueError(f"request {bad[0][0]!r}: anchor key {bad[0][1]} lies outside the "
                              f"host pool's {self.host_rows} rows")
+        self._anchor_rows = {}
+        for k, row, rid in zip(keys, meta.state_rows, meta.req_ids):
+            self._anchor_rows.setdefault(k, []).append((row, rid))
+        if self.device.type == "cpu":
+            return
         if self._row_of_slot is None:
             self._row_of_slot = torch.full((self.host_rows,), -1, dtype=torch.int32,
                                            device=self.device)
@@ -355,7 +367,6 @@ class HiSparseConnectorWorker:
         idx = self._upload(keys).long()
         self._row_of_slot[idx] = self._upload(list(meta.state_rows))
         self._anchors = idx
-        self._anchor_owner = dict(zip(keys, meta.req_ids))
 
     def _check_all_gathered(self) -> None:
         """Every member of a group that resolved last step must have gathered: the shared slot

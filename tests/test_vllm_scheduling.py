@@ -244,3 +244,13 @@ def test_invalidate_keys_and_metadata_values_are_checked():
     over = HiSparseConnectorMetadata(req_ids=("a",), state_rows=(0,), host_rows_in_use=41)
     with pytest.raises(ValueError, match=r"\['host_pool_gib'\]"):
         w.start_step(over)
+
+
+def test_requests_sharing_an_anchor_get_distinct_rows_in_turn():
+    """Two identical prompts fully served from vLLM's prefix cache both recompute their last
+    token, in the same cached block slot, in one step: each batch row still gets its own row."""
+    w = _worker()
+    w.start_step(_meta(["a", "b"], [1, 0], [13, 13]))
+    assert w.batch_state_rows(torch.tensor([13, 13])).tolist() == [1, 0]
+    with pytest.raises(RuntimeError, match="no scheduled request's last token"):
+        w.batch_state_rows(torch.tensor([13, 13, 13]))

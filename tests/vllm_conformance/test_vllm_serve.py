@@ -80,7 +80,7 @@ class Server:
                 "--dtype", "float32", "--enforce-eager", "--max-model-len", str(MAX_LEN),
                 "--max-num-seqs", str(MAX_SEQS), "--block-size", str(BLOCK),
                 "--num-gpu-blocks-override", str(blocks), "--gpu-memory-utilization", "0.1",
-                "--max-num-batched-tokens", "4096", "--no-enable-prefix-caching"]
+                "--max-num-batched-tokens", "4096", "--enable-prefix-caching"]
         if kv_config is not None:
             argv += ["--kv-transfer-config", json.dumps(kv_config)]
         argv += list(extra_args)
@@ -139,8 +139,15 @@ class Server:
 
 
 def _prompts():
+    """Random prompts; 1-3 share a 150-token prefix with 0 and 5 repeats 4 (with 16-token blocks
+    a whole prompt of cached blocks), so vLLM's prefix cache serves rows in both modes."""
     rng = random.Random(1234)
-    return [[rng.randrange(256) for _ in range(PROMPT_LEN + 3 * i)] for i in range(NUM_REQUESTS)]
+    out = [[rng.randrange(256) for _ in range(PROMPT_LEN + 3 * i)] for i in range(NUM_REQUESTS)]
+    for i in (1, 2, 3):
+        out[i][:150] = out[0][:150]
+    out[4] = out[4][:PROMPT_LEN - PROMPT_LEN % BLOCK]
+    out[5] = list(out[4])
+    return out
 
 
 def _run_workload(server: Server) -> dict:
