@@ -56,8 +56,8 @@ SMALL_BUDGET_GIB = 4.0 / 1024
 SMALL_CONCURRENCY = (1, 2, 4, 8, 16)
 
 
-MODES = ("resident", "host", "hybrid")
-LABELS = {"resident": "all KV resident", "host": "HiSparse always-host",
+MODES = ("resident", "hisparse", "hybrid")  # "hisparse" = always-host (the name older results use)
+LABELS = {"resident": "all KV resident", "hisparse": "HiSparse always-host",
           "hybrid": "HiSparse hybrid residency"}
 
 
@@ -164,8 +164,8 @@ def markdown(res: dict) -> str:
         f"hot buffer {cfg['hot_size']} rows, {res['row_bytes']}-B rows, prompt {cfg['prompt_len']}, "
         f"output {cfg['output_len']} tokens.",
         f"Per request on the device: resident {res['per_request_bytes']['resident'] / 2**20:.2f} MiB, "
-        f"HiSparse {res['per_request_bytes']['host'] / 2**20:.2f} MiB, so the budget fits "
-        f"**{cap['resident']}** resident and **{cap['host']}** HiSparse requests. Hybrid keeps as many "
+        f"HiSparse {res['per_request_bytes']['hisparse'] / 2**20:.2f} MiB, so the budget fits "
+        f"**{cap['resident']}** resident and **{cap['hisparse']}** HiSparse requests. Hybrid keeps as many "
         "requests in device pages as fit at full context and gives the rest hot buffers.",
         "",
         f"Decode tokens/s, median (min–max) of {res['repeats']} runs per point; ratios are of medians, "
@@ -189,10 +189,10 @@ def markdown(res: dict) -> str:
             x = hy_rows[0]
             split = f"{c - x['hot_slots']} / {x['hot_slots']}, {x['spilled_requests']}"
         hrs = []
-        for m in ("host", "hybrid"):
+        for m in ("hisparse", "hybrid"):
             hr = [x["hit_rate"] for x in res["rows"] if x["mode"] == m and x["concurrency"] == c
                   and x["status"] == "ok" and x["hit_rate"] is not None]
-            hrs.append(f"{100 * hr[0]:.1f} %" if hr and (m == "host" or hy_rows and hy_rows[0]["hot_slots"]) else "-")
+            hrs.append(f"{100 * hr[0]:.1f} %" if hr and (m == "hisparse" or hy_rows and hy_rows[0]["hot_slots"]) else "-")
         par = res["parity"].get(str(c))
         ps = "-" if par is None else ("OK" if par else "FAILED")
         lines.append(f"| {c} | {_cell(r)} | {_cell(h)} | {_cell(y)} | {ratio(y)} | {ratio(h)} | {split} "
@@ -200,7 +200,7 @@ def markdown(res: dict) -> str:
     top = {m: max(summ.get(m, {}).values(), key=lambda v: v["median"], default=None) for m in MODES}
     if best_res and top["hybrid"]:
         lines += ["", f"Best medians: resident {best_res:,.0f} tok/s, always-host "
-                      f"{top['host']['median']:,.0f} ({top['host']['median'] / best_res:.2f}×), hybrid "
+                      f"{top['hisparse']['median']:,.0f} ({top['hisparse']['median'] / best_res:.2f}×), hybrid "
                       f"{top['hybrid']['median']:,.0f} tok/s (**{top['hybrid']['median'] / best_res:.2f}×**)."]
     steps = {}
     for x in res["rows"]:
@@ -233,7 +233,7 @@ def plot(res: dict, path: str) -> None:
 
     summ = summarize(res)
     fig, ax = plt.subplots(figsize=(7.5, 4.5), dpi=120)
-    colors = {"resident": "tab:grey", "host": "tab:blue", "hybrid": "tab:green"}
+    colors = {"resident": "tab:grey", "hisparse": "tab:blue", "hybrid": "tab:green"}
     for mode in MODES:
         pts = sorted(summ.get(mode, {}).items())
         if not pts:
@@ -369,7 +369,7 @@ def main(argv=None) -> int:
         torch.set_num_threads(args.threads)
     cfg = EngineConfig(num_requests=1, max_running=1, **base)
     budget = int(budget_gib * 2**30)
-    per = {m: per_request_device_bytes(cfg, m) for m in ("resident", "host")}
+    per = {m: per_request_device_bytes(cfg, m) for m in ("resident", "hisparse")}
     cap = {m: budget // per[m] for m in per}
     name = args.name or ("engine_concurrency_small" if small else "engine_concurrency")
     if args.device == "cuda":
@@ -383,8 +383,8 @@ def main(argv=None) -> int:
                         commit=_git_commit(),
                         when=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())))
     print(f"budget {budget_gib:g} GiB: resident fits {cap['resident']} requests "
-          f"({per['resident'] / 2**20:.2f} MiB each), HiSparse {cap['host']} "
-          f"({per['host'] / 2**20:.2f} MiB each)", flush=True)
+          f"({per['resident'] / 2**20:.2f} MiB each), HiSparse {cap['hisparse']} "
+          f"({per['hisparse'] / 2**20:.2f} MiB each)", flush=True)
     # warm-up (CUDA context, kernels, allocator) outside the measurements
     warm = cfg.replace(prompt_len=min(cfg.prompt_len, 64), output_len=4)
     for mode in modes:
@@ -402,7 +402,7 @@ def main(argv=None) -> int:
             print(f"  c={c}: skipped (--max-seconds {args.max_seconds:g} reached)", flush=True)
             res.setdefault("skipped_levels", []).append(c)
             continue
-        fits = {m: (c <= cap["resident"] if m == "resident" else c <= cap["host"]) for m in modes}
+        fits = {m: (c <= cap["resident"] if m == "resident" else c <= cap["hisparse"]) for m in modes}
         for m in modes:
             if not fits[m]:
                 res["rows"].append(dict(mode=m, concurrency=c, status="out of memory",
@@ -423,7 +423,7 @@ def main(argv=None) -> int:
                         ok = False
                         print(f"  c={c} {m} repeat {rep}: PARITY FAILED", flush=True)
                 extra_s = ""
-                if row["hit_rate"] is not None and (m == "host" or row.get("hot_slots")):
+                if row["hit_rate"] is not None and (m == "hisparse" or row.get("hot_slots")):
                     extra_s = f", hit rate {100 * row['hit_rate']:.1f} %"
                 if m == "hybrid":
                     extra_s += f", {c - row['hot_slots']} paged / {row['hot_slots']} hot slots, " \
@@ -435,7 +435,7 @@ def main(argv=None) -> int:
         res["total_s"] = time.perf_counter() - t_all
         md = write(res, stem)  # after every level: a cut-short run still leaves its results
     for m, c in profile:
-        if c > (cap["resident"] if m == "resident" else cap["host"]):
+        if c > (cap["resident"] if m == "resident" else cap["hisparse"]):
             print(f"  profile c={c} {m}: does not fit the budget, skipped", flush=True)
             continue
         p = profile_point(cfg, m, c, args.device, budget)
