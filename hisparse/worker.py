@@ -8,54 +8,19 @@ event-gated sampling of ``get_kv_connector_stats``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Callable, Mapping, Optional, Sequence
 
 import torch
 
-from hisparse._vllm_compat import KVConnectorMetadata
 from hisparse import ops
 from hisparse.binding import BindingError, PackedLayout, bind_layers, check_disjoint
 from hisparse.config import HiSparseConfig, HiSparseConfigError
 from hisparse.host_pool import HostPool
+from hisparse.metadata import HiSparseConnectorMetadata
 from hisparse.runtime import HiSparseIndexGroup, HiSparseRuntime
 from hisparse.stats import HiSparseKVConnectorStats
 
 _ALIGN = 16
-
-
-@dataclass(frozen=True)
-class HiSparseConnectorMetadata(KVConnectorMetadata):
-    """What the scheduler connector tells the worker connector for one step (picklable).
-
-    req_ids: requests of the batch, in batch order (row b of ``top_k`` is ``req_ids[b]``).
-    state_rows: the state row of each batch row.
-    reset_rows: state rows to reset before the step (handed to a new request, or released).
-    invalidate: (state_row, key) pairs whose hot copy must be dropped (position rewritten).
-    host_rows_in_use: tokens held in the host pool by live requests (host-pool usage gauge).
-    anchors: per request, the key (slot) of its last token scheduled this step, or empty. An
-        engine whose layers see batch rows rather than request ids (vLLM) finds each row's
-        state row through this (``batch_state_rows``).
-    """
-
-    req_ids: tuple = ()
-    state_rows: tuple = ()
-    reset_rows: tuple = ()
-    invalidate: tuple = ()
-    host_rows_in_use: int = 0
-    anchors: tuple = ()
-
-    def __post_init__(self) -> None:
-        if len(self.req_ids) != len(self.state_rows):
-            raise ValueError(
-                f"req_ids and state_rows must have equal lengths, got {len(self.req_ids)} "
-                f"and {len(self.state_rows)}"
-            )
-        if self.anchors and len(self.anchors) != len(self.req_ids):
-            raise ValueError(
-                f"anchors must have one entry per request, got {len(self.anchors)} for "
-                f"{len(self.req_ids)} requests"
-            )
 
 
 class _CompletedEvent:

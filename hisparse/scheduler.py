@@ -1,0 +1,141 @@
+"""The scheduler half of the HiSparse connector: state rows per request, token counts, block
+lists, and the metadata of every step (see docs/vllm.md for what it sends and why).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Optional
+
+from hisparse.config import HiSparseConfig
+from hisparse.metadata import HiSparseConnectorMetadata
+from hisparse.runtime import StateRowAllocator
+from hisparse.stats import HiSparseKVConnectorStats
+
+
+@dataclass
+class StepSchedule:
+    """The part of vLLM's ``SchedulerOutput`` the HiSparse scheduler connector reads, for engines
+    without vLLM. ``num_scheduled_tokens``' order is the batch order."""
+
+    num_scheduled_tokens: dict
+    finished_req_ids: set = field(default_factory=set)
+    preempted_req_ids: Optional[set] = None
+
+
+def _vllm_request_view(scheduler_output: Any) -> dict:
+    """{req_id: (num_computed_tokens, block_ids or None, replace)} from a vLLM SchedulerOutput
+    (KV-cache group 0); {} for a ``StepSchedule``. ``replace``: the ids are the request's whole
+    block list (new or resumed request), else blocks appended this step."""
+    view = {}
+    for r in getattr(scheduler_output, "scheduled_new_reqs", None) or ():
+        view[r.req_id] = (int(r.num_computed_tokens), list(r.block_ids[0]), True)
+    cached = getattr(scheduler_output, "scheduled_cached_reqs", None)
+    if cached is not None:
+        resumed = getattr(cached, "resumed_req_ids", None) or set()
+        for rid, nc, new in zip(cached.req_ids, cached.num_computed_tokens, cached.new_block_ids):
+            view[rid] = (int(nc), list(new[0]) if new is not None else None, rid in resumed)
+    return view
+
+
+class HiSparseScheduler:
+    """State rows per request, token counts, and what the worker must reset next step.
+
+    With vLLM it also follows each request's block list, to send the worker the key of every
+    request's last scheduled token (``anchors``: the model's layers see batch rows, not request
+    ids) and to invalidate hot copies of positions that are written a second time."""
+
+    def __init__(self, config: HiSparseConfig) -> None:
+        self.rows = StateRowAllocator(config.max_num_seqs)
+        self.max_num_seqs = config.max_num_seqs
+        self.block_size = config.block_size
+        self.tokens: dict = {}
+        self.blocks: dict = {}
+        self.pending_resets: list = []
+        self.pending_invalidate: list = []
+        self.host_rows: Optional[int] = None  # known with vLLM: its KV blocks x block_size
+
+    def gauges(self) -> Optional[HiSparseKVConnectorStats]:
+        """Scheduler-side gauge samples, every step (vLLM appends them after the worker's, so
+        they are the ones that stand): host-pool usage from the live requests' tokens, and hot
+        rows in use = 0 once no request is live (the worker's snapshot still counts the rows of
+        requests it has not yet been told are gone)."""
+        if not self.host_rows:
+            return None
+        usage = min(1.0, sum(self.tokens.values()) / self.host_rows)
+        idle = not self.tokens
+        stats = HiSparseKVConnectorStats()
+        stats.record_snapshot(0, 0, 0, host_pool_usage=usage, hot_rows_in_use=0 if idle else None)
+        return stats
+
+    def release(self, req_id) -> None:
+        row = self.rows.free(req_id)
+        self.tokens.pop(req_id, None)
+        self.blocks.pop(req_id, None)
+        if row is not None:
+            self.pending_resets.append(row)
+
+    def _key(self, blocks: list, req_id, pos: int) -> int:
+        b = pos // self.block_size
+        if b >= len(blocks):
+            raise ValueError(f"request {req_id!r}: position {pos} lies past its {len(blocks)} "
+                             f"blocks of {self.block_size} tokens")
+        return int(blocks[b]) * self.block_size + pos % self.block_size
+
+    def build(self, scheduler_output: Any) -> HiSparseConnectorMetadata:
+        """One step's metadata. Nothing changes unless it succeeds (a failing step leaves the
+        state as it was, so a retry sees the same counts)."""
+        scheduled = getattr(scheduler_output, "num_scheduled_tokens", None)
+        if not isinstance(scheduled, Mapping):
+            raise ValueError(
+                "scheduler_output.num_scheduled_tokens must be a dict {req_id: tokens}, got "
+                f"{type(scheduled).__name__}"
+            )
+        gone = [rid for attr in ("finished_req_ids", "preempted_req_ids")
+                for rid in getattr(scheduler_output, attr, None) or ()]
+        vllm_view = _vllm_request_view(scheduler_output)
+        live = {rid for rid in self.tokens if rid not in gone}
+        new_reqs = [rid for rid in scheduled if rid not in live]
+        if len(live) + len(new_reqs) > self.max_num_seqs:
+            raise RuntimeError(
+                f"request {new_reqs[-1]!r} needs a HiSparse state row but all "
+                f"kv_connector_extra_config['max_num_seqs'] = {self.max_num_seqs} are in use"
+            )
+        tokens, blocks, anchors, rewrites = {}, {}, [], []
+        for rid, n in scheduled.items():
+            n = int(n)
+            if rid not in vllm_view:
+                tokens[rid] = (self.tokens.get(rid, 0) if rid in live else 0) + n
+                continue
+            nc, ids, replace = vllm_view[rid]
+            have = [] if replace or rid not in live else self.blocks.get(rid, [])
+            blocks[rid] = have + (ids or [])
+            tokens[rid] = nc + n
+            anchors.append(self._key(blocks[rid], rid, nc + n - 1))
+            written = self.tokens.get(rid, 0) if rid in live else 0
+            rewrites.extend((rid, self._key(blocks[rid], rid, p))
+                            for p in range(nc, min(written, nc + n)))
+        # Commit.
+        for rid in gone:
+            self.release(rid)
+        resets = self.pending_resets
+        for rid in new_reqs:
+            resets.append(self.rows.allocate(rid))
+        self.tokens.update(tokens)
+        self.blocks.update(blocks)
+        invalidate = list(self.pending_invalidate)
+        invalidate.extend((self.rows.row_of(rid), key) for rid, key in rewrites)
+        if hasattr(scheduler_output, "has_sync_kv_loads"):
+            # State rows must be bound before the forward, not after it (vLLM's default for
+            # connectors without synchronous loads).
+            scheduler_output.has_sync_kv_loads = True
+        meta = HiSparseConnectorMetadata(
+            req_ids=tuple(scheduled),
+            state_rows=tuple(self.rows.row_of(rid) for rid in scheduled),
+            reset_rows=tuple(dict.fromkeys(resets)),
+            invalidate=tuple(invalidate),
+            host_rows_in_use=sum(self.tokens.values()),
+            anchors=tuple(anchors) if len(anchors) == len(scheduled) else (),
+        )
+        self.pending_resets, self.pending_invalidate = [], []
+        return meta
