@@ -51,6 +51,7 @@ class HiSparseScheduler:
         self.block_size = config.block_size
         self.tokens: dict = {}
         self.blocks: dict = {}
+        self.block_refs: dict = {}  # vLLM block id -> live requests holding it (prefix sharing)
         self.pending_resets: list = []
         self.pending_invalidate: list = []
         self.host_rows: Optional[int] = None  # known with vLLM: its KV blocks x block_size
@@ -62,16 +63,31 @@ class HiSparseScheduler:
         requests it has not yet been told are gone)."""
         if not self.host_rows:
             return None
-        usage = min(1.0, sum(self.tokens.values()) / self.host_rows)
+        usage = min(1.0, self.rows_in_use() / self.host_rows)
         idle = not self.tokens
         stats = HiSparseKVConnectorStats()
         stats.record_snapshot(0, 0, 0, host_pool_usage=usage, hot_rows_in_use=0 if idle else None)
         return stats
 
+    def rows_in_use(self) -> int:
+        """Host rows held by live requests: with vLLM, their distinct blocks (requests sharing a
+        cached prefix share its rows); otherwise their tokens."""
+        if self.blocks:
+            return len(self.block_refs) * self.block_size
+        return sum(self.tokens.values())
+
+    def _ref(self, ids, delta: int) -> None:
+        for b in ids:
+            n = self.block_refs.get(b, 0) + delta
+            if n > 0:
+                self.block_refs[b] = n
+            else:
+                self.block_refs.pop(b, None)
+
     def release(self, req_id) -> None:
         row = self.rows.free(req_id)
         self.tokens.pop(req_id, None)
-        self.blocks.pop(req_id, None)
+        self._ref(self.blocks.pop(req_id, ()), -1)
         if row is not None:
             self.pending_resets.append(row)
 
@@ -101,7 +117,7 @@ class HiSparseScheduler:
                 f"request {new_reqs[-1]!r} needs a HiSparse state row but all "
                 f"kv_connector_extra_config['max_num_seqs'] = {self.max_num_seqs} are in use"
             )
-        tokens, blocks, anchors, rewrites = {}, {}, [], []
+        tokens, blocks, added, anchors, rewrites = {}, {}, {}, [], []
         for rid, n in scheduled.items():
             n = int(n)
             if rid not in vllm_view:
@@ -110,6 +126,7 @@ class HiSparseScheduler:
             nc, ids, replace = vllm_view[rid]
             have = [] if replace or rid not in live else self.blocks.get(rid, [])
             blocks[rid] = have + (ids or [])
+            added[rid] = blocks[rid] if not have else (ids or [])
             tokens[rid] = nc + n
             anchors.append(self._key(blocks[rid], rid, nc + n - 1))
             written = self.tokens.get(rid, 0) if rid in live else 0
@@ -122,6 +139,10 @@ class HiSparseScheduler:
         for rid in new_reqs:
             resets.append(self.rows.allocate(rid))
         self.tokens.update(tokens)
+        for rid, ids in added.items():
+            if ids is blocks[rid]:  # a whole (new or replaced) list
+                self._ref(self.blocks.get(rid, ()), -1)
+            self._ref(ids, +1)
         self.blocks.update(blocks)
         invalidate = list(self.pending_invalidate)
         invalidate.extend((self.rows.row_of(rid), key) for rid, key in rewrites)
@@ -134,7 +155,7 @@ class HiSparseScheduler:
             state_rows=tuple(self.rows.row_of(rid) for rid in scheduled),
             reset_rows=tuple(dict.fromkeys(resets)),
             invalidate=tuple(invalidate),
-            host_rows_in_use=sum(self.tokens.values()),
+            host_rows_in_use=self.rows_in_use(),
             anchors=tuple(anchors) if len(anchors) == len(scheduled) else (),
         )
         self.pending_resets, self.pending_invalidate = [], []

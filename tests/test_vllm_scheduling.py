@@ -91,7 +91,7 @@ def test_scheduler_gauges_follow_live_requests_and_read_zero_when_idle():
     s._scheduler.host_rows = 100
     s.build_connector_meta(_out({"a": 10}, new=[_new("a", 0, [1, 2, 3])]))
     g = s.get_kv_connector_stats()
-    assert g.data["host_pool_usage"] == [0.1] and g.data["hot_rows_in_use"] == []
+    assert g.data["host_pool_usage"] == [0.12] and g.data["hot_rows_in_use"] == []  # 3 blocks of 4 rows
     s.request_finished(SimpleNamespace(request_id="a"), [])
     g = s.get_kv_connector_stats()
     assert g.data["host_pool_usage"] == [0.0] and g.data["hot_rows_in_use"] == [0]
@@ -254,3 +254,19 @@ def test_requests_sharing_an_anchor_get_distinct_rows_in_turn():
     assert w.batch_state_rows(torch.tensor([13, 13])).tolist() == [1, 0]
     with pytest.raises(RuntimeError, match="no scheduled request's last token"):
         w.batch_state_rows(torch.tensor([13, 13, 13]))
+
+
+def test_host_rows_in_use_count_shared_prefix_blocks_once():
+    s = _sched()
+    s._scheduler.host_rows = 40
+    m = s.build_connector_meta(_out({"a": 8, "b": 1}, new=[_new("a", 0, [3, 4]),
+                                                          _new("b", 7, [3, 4])]))
+    assert m.host_rows_in_use == 2 * BS  # b's prompt is a's: both blocks are shared
+    m = s.build_connector_meta(_out({"b": 1}, cached=[("b", 8, [9])]))
+    assert m.host_rows_in_use == 3 * BS
+    s.request_finished(SimpleNamespace(request_id="a"), [])
+    m = s.build_connector_meta(_out({"b": 1}, cached=[("b", 9, None)]))
+    assert m.host_rows_in_use == 3 * BS  # b still holds 3, 4 and 9
+    s.request_finished(SimpleNamespace(request_id="b"), [])
+    assert s._scheduler.rows_in_use() == 0 and s._scheduler.block_refs == {}
+    assert s.get_kv_connector_stats().data["host_pool_usage"] == [0.0]
