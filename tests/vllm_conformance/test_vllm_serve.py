@@ -233,23 +233,33 @@ def _expected_lookups(prompts) -> int:
     return sum(min(TOP_K, len(p) + i) for p in prompts for i in range(1, GEN))
 
 
-def _flush(server: Server) -> None:
-    """One prefill-only request: its step harvests the last pending snapshot (counts reach
-    Prometheus one step after they happen; a prefill looks nothing up)."""
-    server.complete([1, 2, 3], max_tokens=1)
-    time.sleep(1.0)
+def _flush(server: Server) -> dict:
+    """Prefill-only requests until /metrics stops changing: a step harvests the snapshot the
+    step before armed (counts reach Prometheus one step after they happen; a prefill of an
+    uncached prompt looks nothing up). Returns the settled samples."""
+    last = None
+    for i in range(10):
+        server.complete([1, 2, 3 + i], max_tokens=1)
+        time.sleep(0.5)
+        m = server.metrics()
+        now = (m.get("vllm:hisparse_cache_hits_total"), m.get("vllm:hisparse_cache_misses_total"))
+        if now == last:
+            return m
+        last = now
+    raise AssertionError(f"HiSparse counters did not settle: {last}")
 
 
 def test_metrics_endpoint_counts_every_lookup_exactly(hisparse, hisparse_server):
     """Counter deltas over a small workload (no preemption: a recomputed prefill would skip a
     decode step's lookups) against an independent count of its lookups."""
-    _flush(hisparse_server)
-    before = hisparse_server.metrics()
-    prompts = _prompts()[:4]
+    before = _flush(hisparse_server)
+    # Fresh prompts: a prompt vLLM's prefix cache holds all but one token of is "prefilled" by a
+    # one-token step, which the model resolves like a decode step (16 more lookups).
+    rng = random.Random(99)
+    prompts = [[rng.randrange(256) for _ in range(n)] for n in (180, 190, 197, 205)]
     with ThreadPoolExecutor(len(prompts)) as ex:
         list(ex.map(hisparse_server.complete, prompts))
-    _flush(hisparse_server)
-    m = hisparse_server.metrics()
+    m = _flush(hisparse_server)
     for name in ("vllm:hisparse_cache_hits_total", "vllm:hisparse_cache_misses_total",
                  "vllm:hisparse_host_to_device_bytes_total", "vllm:hisparse_host_pool_usage",
                  "vllm:hisparse_hot_rows_in_use"):
@@ -287,8 +297,7 @@ def test_aborted_and_finished_requests_release_host_and_hot_rows(hisparse, hispa
     end = time.time() + 120
     while time.time() < end and hisparse_server.metrics().get("vllm:num_requests_running", 0):
         time.sleep(0.5)
-    _flush(hisparse_server)
-    m = hisparse_server.metrics()
+    m = _flush(hisparse_server)
     assert m.get("vllm:num_requests_running", 0) == 0
     assert m["vllm:hisparse_host_pool_usage"] == 0.0
     assert m["vllm:hisparse_hot_rows_in_use"] == 0.0
