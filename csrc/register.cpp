@@ -3,6 +3,7 @@
 #include <Python.h>
 #include <torch/library.h>
 
+#include "hisparse_limits.h"
 #include "ops.h"
 
 TORCH_LIBRARY(hisparse, m) {
@@ -40,5 +41,12 @@ PyMODINIT_FUNC PyInit__C(void) {
 #else
   PyModule_AddIntConstant(mod, "WITH_CUDA", 0);
 #endif
+  // The build's own limits, so hisparse/limits.py can refuse to run next to a stale extension.
+  if (PyModule_AddIntConstant(mod, "MAX_HOT_SIZE", hisparse::kMaxHotSize) < 0 ||
+      PyModule_AddIntConstant(mod, "INT32_MAX", hisparse::kInt32Max) < 0 ||
+      PyModule_AddIntConstant(mod, "ROW_ALIGN", hisparse::kRowAlign) < 0) {
+    Py_DECREF(mod);
+    return nullptr;
+  }
   return mod;
 }

@@ -9,10 +9,9 @@
 #include <string>
 #include <vector>
 
-namespace hisparse {
+#include "hisparse_limits.h"
 
-constexpr int64_t kMaxHotSize = 32768;  // slot ids must fit int16
-constexpr int64_t kInt32Max = 2147483647;
+namespace hisparse {
 
 inline std::string dtype_name(at::ScalarType t) {
   switch (t) {
@@ -89,8 +88,9 @@ inline RowView check_row_view(const at::Tensor& t, const char* op, const std::st
   v.row_bytes = t.size(-1);
   TORCH_CHECK(t.stride(-1) == 1 || v.row_bytes <= 1, op, ": argument '", n,
               "' must have last stride 1, got strides ", t.strides());
-  TORCH_CHECK(v.row_bytes > 0 && v.row_bytes % 16 == 0, op, ": argument '", n,
-              "' row size must be a positive multiple of 16 bytes, got ", v.row_bytes);
+  TORCH_CHECK(v.row_bytes > 0 && v.row_bytes % kRowAlign == 0, op, ": argument '", n,
+              "' row size must be a positive multiple of ", kRowAlign, " bytes, got ",
+              v.row_bytes);
   if (t.dim() == 2) {
     v.num_blocks = t.size(0);
     v.block_size = 1;
@@ -102,13 +102,13 @@ inline RowView check_row_view(const at::Tensor& t, const char* op, const std::st
     v.block_stride = t.stride(0);
     v.row_stride = t.stride(1);
   }
-  TORCH_CHECK(v.block_stride >= 0 && v.row_stride >= 0 && v.block_stride % 16 == 0 &&
-                  v.row_stride % 16 == 0,
-              op, ": argument '", n, "' strides must be non-negative multiples of 16 bytes, got ",
-              t.strides());
+  TORCH_CHECK(v.block_stride >= 0 && v.row_stride >= 0 && v.block_stride % kRowAlign == 0 &&
+                  v.row_stride % kRowAlign == 0,
+              op, ": argument '", n, "' strides must be non-negative multiples of ", kRowAlign,
+              " bytes, got ", t.strides());
   v.base = static_cast<uint8_t*>(t.data_ptr());
-  TORCH_CHECK(reinterpret_cast<uintptr_t>(v.base) % 16 == 0 || t.numel() == 0, op,
-              ": argument '", n, "' data pointer must be 16-byte aligned");
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(v.base) % kRowAlign == 0 || t.numel() == 0, op,
+              ": argument '", n, "' data pointer must be ", kRowAlign, "-byte aligned");
   TORCH_CHECK(v.rows() <= kInt32Max, op, ": argument '", n, "' has more than 2^31-1 rows");
   return v;
 }

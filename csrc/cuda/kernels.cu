@@ -200,6 +200,7 @@ __global__ void __launch_bounds__(NT, 1024 / NT) resolve_kernel(const ResolveArg
     // 3. Walk the LRU order: evictable slots to list[0..E), hit slots to list[H-1..H-NH]
     //    (both in LRU order). A slot is a hit slot iff it is the hit slot of its own key.
     //    Packed counters: low 16 bits evictable, high 16 bits hits.
+    static_assert(kMaxHotSize <= 0xFFFF, "E + NH <= H must not carry out of the low half");
     unsigned carry = 0;
     for (int t0 = 0; t0 < H; t0 += TILE) {
       const int p0 = t0 + tid * IT;
@@ -315,6 +316,9 @@ __global__ void __launch_bounds__(NT, 1024 / NT) resolve_kernel(const ResolveArg
     __syncthreads();  // scratch is reused by the next row
   }
 }
+
+// Rows are moved as uint4 words, so the row alignment validate.h enforces must be one word.
+static_assert(kRowAlign == sizeof(uint4), "row alignment must equal the copy word");
 
 // Row copies for gather (host -> hot) and save_rows (device -> host). Work items are
 // (layer, batch row, chunk of C = 1 << chunk_log2 planned rows); each warp of a fixed grid walks

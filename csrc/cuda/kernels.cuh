@@ -9,6 +9,8 @@
 #include <climits>
 #include <cstdint>
 
+#include "hisparse_limits.h"
+
 namespace hisparse {
 namespace cuda {
 

@@ -168,7 +168,7 @@ void copy_launches(const CopyPlan& plan, int64_t l0, int64_t L, unsigned long lo
       g.dst_block_size = static_cast<int32_t>(std::max<int64_t>(d.block_size, 1));
       g.src_rows = static_cast<int32_t>(s.rows());
       g.dst_rows = static_cast<int32_t>(d.rows());
-      g.words = static_cast<int32_t>(s.row_bytes / 16);
+      g.words = static_cast<int32_t>(s.row_bytes / kRowAlign);
       g.parts = static_cast<int32_t>((g.words + 7 + 31) / 32);
     }
     a.layer[l] = g;
