@@ -115,7 +115,9 @@ class HiSparseConnector(KVConnectorBase_V1, SupportsHMA):
             kv_connector="HiSparseConnector",
             kv_connector_module_path="hisparse.connector",
             kv_role="kv_both",
-            kv_connector_extra_config=dict(extra_config or {}),
+            # Handed on as given: HiSparseConfig names a non-mapping (a string, a list of
+            # pairs) instead of dict() silently accepting pairs.
+            kv_connector_extra_config=extra_config,
             is_kv_producer=False,
             is_kv_consumer=False,
             engine_id=None,

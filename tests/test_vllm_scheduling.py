@@ -270,3 +270,11 @@ def test_host_rows_in_use_count_shared_prefix_blocks_once():
     s.request_finished(SimpleNamespace(request_id="b"), [])
     assert s._scheduler.rows_in_use() == 0 and s._scheduler.block_refs == {}
     assert s.get_kv_connector_stats().data["host_pool_usage"] == [0.0]
+
+
+@pytest.mark.parametrize("bad", ["top_k=4", [("top_k", 4)]])
+def test_non_mapping_extra_config_is_one_named_error(bad):
+    from hisparse.config import HiSparseConfigError
+
+    with pytest.raises(HiSparseConfigError, match="kv_connector_extra_config must be a mapping"):
+        HiSparseConnector.from_extra_config(bad, role="worker")
