@@ -2,7 +2,8 @@
 
 Loaded by vLLM with ``kv_connector_module_path="hisparse.connector"`` and
 ``kv_connector="HiSparseOOTConnector"`` (vLLM 0.32 reserves the name ``HiSparseConnector`` for its
-in-tree connector); driven the same way by hisparse's reference engine. See docs/connector.md. Importing this module imports vLLM's base classes when vLLM is installed
+in-tree connector); driven the same way by hisparse's reference engine. See docs/connector.md and
+docs/vllm.md. Importing this module imports vLLM's base classes when vLLM is installed
 (never ``import hisparse`` itself).
 """
 
@@ -43,7 +44,9 @@ def _role(role: Any):
     name = role.lower() if isinstance(role, str) else getattr(role, "name", None)
     if isinstance(name, str) and name.upper() in ("SCHEDULER", "WORKER"):
         return KVConnectorRole[name.upper()]
-    raise ValueError(f"role must be KVConnectorRole.SCHEDULER/WORKER or 'scheduler'/'worker', got {role!r}")
+    raise ValueError(
+        f"role must be KVConnectorRole.SCHEDULER/WORKER or 'scheduler'/'worker', got {role!r}"
+    )
 
 
 def _request_id(request: Any) -> str:
@@ -67,10 +70,10 @@ def _defaults_from_vllm(vllm_config: Any, extra: Optional[Mapping]) -> dict:
     cache = getattr(vllm_config, "cache_config", None)
     seqs = getattr(sched, "max_num_seqs", None)
     block = getattr(cache, "block_size", None)
-    if "max_num_seqs" not in merged and isinstance(seqs, int) and not isinstance(seqs, bool) and seqs > 0:
-        merged["max_num_seqs"] = seqs
-    if "block_size" not in merged and isinstance(block, int) and not isinstance(block, bool) and block > 0:
-        merged["block_size"] = block
+    for key, value in (("max_num_seqs", seqs), ("block_size", block)):
+        usable = isinstance(value, int) and not isinstance(value, bool) and value > 0
+        if key not in merged and usable:
+            merged[key] = value
     return merged
 
 
@@ -85,7 +88,8 @@ class HiSparseConnector(KVConnectorBase_V1, SupportsHMA):
         # Inside a vLLM engine the worker is built after the model is loaded: the model's own
         # layers must call us, and a model without HiSparse layers is refused first, at start-up.
         layers = None
-        if getattr(vllm_config, "model_config", None) is not None and role == KVConnectorRole.WORKER:
+        in_engine = getattr(vllm_config, "model_config", None) is not None
+        if in_engine and role == KVConnectorRole.WORKER:
             from hisparse.vllm.binding import model_hisparse_layers
 
             layers = model_hisparse_layers(vllm_config)
@@ -131,7 +135,8 @@ class HiSparseConnector(KVConnectorBase_V1, SupportsHMA):
 
     def _need_worker(self, what: str) -> HiSparseConnectorWorker:
         if self.worker is None:
-            raise RuntimeError(f"{what} is a worker-side call; this connector has the scheduler role")
+            raise RuntimeError(f"{what} is a worker-side call; this connector has the "
+                               "scheduler role")
         return self.worker
 
     def register_kv_caches(self, kv_caches: dict) -> None:
@@ -180,7 +185,8 @@ class HiSparseConnector(KVConnectorBase_V1, SupportsHMA):
     def wait_for_layer_load(self, layer_name: str) -> None:
         self._need_worker("wait_for_layer_load").wait_for_layer_load(layer_name)
 
-    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any,
+                      **kwargs: Any) -> None:
         """Write the layer's rows computed this step (``kv_layer``) into the host pool at
         ``attn_metadata.slot_mapping`` (or ``slot_mapping=`` keyword)."""
         worker = self._need_worker("save_kv_layer")
@@ -212,7 +218,8 @@ class HiSparseConnector(KVConnectorBase_V1, SupportsHMA):
     # -------------------------------------------------------- scheduler side
     def _need_scheduler(self, what: str) -> HiSparseScheduler:
         if self._scheduler is None:
-            raise RuntimeError(f"{what} is a scheduler-side call; this connector has the worker role")
+            raise RuntimeError(f"{what} is a scheduler-side call; this connector has the "
+                               "worker role")
         return self._scheduler
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple:
@@ -234,7 +241,8 @@ class HiSparseConnector(KVConnectorBase_V1, SupportsHMA):
         return self.request_finished(request, block_ids)
 
     def invalidate_keys(self, request: Any, keys: Any) -> None:
-        """Scheduler side: positions of ``request`` were rewritten; drop their hot copies next step."""
+        """Scheduler side: positions of ``request`` were rewritten; drop their hot copies next
+        step."""
         sched = self._need_scheduler("invalidate_keys")
         rid = request if isinstance(request, str) else _request_id(request)
         row = sched.rows.row_of(rid)
@@ -243,7 +251,8 @@ class HiSparseConnector(KVConnectorBase_V1, SupportsHMA):
         limit = sched.host_rows or 2**31 - 1
         checked = []
         for k in keys:
-            if isinstance(k, bool) or not isinstance(k, (int, torch.Tensor)) or not 0 <= int(k) < limit:
+            integral = isinstance(k, (int, torch.Tensor)) and not isinstance(k, bool)
+            if not integral or not 0 <= int(k) < limit:
                 raise ValueError(f"keys must be integer host rows in [0, {limit}), got {k!r}")
             checked.append(int(k))
         sched.pending_invalidate.extend((row, k) for k in checked)
@@ -251,7 +260,8 @@ class HiSparseConnector(KVConnectorBase_V1, SupportsHMA):
     # ------------------------------------------------------------- telemetry
     @classmethod
     def build_kv_connector_stats(cls, data: Optional[dict] = None) -> HiSparseKVConnectorStats:
-        return HiSparseKVConnectorStats(data=data) if data is not None else HiSparseKVConnectorStats()
+        return HiSparseKVConnectorStats(data=data) if data is not None else \
+            HiSparseKVConnectorStats()
 
     @classmethod
     def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):

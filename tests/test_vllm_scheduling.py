@@ -91,7 +91,7 @@ def test_scheduler_gauges_follow_live_requests_and_read_zero_when_idle():
     s._scheduler.host_rows = 100
     s.build_connector_meta(_out({"a": 10}, new=[_new("a", 0, [1, 2, 3])]))
     g = s.get_kv_connector_stats()
-    assert g.data["host_pool_usage"] == [0.12] and g.data["hot_rows_in_use"] == []  # 3 blocks of 4 rows
+    assert g.data["host_pool_usage"] == [0.12] and g.data["hot_rows_in_use"] == []
     s.request_finished(SimpleNamespace(request_id="a"), [])
     g = s.get_kv_connector_stats()
     assert g.data["host_pool_usage"] == [0.0] and g.data["hot_rows_in_use"] == [0]
