@@ -177,12 +177,12 @@ def test_config_validation_names_the_field():
 
 
 def test_prefill_chunking_keeps_results_and_parity(monkeypatch):
-    import hisparse.engine.run as run_mod
+    import hisparse.engine.prefill as prefill
 
     cfg = small_config(num_requests=3)
     whole = run_workload(cfg, "resident")
     # chunks of a few prompt rows: the EMA state is carried across chunks
-    monkeypatch.setattr(run_mod, "_PREFILL_CHUNK_ELEMS", 5 * 72)
+    monkeypatch.setattr(prefill, "PREFILL_CHUNK_ELEMS", 5 * 72)
     res = run_workload(cfg, "resident")
     hs = run_workload(cfg, "hisparse")
     assert compare_runs(res, hs).ok

@@ -7,9 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-import hisparse.engine.kvstore as kvstore
+import hisparse.engine.hybrid_moves as hybrid_moves
 from hisparse.engine import EngineConfig, compare_runs, run_workload
-from hisparse.engine.kvstore import HiSparseKV, HybridKV
+from hisparse.engine.hybrid import HybridKV
+from hisparse.engine.kvstore import HiSparseKV
 
 # Outputs longer than prompts so that resident requests grow into new pages mid-request; jittered
 # lengths so that some finish early and free pages for spilled ones to come back.
@@ -101,17 +102,17 @@ def _broken(cfg, resident):
 
 
 def test_spill_that_copies_one_row_too_few_fails_parity(cfg, resident, monkeypatch):
-    monkeypatch.setattr(kvstore, "_spill_range", lambda n: (0, max(0, n - 1)))
+    monkeypatch.setattr(hybrid_moves, "_spill_range", lambda n: (0, max(0, n - 1)))
     assert not _broken(cfg, resident).ok
 
 
 def test_spill_that_skips_the_first_row_fails_parity(cfg, resident, monkeypatch):
-    monkeypatch.setattr(kvstore, "_spill_range", lambda n: (min(1, n), n))
+    monkeypatch.setattr(hybrid_moves, "_spill_range", lambda n: (min(1, n), n))
     assert not _broken(cfg, resident).ok
 
 
 def test_spill_window_one_row_short_fails_parity(cfg, resident, monkeypatch):
-    monkeypatch.setattr(kvstore, "_window_range", lambda n, w: (max(0, n - w + 2), n))
+    monkeypatch.setattr(hybrid_moves, "_window_range", lambda n, w: (max(0, n - w + 2), n))
     assert not _broken(cfg, resident).ok
 
 
@@ -122,7 +123,7 @@ def test_host_writes_one_step_late_fail_parity(cfg, resident, monkeypatch):
 
     def late(self, *a, **k):
         orig(self, *a, **k)
-        self.lag = self.W + 1
+        self.lag = self.window + 1
 
     monkeypatch.setattr(HybridKV, "__init__", late)
     assert not _broken(cfg, resident).ok

@@ -1,0 +1,93 @@
+"""Where a hybrid step's new rows go, decided once per step on the host and uploaded in one
+copy: each row to its request's device page or (spilled requests) device window, spilled
+requests' decode rows also to the staging buffer, spilled prompts to the host pool."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+
+
+@dataclass
+class StepPlan:
+    dev_dst: torch.Tensor               # device rows every new row (or ``dev_src``'s) goes to
+    dev_src: Optional[torch.Tensor]     # which new rows, None = all of them in batch order
+    stage_src: torch.Tensor             # spilled decode rows (batch index) to stage
+    stage_keys: torch.Tensor            # their keys (CPU), where the pool takes them later
+    rs_idx: torch.Tensor                # batch index of resident decode requests
+    sp_idx: torch.Tensor                # batch index of spilled decode requests
+    sp_hot: torch.Tensor                # their hot slots
+    all_sp: bool                        # every decode request is spilled
+    prefill_host: List[Tuple[int, int, int]]  # spilled prompts: (first key, first row, length)
+    stage: Optional[torch.Tensor]       # [layers, staged rows, row_bytes] on the device
+    n_stage: int = 0
+    n_rs: int = 0
+    n_sp: int = 0
+
+
+@dataclass
+class _Routes:
+    dev_dst: List[int] = field(default_factory=list)
+    dev_src: List[int] = field(default_factory=list)
+    stage_src: List[int] = field(default_factory=list)
+    stage_keys: List[int] = field(default_factory=list)
+    rs_idx: List[int] = field(default_factory=list)
+    sp_idx: List[int] = field(default_factory=list)
+    sp_hot: List[int] = field(default_factory=list)
+    prefill_host: List[Tuple[int, int, int]] = field(default_factory=list)
+    all_dev: bool = True  # every new row goes to the device, in batch order
+
+
+def _route(kv, dec: Sequence, new: Sequence) -> _Routes:
+    bs, rt = kv.cfg.block_size, _Routes()
+    for i, r in enumerate(dec):
+        s, p = r.slot, r.pos
+        rt.dev_src.append(i)
+        if s in kv.pages:
+            rt.dev_dst.append(kv.pages[s][p // bs] * bs + p % bs)
+            rt.rs_idx.append(i)
+        else:
+            h = kv.hot[s]
+            rt.dev_dst.append(kv._window_row(h, p))
+            rt.stage_src.append(i)
+            rt.stage_keys.append(kv._key0(s) + p)
+            rt.sp_idx.append(i)
+            rt.sp_hot.append(h)
+    off = len(dec)
+    for r in new:
+        s, P = r.slot, r.prompt_len
+        if s in kv.pages:
+            rt.dev_dst.extend(kv._rows_of(kv.pages[s], 0, P))
+            rt.dev_src.extend(range(off, off + P))
+        else:
+            # only the newest rows stay on the device, in the window; the rest go to the pool
+            lo = max(0, P - kv.window)
+            rt.dev_dst.extend(kv._window_row(kv.hot[s], q) for q in range(lo, P))
+            rt.dev_src.extend(range(off + lo, off + P))
+            rt.all_dev = False
+            rt.prefill_host.append((kv._key0(s), off, P))
+        off += P
+    return rt
+
+
+def build_plan(kv, dec: Sequence, new: Sequence, pt_updates: Sequence[tuple]) -> StepPlan:
+    """The step's plan; also applies the step's page-table updates ``(slot, index, page)``."""
+    cfg, rt = kv.cfg, _route(kv, dec, new)
+    pt_s = [u[0] for u in pt_updates]
+    pt_i = [u[1] for u in pt_updates]
+    pt_v = [u[2] for u in pt_updates]
+    (t_dst, t_src, t_stage, t_rs, t_sp, t_hot, t_ps, t_pi, t_pv) = kv._upload(
+        [rt.dev_dst, rt.dev_src if not rt.all_dev else [], rt.stage_src, rt.rs_idx, rt.sp_idx,
+         rt.sp_hot, pt_s, pt_i, pt_v])
+    if pt_s:
+        kv.pt[t_ps, t_pi] = t_pv
+    n_stage = len(rt.stage_src)
+    stage = (torch.empty(cfg.num_layers, n_stage, cfg.row_bytes, dtype=torch.uint8,
+                         device=kv.device) if n_stage else None)
+    return StepPlan(
+        dev_dst=t_dst, dev_src=None if rt.all_dev else t_src, stage_src=t_stage,
+        stage_keys=torch.tensor(rt.stage_keys, dtype=torch.int64), rs_idx=t_rs, sp_idx=t_sp,
+        sp_hot=t_hot, all_sp=len(rt.sp_idx) == len(dec), prefill_host=rt.prefill_host,
+        stage=stage, n_stage=n_stage, n_rs=len(rt.rs_idx), n_sp=len(rt.sp_idx))
