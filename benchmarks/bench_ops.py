@@ -38,6 +38,7 @@ import time
 import torch
 
 from hisparse import ops
+from hisparse.runtime import empty_residency
 
 K_TOP = 2048
 H_HOT = 4096
@@ -88,8 +89,7 @@ class ResolveSetup:
         self.B, self.device, self.num_keys = B, device, num_keys
         self.g = torch.Generator(device=device).manual_seed(seed)
         S = B
-        self.slot_keys = torch.full((S, H_HOT), -1, dtype=I32, device=device)
-        self.lru = torch.arange(H_HOT, dtype=torch.int16, device=device).repeat(S, 1)
+        self.slot_keys, self.lru = empty_residency(S, H_HOT, device)
         self.stats = torch.zeros(2, dtype=torch.uint64, device=device)
         self.state_rows = torch.arange(B, dtype=I32, device=device)
         self.out = torch.empty(B, K_TOP, dtype=I32, device=device)

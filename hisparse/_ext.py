@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import functools
 
+from hisparse import limits
+
 BUILD_HINT = (
     "build it from the source tree with `pip install --no-build-isolation -e .` "
     "(the CUDA backend needs nvcc and a CUDA build of torch at build time)"
@@ -23,6 +25,8 @@ def load():
         from hisparse import _C
     except ImportError:
         return None
+    # Outside the try: a stale build must say so, not pass for a missing one.
+    limits.check_extension(_C)
     return _C
 
 

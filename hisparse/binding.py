@@ -13,7 +13,7 @@ from typing import Optional
 
 import torch
 
-_ALIGN = 16
+from hisparse.limits import ROW_ALIGN
 
 
 class BindingError(ValueError):
@@ -39,20 +39,20 @@ class PackedLayout:
             v = getattr(self, field)
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
                 raise BindingError(f"{field} must be a positive int, got {v!r}")
-        if self.row_bytes % _ALIGN:
-            raise BindingError(f"row_bytes must be a multiple of {_ALIGN}, got {self.row_bytes}")
+        if self.row_bytes % ROW_ALIGN:
+            raise BindingError(f"row_bytes must be a multiple of {ROW_ALIGN}, got {self.row_bytes}")
         if self.block_stride is None:
             object.__setattr__(self, "block_stride", self.block_size * self.row_bytes)
         if self.layer_stride is None:
             object.__setattr__(self, "layer_stride", self.num_blocks * self.block_stride)
-        if self.block_stride < self.block_size * self.row_bytes or self.block_stride % _ALIGN:
+        if self.block_stride < self.block_size * self.row_bytes or self.block_stride % ROW_ALIGN:
             raise BindingError(
-                f"block_stride must be a multiple of {_ALIGN} and at least block_size*row_bytes "
+                f"block_stride must be a multiple of {ROW_ALIGN} and at least block_size*row_bytes "
                 f"= {self.block_size * self.row_bytes}, got {self.block_stride}"
             )
-        if self.layer_stride % _ALIGN or self.offset % _ALIGN or self.offset < 0:
+        if self.layer_stride % ROW_ALIGN or self.offset % ROW_ALIGN or self.offset < 0:
             raise BindingError(
-                f"offset and layer_stride must be non-negative multiples of {_ALIGN}, got "
+                f"offset and layer_stride must be non-negative multiples of {ROW_ALIGN}, got "
                 f"offset={self.offset} layer_stride={self.layer_stride}"
             )
         run = self.block_size * self.row_bytes
@@ -93,8 +93,8 @@ def layer_view(raw: torch.Tensor, layout: PackedLayout, index: int) -> torch.Ten
             f"layer {layout.layer_names[index]!r} spans bytes [{start}, {end}) but the "
             f"allocation has {raw.numel()} bytes"
         )
-    if (raw.data_ptr() + start) % _ALIGN:
-        raise BindingError(f"layer {layout.layer_names[index]!r} is not {_ALIGN}-byte aligned")
+    if (raw.data_ptr() + start) % ROW_ALIGN:
+        raise BindingError(f"layer {layout.layer_names[index]!r} is not {ROW_ALIGN}-byte aligned")
     return raw.as_strided(
         (layout.num_blocks, layout.block_size, layout.row_bytes),
         (layout.block_stride, layout.row_bytes, 1),

@@ -16,6 +16,7 @@ import tempfile
 from typing import Callable, Optional, Sequence
 
 from hisparse import __version__
+from hisparse.limits import MAX_HOT_SIZE
 
 
 class CommandError(Exception):
@@ -174,16 +175,16 @@ def _add_workload_flags(p: argparse.ArgumentParser, *, requests: int, concurrenc
     g.add_argument("--layers", type=int_range(1, 1024), default=4, help="decoder layers (default: 4)")
     g.add_argument("--index-share", type=int_range(1, 1024), default=2,
                    help="layers per index group: a leader and the followers reusing its top-k (default: 2)")
-    g.add_argument("--top-k", type=int_range(1, 32768), default=64,
+    g.add_argument("--top-k", type=int_range(1, MAX_HOT_SIZE), default=64,
                    help="tokens selected per request per step (default: 64)")
     if hot_size:
-        g.add_argument("--hot-size", type=int_range(1, 32768), default=None,
+        g.add_argument("--hot-size", type=int_range(1, MAX_HOT_SIZE), default=None,
                        help="hot-buffer rows per request per layer, >= --top-k (default: 2 x top-k)")
     g.add_argument("--row-layout", choices=("fp8", "bf16"), default="fp8",
                    help="KV row layout: fp8 = 656-B rows, bf16 = 1152-B rows (default: fp8)")
     g.add_argument("--drift", type=float_range(0.0, 1.0), default=0.05,
                    help="indexer query drift per token, 0 = frozen, 1 = memoryless (default: 0.05)")
-    g.add_argument("--recent-window", type=int_range(0, 32768), default=8,
+    g.add_argument("--recent-window", type=int_range(0, MAX_HOT_SIZE), default=8,
                    help="newest tokens always selected (default: 8)")
     g.add_argument("--seed", type=int_range(0, 2**31 - 1), default=0, help="weights/prompts seed (default: 0)")
     g.add_argument("--metrics-interval", type=int_range(1, 1_000_000), default=16,
@@ -297,7 +298,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "size on the reference workload (HiSparse mode).")
     _add_workload_flags(p, requests=12, concurrency=4, prompt_len=256, output_len=32, hot_size=False)
     b = p.add_argument_group("bench")
-    b.add_argument("--hot-sizes", type=int_list(1, 32768), default=None, metavar="H1,H2,...",
+    b.add_argument("--hot-sizes", type=int_list(1, MAX_HOT_SIZE), default=None,
+                   metavar="H1,H2,...",
                    help="hot-buffer sizes to sweep, each >= --top-k (default: 1, 1.25, 1.5, 2, 3, 4 x top-k)")
     b.add_argument("--skip-ops", action="store_true", help="skip the op micro-benchmarks")
     b.add_argument("--op-reps", type=int_range(1, 10000), default=5,
@@ -332,13 +334,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="vocabulary, >= 257: 256 byte tokens + end-of-text (default: 512)")
     m.add_argument("--indexer-dim", type=int_range(1, 4096), default=32,
                    help="indexer key/query width (default: 32)")
-    m.add_argument("--top-k", type=int_range(1, 32768), default=64,
+    m.add_argument("--top-k", type=int_range(1, MAX_HOT_SIZE), default=64,
                    help="tokens each query attends to (default: 64)")
     m.add_argument("--row-layout", choices=("fp8", "bf16"), default="fp8",
                    help="KV row layout: fp8 = 656-B rows, bf16 = 1152-B rows (default: fp8)")
     m.add_argument("--drift", type=float_range(0.0, 1.0), default=0.05,
                    help="indexer query drift per token (default: 0.05)")
-    m.add_argument("--recent-window", type=int_range(0, 32768), default=8,
+    m.add_argument("--recent-window", type=int_range(0, MAX_HOT_SIZE), default=8,
                    help="newest tokens always selected (default: 8)")
     m.add_argument("--seed", type=int_range(0, 2**31 - 1), default=0, help="weights seed (default: 0)")
     m.add_argument("--max-model-len", type=int_range(2, 1 << 20), default=2048,
@@ -383,7 +385,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if getattr(args, "command", None) == "bench" and args.hot_sizes is None:
         k = args.top_k
         args.hot_sizes = sorted({k, int(1.25 * k), int(1.5 * k), 2 * k, 3 * k, 4 * k} - {0})
-        args.hot_sizes = [h for h in args.hot_sizes if h <= 32768]
+        args.hot_sizes = [h for h in args.hot_sizes if h <= MAX_HOT_SIZE]
     try:
         return int(func(args) or 0)
     except KeyboardInterrupt:

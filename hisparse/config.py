@@ -8,13 +8,12 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields
 from typing import Any, Mapping, Optional
 
-#: Largest hot buffer (slot ids are stored as int16).
-MAX_DEVICE_BUFFER_SIZE = 32768
+from hisparse.limits import INT32_MAX, MAX_HOT_SIZE, check_int
 
 #: Upper bounds of the integer settings. Hot rows are addressed with int32, so
 #: max_num_seqs * device_buffer_size is bounded as well (checked below).
 MAX_INT_SETTING = {
-    "top_k": MAX_DEVICE_BUFFER_SIZE,
+    "top_k": MAX_HOT_SIZE,
     "max_num_seqs": 65536,
     "block_size": 1024,  # vLLM's largest KV block is far below this
     "index_share": 1024,  # layers per index group: no model has more layers
@@ -23,8 +22,6 @@ MAX_INT_SETTING = {
 
 #: 64 TiB: beyond any one host's RAM, so a larger value is a unit mistake, not a plan.
 MAX_HOST_POOL_GIB = 65536
-
-_INT32_MAX = 2**31 - 1
 
 _PREFIX = "kv_connector_extra_config"
 
@@ -39,7 +36,7 @@ class HiSparseConfig:
 
     host_pool_gib: float = 1.0
     top_k: int = 2048
-    device_buffer_size: Optional[int] = None  # None -> min(2 * top_k, 32768)
+    device_buffer_size: Optional[int] = None  # None -> min(2 * top_k, MAX_HOT_SIZE)
     index_share: int = 1
     metrics_interval: int = 2000
     max_num_seqs: int = 256
@@ -49,23 +46,23 @@ class HiSparseConfig:
     def __post_init__(self) -> None:
         if self.device_buffer_size is not None:
             _check_int("device_buffer_size", self.device_buffer_size, minimum=1,
-                       maximum=MAX_DEVICE_BUFFER_SIZE)
+                       maximum=MAX_HOT_SIZE)
         # Before the default device_buffer_size is derived from top_k: a top_k past the
         # hot-buffer limit is reported against top_k, not against a size nobody set.
         for key in ("top_k", "index_share", "metrics_interval", "max_num_seqs", "block_size"):
             _check_int(key, getattr(self, key), minimum=1, maximum=MAX_INT_SETTING[key])
         if self.device_buffer_size is None:
             object.__setattr__(self, "device_buffer_size",
-                               min(2 * self.top_k, MAX_DEVICE_BUFFER_SIZE))
+                               min(2 * self.top_k, MAX_HOT_SIZE))
         _check_int("device_buffer_size", self.device_buffer_size, minimum=1)
-        if not self.top_k <= self.device_buffer_size <= MAX_DEVICE_BUFFER_SIZE:
+        if not self.top_k <= self.device_buffer_size <= MAX_HOT_SIZE:
             raise HiSparseConfigError(
                 f"{_PREFIX}['device_buffer_size'] must satisfy top_k ({self.top_k}) <= "
-                f"device_buffer_size <= {MAX_DEVICE_BUFFER_SIZE}, got {self.device_buffer_size}"
+                f"device_buffer_size <= {MAX_HOT_SIZE}, got {self.device_buffer_size}"
             )
-        if self.max_num_seqs * self.device_buffer_size > _INT32_MAX:
+        if self.max_num_seqs * self.device_buffer_size > INT32_MAX:
             raise HiSparseConfigError(
-                f"{_PREFIX}['max_num_seqs'] * device_buffer_size must be <= {_INT32_MAX} "
+                f"{_PREFIX}['max_num_seqs'] * device_buffer_size must be <= {INT32_MAX} "
                 f"(hot rows are int32), got {self.max_num_seqs} * {self.device_buffer_size}"
             )
         g = self.host_pool_gib
@@ -119,11 +116,4 @@ class HiSparseConfig:
 
 
 def _check_int(key: str, value: Any, *, minimum: int, maximum: Optional[int] = None) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise HiSparseConfigError(
-            f"{_PREFIX}[{key!r}] must be an integer, got {type(value).__name__} {value!r}"
-        )
-    if value < minimum:
-        raise HiSparseConfigError(f"{_PREFIX}[{key!r}] must be >= {minimum}, got {value}")
-    if maximum is not None and value > maximum:
-        raise HiSparseConfigError(f"{_PREFIX}[{key!r}] must be <= {maximum}, got {value}")
+    check_int(f"{_PREFIX}[{key!r}]", value, minimum, maximum, error=HiSparseConfigError)

@@ -12,6 +12,8 @@ import os
 from dataclasses import asdict, dataclass
 from typing import Optional
 
+from hisparse.limits import MAX_HOT_SIZE, ROW_ALIGN, check_int
+
 GIB = 2 ** 30
 
 # Model presets. Indexer keys: a 128-dim FP8 key plus one float32 scale per token = 132 B, per
@@ -46,17 +48,17 @@ class PlanInputs:
     def __post_init__(self) -> None:
         pos_int = ("layers", "row_bytes", "top_k", "index_share", "context", "hot_size")
         for f in pos_int:
-            v = getattr(self, f)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise PlanError(f"argument --{f.replace('_', '-')}: must be an integer >= 1, got {v!r}")
-        if self.row_bytes % 16:
-            raise PlanError(f"argument --row-bytes: must be a multiple of 16 (rows are 16-byte aligned), got {self.row_bytes}")
+            check_int(f"argument --{f.replace('_', '-')}:", getattr(self, f), 1, error=PlanError)
+        if self.row_bytes % ROW_ALIGN:
+            raise PlanError(f"argument --row-bytes: must be a multiple of {ROW_ALIGN} (rows are "
+                            f"{ROW_ALIGN}-byte aligned), got {self.row_bytes}")
         if self.indexer_key_bytes < 0:
             raise PlanError(f"argument --indexer-key-bytes: must be >= 0, got {self.indexer_key_bytes}")
         if self.hot_size < self.top_k:
             raise PlanError(f"argument --hot-size: must be >= --top-k ({self.top_k}), got {self.hot_size}")
-        if self.hot_size > 32768:
-            raise PlanError(f"argument --hot-size: must be <= 32768 (slot ids are int16), got {self.hot_size}")
+        if self.hot_size > MAX_HOT_SIZE:
+            raise PlanError(f"argument --hot-size: must be <= {MAX_HOT_SIZE} (slot ids are int16), "
+                            f"got {self.hot_size}")
         if self.index_share > self.layers:
             raise PlanError(f"argument --index-share: must be <= --layers ({self.layers}), got {self.index_share}")
         if not (self.gpu_mem_gib > 0 and self.host_mem_gib >= 0 and self.pcie_gbps > 0):
@@ -235,9 +237,11 @@ def add_plan_flags(p, *, int_range, float_range, output_path) -> None:
     m = p.add_argument_group("model (a preset, or every value explicitly; explicit values override the preset)")
     m.add_argument("--preset", choices=tuple(PRESETS), default=None, help="model preset")
     m.add_argument("--layers", type=int_range(1, 100_000), default=None, help="attention layers")
-    m.add_argument("--row-bytes", type=int_range(16, 1 << 20), default=None,
-                   help="KV row bytes per token per layer (656 FP8 MLA, 1152 BF16 MLA; multiple of 16)")
-    m.add_argument("--top-k", type=int_range(1, 32768), default=None, help="tokens selected per step")
+    m.add_argument("--row-bytes", type=int_range(ROW_ALIGN, 1 << 20), default=None,
+                   help="KV row bytes per token per layer (656 FP8 MLA, 1152 BF16 MLA; "
+                        f"multiple of {ROW_ALIGN})")
+    m.add_argument("--top-k", type=int_range(1, MAX_HOT_SIZE), default=None,
+                   help="tokens selected per step")
     m.add_argument("--index-share", type=int_range(1, 100_000), default=None,
                    help="layers per index group (leader + followers)")
     m.add_argument("--indexer-key-bytes", type=int_range(0, 1 << 20), default=None,
@@ -249,7 +253,7 @@ def add_plan_flags(p, *, int_range, float_range, output_path) -> None:
                    help=f"pinned host memory for the pool per GPU (default: {DEFAULTS['host_mem_gib']:g})")
     d.add_argument("--context", type=int_range(1, 1 << 30), default=DEFAULTS["context"],
                    help=f"tokens per request, prompt + output (default: {DEFAULTS['context']})")
-    d.add_argument("--hot-size", type=int_range(1, 32768), default=None,
+    d.add_argument("--hot-size", type=int_range(1, MAX_HOT_SIZE), default=None,
                    help="hot-buffer rows per request per layer (default: 2 x top-k)")
     d.add_argument("--miss-rate", type=float_range(0.0, 1.0), default=DEFAULTS["miss_rate"],
                    help=f"fraction of top-k lookups that miss per step (default: {DEFAULTS['miss_rate']:g})")

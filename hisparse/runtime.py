@@ -15,17 +15,26 @@ import torch
 
 from hisparse import ops
 from hisparse.binding import BindingError
-
-MAX_HOT_SIZE = 32768
-GATHER_LAYERS_PER_CALL = 64  # the CUDA gather takes at most 64 member layers per launch
+from hisparse.limits import INT32_MAX, MAX_HOT_SIZE, check_int
 
 IntsLike = Union[Sequence[int], torch.Tensor]
 
 
-def _positive_int(name: str, value, minimum: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
-    return value
+def empty_residency(num_state_rows: int, hot_size: int,
+                    device: Union[str, torch.device] = "cpu") -> tuple:
+    """``(slot_keys, lru)`` of state rows with nothing hot: slot_keys int32 [S, H] all -1, lru
+    int16 [S, H] with every row 0..H-1 (what ``invalidate`` leaves in a row, docs/ops.md)."""
+    slot_keys = torch.empty((num_state_rows, hot_size), dtype=torch.int32, device=device)
+    lru = torch.empty((num_state_rows, hot_size), dtype=torch.int16, device=device)
+    reset_residency(slot_keys, lru)
+    return slot_keys, lru
+
+
+def reset_residency(slot_keys: torch.Tensor, lru: torch.Tensor) -> None:
+    """Empty every state row in place: the tensors may already be bound (a captured CUDA graph
+    reads them by address)."""
+    slot_keys.fill_(-1)
+    lru.copy_(torch.arange(lru.shape[-1], dtype=torch.int16, device=lru.device).expand_as(lru))
 
 
 def _int64_cpu(name: str, values: IntsLike) -> torch.Tensor:
@@ -51,7 +60,7 @@ class StateRowAllocator:
     """Hands out state rows to requests; a freed row is reused by a later request."""
 
     def __init__(self, num_state_rows: int) -> None:
-        self.num_state_rows = _positive_int("num_state_rows", num_state_rows)
+        self.num_state_rows = check_int("num_state_rows", num_state_rows, 1)
         self._free = list(range(num_state_rows - 1, -1, -1))
         self._owner: dict = {}
 
@@ -96,15 +105,15 @@ class HiSparseIndexGroup:
         device: Union[str, torch.device],
         hot_base: int = 0,
     ) -> None:
-        S = _positive_int("num_state_rows", num_state_rows)
-        H = _positive_int("hot_size", hot_size)
-        K = _positive_int("top_k", top_k)
+        S = check_int("num_state_rows", num_state_rows, 1)
+        H = check_int("hot_size", hot_size, 1)
+        K = check_int("top_k", top_k, 1)
         if not K <= H <= MAX_HOT_SIZE:
             raise ValueError(f"need top_k <= hot_size <= {MAX_HOT_SIZE}, got top_k={K} hot_size={H}")
-        _positive_int("max_batch", max_batch)
-        _positive_int("num_keys", num_keys, minimum=0)
-        _positive_int("hot_base", hot_base, minimum=0)
-        if hot_base + S * H > 2**31 - 1:
+        check_int("max_batch", max_batch, 1)
+        check_int("num_keys", num_keys, 0)
+        check_int("hot_base", hot_base, 0)
+        if hot_base + S * H > INT32_MAX:
             raise ValueError(f"hot_base + num_state_rows*hot_size must fit int32, got {hot_base + S * H}")
         self.name = name
         self.device = torch.device(device)
@@ -113,8 +122,7 @@ class HiSparseIndexGroup:
         self.num_state_rows, self.hot_size, self.top_k = S, H, K
         self.max_batch, self.num_keys, self.hot_base = max_batch, num_keys, hot_base
         dev = self.device
-        self.slot_keys = torch.full((S, H), -1, dtype=torch.int32, device=dev)
-        self.lru = torch.empty((S, H), dtype=torch.int16, device=dev)
+        self.slot_keys, self.lru = empty_residency(S, H, dev)
         self.counters = torch.zeros(3, dtype=torch.uint64, device=dev)
         self.stats = self.counters[0:2]
         self.moved_bytes = self.counters[2:3]
@@ -129,15 +137,10 @@ class HiSparseIndexGroup:
         self.members: list = []
         self.stats_row_bytes = 0
         self.batch = 0
-        self._reset_lru()
 
     @property
     def leader(self) -> Optional["HiSparseRuntime"]:
         return self.members[0] if self.members else None
-
-    def _reset_lru(self) -> None:
-        ident = torch.arange(self.hot_size, dtype=torch.int16, device=self.device)
-        self.lru.copy_(ident.expand(self.num_state_rows, -1))
 
     def resolve(
         self,
@@ -170,30 +173,11 @@ class HiSparseIndexGroup:
         B = self.batch
         return self.miss_src[:B], self.miss_dst[:B], self.miss_count[:B]
 
-    def gather_all(self) -> None:
-        """Apply the current plan to every member layer, up to GATHER_LAYERS_PER_CALL layers
-        per launch. Only for callers that saved every member's rows of this step first."""
-        chunks = [self.members[i:i + GATHER_LAYERS_PER_CALL]
-                  for i in range(0, len(self.members), GATHER_LAYERS_PER_CALL)]
-        if self.copy_stream is None:
-            for chunk in chunks:
-                ops.gather([m.host_view for m in chunk], [m.hot_view for m in chunk],
-                           *self._plan(), self.moved_bytes)
-            return
-        self.copy_stream.wait_event(self._resolved)
-        with torch.cuda.stream(self.copy_stream):
-            for chunk in chunks:
-                ops.gather([m.host_view for m in chunk], [m.hot_view for m in chunk],
-                           *self._plan(), self.moved_bytes)
-                for m in chunk:
-                    m.ready.record(self.copy_stream)
-
     def reset_hot_state(self) -> None:
         """Empty every state row and reset the LRU order. The counters are kept: they are
         cumulative telemetry that only a snapshot drains, and zeroing counts no snapshot has
         reported yet would make Prometheus counters lose them."""
-        self.slot_keys.fill_(-1)
-        self._reset_lru()
+        reset_residency(self.slot_keys, self.lru)
 
     def _rows_tensor(self, name: str, rows: IntsLike) -> torch.Tensor:
         t = _int64_cpu(name, rows)

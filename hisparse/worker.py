@@ -16,11 +16,10 @@ from hisparse import ops
 from hisparse.binding import BindingError, PackedLayout, bind_layers, check_disjoint
 from hisparse.config import HiSparseConfig, HiSparseConfigError
 from hisparse.host_pool import HostPool
+from hisparse.limits import ROW_ALIGN
 from hisparse.metadata import HiSparseConnectorMetadata
 from hisparse.runtime import HiSparseIndexGroup, HiSparseRuntime
 from hisparse.stats import HiSparseKVConnectorStats
-
-_ALIGN = 16
 
 
 class _CompletedEvent:
@@ -45,9 +44,9 @@ def _as_row_bytes(name: str, t: torch.Tensor) -> torch.Tensor:
     if not t.is_contiguous():
         raise BindingError(f"kv cache of layer {name!r} must be contiguous")
     row_bytes = t.shape[-1] * t.element_size()
-    if row_bytes % _ALIGN or t.data_ptr() % _ALIGN:
+    if row_bytes % ROW_ALIGN or t.data_ptr() % ROW_ALIGN:
         raise BindingError(
-            f"kv cache of layer {name!r}: rows must be {_ALIGN}-byte aligned, got row_bytes="
+            f"kv cache of layer {name!r}: rows must be {ROW_ALIGN}-byte aligned, got row_bytes="
             f"{row_bytes} and data pointer {t.data_ptr():#x}"
         )
     b = t.view(torch.uint8) if t.dtype != torch.uint8 else t
@@ -76,7 +75,6 @@ class HiSparseConnectorWorker:
         self.final_stats: Optional[HiSparseKVConnectorStats] = None
         self._is_capturing_hook = is_capturing
         self._state_rows: Optional[torch.Tensor] = None
-        self._batch = 0
         self._resolved: set = set()
         self._gathered: set = set()
         self._host_rows_in_use = 0
@@ -301,7 +299,6 @@ class HiSparseConnectorWorker:
         self._state_rows.copy_(self._upload(padded))
         if meta.anchors:
             self._set_anchors(meta)
-        self._batch = B
         self._resolved.clear()
         self._gathered.clear()
         self._host_rows_in_use = max(0, int(meta.host_rows_in_use))

@@ -5,11 +5,11 @@ from __future__ import annotations
 import torch
 
 from hisparse import ops
+from hisparse.runtime import empty_residency
 
 
 def new_state(S, H, device="cpu"):
-    slot_keys = torch.full((S, H), -1, dtype=torch.int32, device=device)
-    lru = torch.arange(H, dtype=torch.int16, device=device).repeat(S, 1)
+    slot_keys, lru = empty_residency(S, H, device)
     stats = torch.zeros(2, dtype=torch.uint64, device=device)
     return slot_keys, lru, stats
 

@@ -5,6 +5,15 @@ State and inputs are plain nested lists; each function mirrors one numbered rule
 
 from __future__ import annotations
 
+from hisparse.runtime import empty_residency
+
+
+def empty_state(S, H):
+    """``(slot_keys, lru)`` as lists, from the library's own constructor: the oracle's invalidate
+    resets rows with it, so comparing invalidate against the kernels checks the constructor too."""
+    slot_keys, lru = empty_residency(S, H)
+    return slot_keys.tolist(), lru.tolist()
+
 
 def resolve(top_k, state_rows, slot_keys, lru, stats, *, num_keys, hot_base, resident_rows=None):
     """Returns (out_rows, miss_src, miss_dst, miss_count); mutates slot_keys, lru, stats."""
@@ -103,7 +112,6 @@ def invalidate(slot_keys, lru, state_rows, keys=None):
             continue
         H = len(slot_keys[s])
         if keys is None:
-            slot_keys[s] = [-1] * H
-            lru[s] = list(range(H))
+            (slot_keys[s],), (lru[s],) = empty_state(1, H)
         elif keys[i] >= 0:
             slot_keys[s] = [-1 if k == keys[i] else k for k in slot_keys[s]]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from hisparse.config import MAX_HOST_POOL_GIB, MAX_INT_SETTING, HiSparseConfig, HiSparseConfigError
+from hisparse.limits import MAX_HOT_SIZE
 
 
 @pytest.mark.parametrize("key", ["max_num_seqs", "block_size", "index_share", "metrics_interval"])
@@ -19,15 +20,16 @@ def test_integer_settings_have_upper_bounds(key):
 
 def test_top_k_above_the_hot_buffer_limit_is_blamed_on_top_k():
     # device_buffer_size is not set: the message must not name it.
-    with pytest.raises(HiSparseConfigError, match=r"^kv_connector_extra_config\['top_k'\] must be <= 32768"):
-        HiSparseConfig.from_extra_config({"top_k": 40000})
+    with pytest.raises(HiSparseConfigError,
+                       match=rf"^kv_connector_extra_config\['top_k'\] must be <= {MAX_HOT_SIZE},"):
+        HiSparseConfig.from_extra_config({"top_k": MAX_HOT_SIZE + 1})
     with pytest.raises(HiSparseConfigError, match=r"\['top_k'\]"):
-        HiSparseConfig.from_extra_config({"top_k": 40000, "device_buffer_size": 32768})
+        HiSparseConfig.from_extra_config({"top_k": MAX_HOT_SIZE + 1, "device_buffer_size": MAX_HOT_SIZE})
 
 
 def test_hot_rows_must_fit_int32():
     with pytest.raises(HiSparseConfigError, match=r"\['max_num_seqs'\] \* device_buffer_size"):
-        HiSparseConfig.from_extra_config({"max_num_seqs": 65536, "top_k": 32768})
+        HiSparseConfig.from_extra_config({"max_num_seqs": 65536, "top_k": MAX_HOT_SIZE})
 
 
 @pytest.mark.parametrize("extra", ["top_k=4", [("top_k", 4)], 7, b"{}"])

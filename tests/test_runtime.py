@@ -84,10 +84,9 @@ def test_invalidate_keys_forces_recopy_of_rewritten_row():
     assert bool((rts[0].hot_view[int(out[0, 2])] == 77).all())
 
 
-def test_group_matches_oracle_with_gather_all():
+def test_group_matches_oracle():
     g, rts = make_group(4)
-    o_keys = [[-1] * H for _ in range(S)]
-    o_lru = [list(range(H)) for _ in range(S)]
+    o_keys, o_lru = oracle.empty_state(S, H)
     o_stats = [0, 0]
     hot_o = [[bytes(RB)] * (S * H) for _ in rts]
     host_o = [[bytes(r) for r in rt.host_view.reshape(-1, RB).tolist()] for rt in rts]
@@ -95,8 +94,7 @@ def test_group_matches_oracle_with_gather_all():
     for _ in range(12):
         top_k = torch.randint(0, 20, (3, K), generator=gen, dtype=torch.int32)
         rows = [0, 1, 2]
-        g.resolve(top_k, torch.tensor(rows, dtype=torch.int32))
-        g.gather_all()
+        step(g, rts, top_k.tolist(), rows)
         _, src, dst, cnt = oracle.resolve(top_k.tolist(), rows, o_keys, o_lru, o_stats,
                                           num_keys=ROWS, hot_base=0)
         for lo, ho in zip(host_o, hot_o):
@@ -160,12 +158,3 @@ def test_host_pool_checks_available_ram():
     pool.release()
     pool.release()
     assert pool.released
-
-
-def test_gather_all_splits_more_than_64_layers():
-    g, rts = make_group(num_layers=66)
-    g.resolve(torch.tensor([[1, 2, 3, 4]], dtype=torch.int32), torch.tensor([0], dtype=torch.int32))
-    g.gather_all()
-    for rt in rts:
-        assert torch.equal(rt.hot_view[:4], rt.host_view.reshape(-1, RB)[1:5])
-    assert int(g.counters[2]) == 66 * 4 * RB

@@ -5,19 +5,13 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import Tuple
 
 from hisparse.engine.kvformat import ROW_LAYOUTS
+from hisparse.limits import MAX_HOT_SIZE, check_int
 
-MAX_HOT_SIZE = 32768
 DTYPES = ("float64", "float32")
 RESIDENCIES = ("host", "hybrid")
-
-
-def _check_int(name: str, v, lo: int, hi: Optional[int] = None) -> None:
-    if isinstance(v, bool) or not isinstance(v, int) or v < lo or (hi is not None and v > hi):
-        rng = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
-        raise ValueError(f"{name} must be an int {rng}, got {v!r}")
 
 
 @dataclass(frozen=True)
@@ -56,23 +50,23 @@ class EngineConfig:
                                    # allocated); -1 = max_running, 0 = none (no host pool)
 
     def __post_init__(self) -> None:
-        _check_int("num_layers", self.num_layers, 1, 1024)
-        _check_int("index_share", self.index_share, 1, 1024)
-        _check_int("hidden", self.hidden, 1)
-        _check_int("vocab", self.vocab, 2)
-        _check_int("indexer_dim", self.indexer_dim, 1)
-        _check_int("seed", self.seed, 0)
-        _check_int("top_k", self.top_k, 1, MAX_HOT_SIZE)
-        _check_int("hot_size", self.hot_size, 1, MAX_HOT_SIZE)
-        _check_int("block_size", self.block_size, 1)
-        _check_int("num_requests", self.num_requests, 1)
-        _check_int("max_running", self.max_running, 1)
-        _check_int("prompt_len", self.prompt_len, 1)
-        _check_int("output_len", self.output_len, 1)
-        _check_int("recent_window", self.recent_window, 0)
-        _check_int("metrics_interval", self.metrics_interval, 1)
-        _check_int("device_pages", self.device_pages, 0)
-        _check_int("hot_slots", self.hot_slots, -1, self.max_running)
+        check_int("num_layers", self.num_layers, 1, 1024)
+        check_int("index_share", self.index_share, 1, 1024)
+        check_int("hidden", self.hidden, 1)
+        check_int("vocab", self.vocab, 2)
+        check_int("indexer_dim", self.indexer_dim, 1)
+        check_int("seed", self.seed, 0)
+        check_int("top_k", self.top_k, 1, MAX_HOT_SIZE)
+        check_int("hot_size", self.hot_size, 1, MAX_HOT_SIZE)
+        check_int("block_size", self.block_size, 1)
+        check_int("num_requests", self.num_requests, 1)
+        check_int("max_running", self.max_running, 1)
+        check_int("prompt_len", self.prompt_len, 1)
+        check_int("output_len", self.output_len, 1)
+        check_int("recent_window", self.recent_window, 0)
+        check_int("metrics_interval", self.metrics_interval, 1)
+        check_int("device_pages", self.device_pages, 0)
+        check_int("hot_slots", self.hot_slots, -1, self.max_running)
         if self.residency not in RESIDENCIES:
             raise ValueError(f"residency must be one of {RESIDENCIES}, got {self.residency!r}")
         if self.row_layout not in ROW_LAYOUTS:
