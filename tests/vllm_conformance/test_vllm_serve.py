@@ -150,8 +150,14 @@ def _prompts():
     return out
 
 
-def _run_workload(server: Server) -> dict:
-    """All prompts at once; record tokens and the most requests vLLM ran at one time."""
+def _distinct_prompts():
+    """No shared blocks: the concurrency comparison counts every request's own rows."""
+    rng = random.Random(4321)
+    return [[rng.randrange(256) for _ in range(PROMPT_LEN + 3 * i)] for i in range(NUM_REQUESTS)]
+
+
+def _send_all(server: Server, prompts) -> tuple:
+    """All prompts at once: (tokens, the most requests vLLM ran at one time)."""
     peak = [0.0]
     stop = threading.Event()
 
@@ -165,11 +171,17 @@ def _run_workload(server: Server) -> dict:
 
     t = threading.Thread(target=poll, daemon=True)
     t.start()
-    with ThreadPoolExecutor(NUM_REQUESTS) as ex:
-        tokens = list(ex.map(server.complete, _prompts()))
+    with ThreadPoolExecutor(len(prompts)) as ex:
+        tokens = list(ex.map(server.complete, prompts))
     stop.set()
     t.join()
-    return {"tokens": tokens, "peak_running": peak[0]}
+    return tokens, peak[0]
+
+
+def _run_workload(server: Server) -> dict:
+    tokens, _ = _send_all(server, _prompts())
+    distinct_tokens, peak = _send_all(server, _distinct_prompts())
+    return {"tokens": tokens, "distinct_tokens": distinct_tokens, "peak_running": peak}
 
 
 @pytest.fixture(scope="module")
@@ -214,9 +226,10 @@ def hisparse(hisparse_server) -> dict:
 
 
 def test_tokens_identical_with_and_without_hisparse(resident, hisparse):
-    assert len(resident["tokens"]) == NUM_REQUESTS
-    assert all(len(t) == GEN for t in resident["tokens"])
-    assert hisparse["tokens"] == resident["tokens"]
+    for key in ("tokens", "distinct_tokens"):
+        assert len(resident[key]) == NUM_REQUESTS
+        assert all(len(t) == GEN for t in resident[key])
+        assert hisparse[key] == resident[key]
 
 
 def test_hisparse_runs_at_least_twice_the_requests_under_one_budget(resident, hisparse):
