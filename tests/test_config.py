@@ -24,7 +24,8 @@ def test_top_k_above_the_hot_buffer_limit_is_blamed_on_top_k():
                        match=rf"^kv_connector_extra_config\['top_k'\] must be <= {MAX_HOT_SIZE},"):
         HiSparseConfig.from_extra_config({"top_k": MAX_HOT_SIZE + 1})
     with pytest.raises(HiSparseConfigError, match=r"\['top_k'\]"):
-        HiSparseConfig.from_extra_config({"top_k": MAX_HOT_SIZE + 1, "device_buffer_size": MAX_HOT_SIZE})
+        HiSparseConfig.from_extra_config({"top_k": MAX_HOT_SIZE + 1,
+                                          "device_buffer_size": MAX_HOT_SIZE})
 
 
 def test_hot_rows_must_fit_int32():
