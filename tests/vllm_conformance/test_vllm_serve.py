@@ -392,3 +392,31 @@ def test_reference_engine_agreement_is_reported(resident, monkeypatch, logs):
     print("\n" + line)
     (logs / "engine_agreement.txt").write_text(line + "\n")
     assert len(pairs) == NUM_REQUESTS * GEN and all(len(t) == GEN for t in res.tokens)
+
+
+_OFFLINE = """
+import json, sys
+from vllm import LLM, SamplingParams
+
+if __name__ == "__main__":
+    model, blocks, kv, prompts = sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3]), json.load(sys.stdin)
+    llm = LLM(model=model, dtype="float32", enforce_eager=True, max_model_len={max_len},
+              max_num_seqs={max_seqs}, block_size={block}, num_gpu_blocks_override=blocks,
+              gpu_memory_utilization=0.1, kv_transfer_config=kv)
+    outs = llm.generate([{{"prompt_token_ids": p}} for p in prompts],
+                        SamplingParams(temperature=0.0, max_tokens={gen}, ignore_eos=True))
+    print("TOKENS " + json.dumps([list(o.outputs[0].token_ids) for o in outs]))
+"""
+
+
+def test_offline_llm_with_the_connector_gives_the_servers_tokens(resident, model_dir, tmp_path):
+    """The other way users run vLLM: ``LLM(...).generate`` in their own script."""
+    script = tmp_path / "offline.py"
+    script.write_text(_OFFLINE.format(max_len=MAX_LEN, max_seqs=MAX_SEQS, block=BLOCK, gen=GEN))
+    env = {**os.environ, "VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1"}
+    r = subprocess.run([sys.executable, str(script), str(model_dir), str(HISPARSE_BLOCKS),
+                        json.dumps(KV_CONFIG)], input=json.dumps(_prompts()), env=env,
+                       capture_output=True, text=True, timeout=400)
+    line = next((x for x in r.stdout.splitlines() if x.startswith("TOKENS ")), None)
+    assert r.returncode == 0 and line is not None, (r.stdout + r.stderr)[-3000:]
+    assert json.loads(line[len("TOKENS "):]) == resident["tokens"]
