@@ -61,7 +61,8 @@ class StepBatch:
             pos_list = [r.pos for r in decode]
             slots = to_device(slot_list, dev)
             positions = to_device(pos_list, dev)
-            dkeys = torch.tensor([s * C + p for s, p in zip(slot_list, pos_list)], dtype=torch.int64)
+            dkeys = torch.tensor([s * C + p for s, p in zip(slot_list, pos_list)],
+                                 dtype=torch.int64)
             keys_cpu.append(dkeys)
             keys.append(to_device(dkeys.tolist(), dev))
             context_len = max(pos_list) + 1

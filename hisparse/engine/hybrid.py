@@ -11,7 +11,7 @@ import torch
 from hisparse.engine.config import EngineConfig
 from hisparse.engine.hybrid_moves import ResidencyMoves, _Staged
 from hisparse.engine.hybrid_plan import StepPlan, build_plan
-from hisparse.engine.kvstore import SPILL_FAULTS, StepRows, open_connector, packed_rows
+from hisparse.engine.kvstore import SPILL_FAULTS, StateRows, StepRows, open_connector, packed_rows
 
 
 class HybridKV(ResidencyMoves):
@@ -73,6 +73,8 @@ class HybridKV(ResidencyMoves):
 
     def _init_residency(self) -> None:
         cfg = self.cfg
+        # engine slots; the connector's own rows are hot slots (it only sees spilled requests)
+        self.rows = StateRows(cfg.num_state_rows)
         self.free_pages: List[int] = list(range(self.num_pages - 1, -1, -1))  # pop() = lowest
         self.pages: Dict[int, List[int]] = {}      # engine slot -> device pages (resident)
         self.hot: Dict[int, int] = {}              # engine slot -> hot slot (spilled)
@@ -100,6 +102,8 @@ class HybridKV(ResidencyMoves):
 
     # ---- policy, each step before the forward ------------------------------------------------
     def begin_step(self, dec: Sequence, new: Sequence, finished: Sequence[str]) -> None:
+        for r in new:
+            r.slot = self.rows.take()
         self._step += 1
         self._pt_updates = []
         self._pos = {r.slot: r.pos for r in dec}
@@ -281,6 +285,7 @@ class HybridKV(ResidencyMoves):
         elif s in self.hot:
             self._free_hot_slot(s)
         self.admitted.pop(s, None)
+        self.rows.give_back(s)
 
     def close(self):
         if self.closed:

@@ -37,7 +37,11 @@ class StepRows:
 class KVStore(Protocol):
     """What the engine needs of a KV store. Call order per step: ``begin_step``, then per layer
     ``store`` and (with decode rows) ``read``, then ``finish`` for each request that is done,
-    then ``end_step``; ``close`` once at the end (idempotent)."""
+    then ``end_step``; ``close`` once at the end (idempotent).
+
+    The store hands out state rows: ``begin_step`` sets ``slot`` of every new request (its keys
+    are ``slot * max_context + position``), ``finish`` frees it. Where a connector holds every
+    request (``HiSparseKV``) the rows are the connector's own; elsewhere a ``StateRows``."""
 
     mode: str
     window: int              # device-window rows per state row (1 where there is no window)
@@ -46,7 +50,10 @@ class KVStore(Protocol):
     peak_spilled: int        # most requests spilled at once (hybrid; 0 otherwise)
     mid_request_spills: int  # spills of running requests (hybrid; 0 otherwise)
 
-    def begin_step(self, dec: Sequence, new: Sequence, finished: Sequence[str]) -> None: ...
+    def begin_step(self, dec: Sequence, new: Sequence, finished: Sequence[str]) -> None:
+        """Before the step's forward: ``dec`` decode and ``new`` admitted requests, batch
+        order; ``finished``: ids of the requests finished since the last step."""
+        ...
 
     def store(self, layer: int, new: StepRows) -> None: ...
 
@@ -63,7 +70,23 @@ class KVStore(Protocol):
     def close(self): ...
 
 
-def packed_views(raw: torch.Tensor, layout: PackedLayout, binding_fault: Optional[str]) -> Dict[str, torch.Tensor]:
+class StateRows:
+    """State rows of a store without a connector holding every request: the lowest free row
+    goes to the next request."""
+
+    def __init__(self, n: int) -> None:
+        self.free = list(range(n))
+
+    def take(self) -> int:
+        return self.free.pop(0)
+
+    def give_back(self, row: int) -> None:
+        self.free.append(row)
+        self.free.sort()
+
+
+def packed_views(raw: torch.Tensor, layout: PackedLayout,
+                 binding_fault: Optional[str]) -> Dict[str, torch.Tensor]:
     """Per-layer views of one packed allocation; ``base_offset`` reproduces the upstream bug
     (every layer bound at the allocation's base offset, so later layers overwrite earlier ones)."""
     if binding_fault is None:
@@ -106,7 +129,8 @@ def open_connector(cfg: EngineConfig, state_rows: int, flat: List[torch.Tensor],
     worker.register_kv_caches({n: flat[i] for i, n in enumerate(cfg.layer_names())})
     w = worker.worker
     if w is None or w.hot_base != hot_base:
-        raise RuntimeError(f"connector hot_base {getattr(w, 'hot_base', None)} != engine's {hot_base}")
+        raise RuntimeError(
+            f"connector hot_base {getattr(w, 'hot_base', None)} != engine's {hot_base}")
     return sched, worker
 
 
@@ -119,13 +143,16 @@ class ResidentKV:
     peak_spilled = 0
     mid_request_spills = 0
 
-    def __init__(self, cfg: EngineConfig, device: torch.device, binding_fault: Optional[str]) -> None:
+    def __init__(self, cfg: EngineConfig, device: torch.device,
+                 binding_fault: Optional[str]) -> None:
         self.cfg = cfg
         self.raw, self.flat = packed_rows(cfg, cfg.num_keys, cfg.block_size, device, binding_fault)
         self.device_kv_bytes = self.raw.numel()
+        self.rows = StateRows(cfg.num_state_rows)
 
     def begin_step(self, dec: Sequence, new: Sequence, finished: Sequence[str]) -> None:
-        pass
+        for r in new:
+            r.slot = self.rows.take()
 
     def store(self, layer: int, new: StepRows) -> None:
         self.flat[layer].index_copy_(0, new.keys, new.rows)
@@ -138,7 +165,7 @@ class ResidentKV:
         return None
 
     def finish(self, req) -> None:
-        pass
+        self.rows.give_back(req.slot)
 
     def close(self):
         return None
@@ -188,12 +215,17 @@ class HiSparseKV:
             sched[r.rid] = r.prompt_len
         out = StepSchedule(num_scheduled_tokens=sched, finished_req_ids=set(finished))
         meta = self.sched.build_connector_meta(out)
+        # The connector's state row of a request is its slot: one allocator, and the engine's
+        # device window and keys line up with the connector's hot buffers row for row.
+        for r, row in zip(new, meta.state_rows[len(dec):]):
+            r.slot = row
         self.worker.bind_connector_metadata(meta)
         self.worker.start_load_kv(None)
 
     def store(self, layer: int, new: StepRows) -> None:
         if new.window_rows.numel():
-            self.flat[layer].index_copy_(0, new.window_rows, new.rows.index_select(0, new.window_src))
+            self.flat[layer].index_copy_(0, new.window_rows,
+                                         new.rows.index_select(0, new.window_src))
         self.worker.save_kv_layer(self.names[layer], new.rows, _AttnMeta(new.keys_cpu))
 
     def read(self, layer: int, sel_keys: torch.Tensor, sel_pos: torch.Tensor, cur_pos: torch.Tensor,
@@ -227,7 +259,7 @@ class HiSparseKV:
         return stats
 
     def finish(self, req) -> None:
-        self.sched.request_finished(ConnectorRequest(req.rid), [])
+        self.sched.request_finished(ConnectorRequest(req.rid), [])  # frees its state row too
 
     def close(self):
         """Drain every counter not yet reported, then shut the worker down."""

@@ -1,6 +1,7 @@
-"""Continuous batching: admit waiting requests into free state rows, run one step (every running
-request decodes one token, the admitted ones prefill), retire the finished, until all are done.
-Admission depends only on free state rows, so every mode runs the same batches."""
+"""Continuous batching: admit waiting requests while state rows are free, run one step (every
+running request decodes one token, the admitted ones prefill), retire the finished, until all are
+done. Admission depends only on how many state rows are free, so every mode runs the same
+batches; which row a request gets is the KV store's business (``KVStore.begin_step``)."""
 
 from __future__ import annotations
 
@@ -17,23 +18,6 @@ from hisparse.engine.requests import Request
 def sync(dev: torch.device) -> None:
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
-
-
-class StateRows:
-    """The engine's state rows; the lowest free one goes to the next admission. (The connector
-    keeps its own rows for what it holds — hot buffers — and gets them from request ids; the
-    engine's rows address keys and indexer caches in every mode, resident included, where
-    there is no connector.)"""
-
-    def __init__(self, n: int) -> None:
-        self.free = list(range(n))
-
-    def take(self) -> int:
-        return self.free.pop(0)
-
-    def give_back(self, row: int) -> None:
-        self.free.append(row)
-        self.free.sort()
 
 
 class _DecodeClock:
@@ -75,7 +59,7 @@ def run_steps(eng, reqs: List[Request], out_tokens: torch.Tensor, final_hidden: 
     """Every request to completion; closes the engine's KV store whatever happens."""
     dev, tot = eng.device, LoopTotals()
     waiting, running = deque(reqs), []
-    rows = StateRows(eng.cfg.num_state_rows)
+    num_rows = eng.cfg.num_state_rows
     finished_ids: List[str] = []
     clock = _DecodeClock(dev)
     sync(dev)
@@ -83,16 +67,14 @@ def run_steps(eng, reqs: List[Request], out_tokens: torch.Tensor, final_hidden: 
     try:
         while waiting or running:
             new = []
-            while waiting and rows.free:
-                r = waiting.popleft()
-                r.slot = rows.take()
-                new.append(r)
+            while waiting and len(running) + len(new) < num_rows:
+                new.append(waiting.popleft())
             dec = list(running)
             clock.before_step(bool(new), len(dec))
-            eng.kv.begin_step(dec, new, finished_ids)
+            eng.kv.begin_step(dec, new, finished_ids)  # gives each new request its state row
             eng.forward(dec, new, out_tokens, final_hidden)
             running = _advance(running, dec, new, tot)
-            running, finished_ids = _retire(eng, running, rows)
+            running, finished_ids = _retire(eng, running)
             eng.kv.end_step()
             tot.steps += 1
             if progress is not None:
@@ -120,14 +102,13 @@ def _advance(running: List[Request], dec: List[Request], new: List[Request],
     return running
 
 
-def _retire(eng, running: List[Request], rows: StateRows):
+def _retire(eng, running: List[Request]):
     """Requests that reached their output length leave; returns (still running, finished ids,
     which the next step's ``begin_step`` reports to the store)."""
     still, finished = [], []
     for r in running:
         if r.generated >= r.output_len:
-            rows.give_back(r.slot)
-            eng.kv.finish(r)
+            eng.kv.finish(r)  # frees its state row
             finished.append(r.rid)
         else:
             still.append(r)

@@ -96,7 +96,8 @@ def compare_runs(a: RunResult, b: RunResult) -> Parity:
         if ta != tb:
             mism.append(i)
             if first is None:
-                j = next((j for j, (x, y) in enumerate(zip(ta, tb)) if x != y), min(len(ta), len(tb)))
+                j = next((j for j, (x, y) in enumerate(zip(ta, tb)) if x != y),
+                         min(len(ta), len(tb)))
                 first = (i, j)
     ha, hb = a.final_hidden, b.final_hidden
     same_shape = ha.shape == hb.shape and ha.dtype == hb.dtype
@@ -106,7 +107,8 @@ def compare_runs(a: RunResult, b: RunResult) -> Parity:
     att = None
     if a.attention is not None and b.attention is not None:
         att = a.attention.keys() == b.attention.keys() and all(
-            a.attention[k].shape == b.attention[k].shape and torch.equal(a.attention[k], b.attention[k])
+            a.attention[k].shape == b.attention[k].shape
+            and torch.equal(a.attention[k], b.attention[k])
             for k in a.attention)
     ok = not mism and hidden_equal and att is not False
     return Parity(ok, not mism, hidden_equal, att, mism, first, diff)

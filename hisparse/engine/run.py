@@ -87,7 +87,8 @@ def run_workload(
     attention = None
     if record_attention:
         names = cfg.layer_names()
-        attention = {names[i]: (torch.cat(a).cpu() if a else torch.zeros(0, LATENT_DIM, dtype=eng.dtype))
+        attention = {names[i]: (torch.cat(a).cpu() if a
+                                else torch.zeros(0, LATENT_DIM, dtype=eng.dtype))
                      for i, a in enumerate(eng.attn)}
     return RunResult(mode=mode, device=str(dev), config=cfg, tokens=tokens,
                      final_hidden=final_hidden.cpu(), stats=st, attention=attention)
