@@ -17,6 +17,7 @@ import torch
 from hisparse.binding import BindingError
 from hisparse.cli import CommandError
 from hisparse.engine import EngineConfig, compare_runs, run_workload
+from hisparse.limits import MAX_HOT_SIZE
 
 # Counter data keys -> Prometheus series as exposed (counters get `_total`).
 _SERIES = {
@@ -28,7 +29,7 @@ _SERIES = {
 
 def engine_config_from_args(args, **over) -> EngineConfig:
     """The EngineConfig the flags describe; ``over`` replaces fields before validation."""
-    hot_size = getattr(args, "hot_size", None) or min(2 * args.top_k, 32768)
+    hot_size = getattr(args, "hot_size", None) or min(2 * args.top_k, MAX_HOT_SIZE)
     fields = dict(
         num_layers=args.layers, index_share=args.index_share, row_layout=args.row_layout,
         top_k=args.top_k, hot_size=hot_size,

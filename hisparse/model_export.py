@@ -17,6 +17,7 @@ from typing import Dict, Mapping, Union
 import torch
 
 from hisparse.engine.config import EngineConfig
+from hisparse.limits import MAX_HOT_SIZE
 
 ARCHITECTURE = "HiSparseMLAForCausalLM"
 CONFIG_KEY = "hisparse"
@@ -41,11 +42,11 @@ def model_config(max_model_len: int = 2048, **model_fields) -> EngineConfig:
     if isinstance(max_model_len, bool) or not isinstance(max_model_len, int) or max_model_len < 2:
         raise ExportError(f"max_model_len must be an int >= 2, got {max_model_len!r}")
     top_k = model_fields.get("top_k", EngineConfig.top_k)
+    # The engine config wants a hot size >= top_k; the model itself has none (the connector's).
+    hot = min(2 * top_k, MAX_HOT_SIZE) if isinstance(top_k, int) else top_k
     try:
         cfg = EngineConfig(dtype="float32", prompt_len=max_model_len - 1, output_len=1,
-                           length_jitter=0.0, max_running=1,
-                           hot_size=min(2 * top_k, 32768) if isinstance(top_k, int) else top_k,
-                           **model_fields)
+                           length_jitter=0.0, max_running=1, hot_size=hot, **model_fields)
     except ValueError as e:
         raise ExportError(str(e)) from None
     if cfg.vocab < NUM_BYTE_TOKENS + 1:
