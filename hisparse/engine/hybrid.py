@@ -117,7 +117,7 @@ class HybridKV(ResidencyMoves):
         self.peak_spilled = max(self.peak_spilled, len(self.hot))
         self._plan = build_plan(self, dec, new, self._pt_updates)
         # The connector sees only spilled decode requests (the fast path: none, no connector).
-        self._conn_step = bool(self._plan.n_sp)
+        self._conn_step = bool(self._plan.num_spilled)
         if self._conn_step:
             self._schedule_connector([r for r in dec if r.slot in self.hot])
 
@@ -196,7 +196,7 @@ class HybridKV(ResidencyMoves):
             f.index_copy_(0, pl.dev_dst, rows)
         else:
             f.index_copy_(0, pl.dev_dst, rows.index_select(0, pl.dev_src))
-        if pl.n_stage:
+        if pl.num_staged:
             torch.index_select(rows, 0, pl.stage_src, out=pl.stage[layer])
         for k0, off, P in pl.prefill_host:
             src = rows[off:off + P]
@@ -206,27 +206,27 @@ class HybridKV(ResidencyMoves):
              slots: torch.Tensor, num_prefill: int) -> torch.Tensor:
         pl = self._plan
         if self.cfg.is_leader(layer):
-            self._phys_res = self._page_rows(pl, sel_pos, slots) if pl.n_rs else None
-            if pl.n_sp:
+            self._phys_res = self._page_rows(pl, sel_pos, slots) if pl.num_resident else None
+            if pl.num_spilled:
                 self._connector_query(pl, sel_keys, sel_pos, cur_pos)
-        if not pl.n_sp:
+        if not pl.num_spilled:
             return self.flat[layer][self._phys_res]
         name = self.names[layer]
         out = self.worker.resolve(name, self._top_k, resident_rows=self._resident)
         self.worker.wait_for_layer_load(name)
         out = out.long().clamp(min=0)
-        if pl.all_sp:
+        if pl.all_spilled:
             return self.flat[layer][out]
         phys = torch.empty(sel_keys.shape, dtype=torch.int64, device=sel_keys.device)
-        phys.index_copy_(0, pl.rs_idx, self._phys_res)
-        phys.index_copy_(0, pl.sp_idx, out)
+        phys.index_copy_(0, pl.resident_idx, self._phys_res)
+        phys.index_copy_(0, pl.spilled_idx, out)
         return self.flat[layer][phys]
 
     def _page_rows(self, pl: StepPlan, sel_pos: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         """Device rows of the resident decode requests' selections, through the page table."""
         bs = self.cfg.block_size
-        if pl.n_sp:
-            rs = pl.rs_idx
+        if pl.num_spilled:
+            rs = pl.resident_idx
             sp, sl = sel_pos.index_select(0, rs), slots.index_select(0, rs)
         else:
             sp, sl = sel_pos, slots
@@ -238,21 +238,21 @@ class HybridKV(ResidencyMoves):
         """The spilled decode requests' top-k keys and, for the ones still in their device
         window, the window rows (the op's resident tier)."""
         win = self.window
-        if pl.all_sp:
+        if pl.all_spilled:
             keys, sp, cp = sel_keys, sel_pos, cur_pos
         else:
-            idx = pl.sp_idx
+            idx = pl.spilled_idx
             keys, sp, cp = (sel_keys.index_select(0, idx), sel_pos.index_select(0, idx),
                             cur_pos.index_select(0, idx))
         in_win = (sp >= 0) & (sp > (cp - win).unsqueeze(1))
-        win_row = self.win_base + pl.sp_hot.unsqueeze(1) * win + sp.remainder(win)
+        win_row = self.win_base + pl.spilled_hot.unsqueeze(1) * win + sp.remainder(win)
         self._top_k = keys.to(torch.int32)
         self._resident = torch.where(in_win, win_row, torch.full_like(win_row, -1)).to(torch.int32)
 
     # ---- after the forward ---------------------------------------------------------------
     def end_step(self):
         pl = self._plan
-        if pl is not None and pl.n_stage:
+        if pl is not None and pl.num_staged:
             buf = pl.stage
             if self.on_cuda:
                 host = torch.empty(buf.shape, dtype=torch.uint8, pin_memory=True)
