@@ -134,6 +134,39 @@ def test_state_rows_are_reused_without_stale_rows():
     assert par.ok, par.describe()
 
 
+@pytest.mark.parametrize("mode,residency", [("resident", "host"), ("hisparse", "host"),
+                                            ("hisparse", "hybrid")])
+def test_every_store_is_a_kv_store(mode, residency):
+    from hisparse.engine.kvstore import KVStore
+    from hisparse.engine.run import Engine
+
+    kv = Engine(small_config(residency=residency), mode, torch.device("cpu")).kv
+    try:
+        assert isinstance(kv, KVStore) and kv.window >= 1
+    finally:
+        kv.close()
+
+
+def test_hisparse_state_rows_are_the_connectors(monkeypatch):
+    """One allocator: in HiSparse mode a request's slot (its keys, its device window) is the
+    state row the connector gave it, through every reuse."""
+    from hisparse.engine.kvstore import HiSparseKV
+
+    seen = []
+    begin = HiSparseKV.begin_step
+
+    def checked(self, dec, new, finished):
+        begin(self, dec, new, finished)
+        rows = self.sched._scheduler.rows
+        seen.extend((r.slot, rows.row_of(r.rid)) for r in list(dec) + list(new))
+
+    monkeypatch.setattr(HiSparseKV, "begin_step", checked)
+    cfg = small_config()
+    assert compare_runs(run_workload(cfg, "resident"), run_workload(cfg, "hisparse")).ok
+    assert seen and all(slot == row for slot, row in seen)
+    assert {slot for slot, _ in seen} == set(range(cfg.max_running))
+
+
 def test_locality_knob_controls_overlap_and_hit_rate():
     stats = {}
     for drift in (0.0, 0.05, 1.0):

@@ -1,4 +1,5 @@
-"""The reference sparse-MLA engine that hosts HiSparse (see docs/engine.md)."""
+"""The reference sparse-MLA engine that hosts HiSparse (see docs/engine.md; its "Code map"
+says which module holds what)."""
 
 from hisparse.engine.config import EngineConfig, request_lengths
 from hisparse.engine.kvformat import ROW_LAYOUTS

@@ -12,7 +12,7 @@ when the rows are right.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Protocol, Sequence, Tuple
+from typing import Dict, List, Optional, Protocol, Sequence, Tuple, runtime_checkable
 
 import torch
 
@@ -34,6 +34,7 @@ class StepRows:
     window_src: torch.Tensor    # int64 [w] device: which of ``rows`` goes there
 
 
+@runtime_checkable
 class KVStore(Protocol):
     """What the engine needs of a KV store. Call order per step: ``begin_step``, then per layer
     ``store`` and (with decode rows) ``read``, then ``finish`` for each request that is done,
