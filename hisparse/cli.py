@@ -159,6 +159,25 @@ _ENGINE_FLAG = {  # EngineConfig field -> flag, for cross-flag errors
 }
 
 
+def _add_model_flags(g, *, layers: int) -> None:
+    """The reference model's shape, shared by the engine commands and export-model."""
+    g.add_argument("--layers", type=int_range(1, 1024), default=layers,
+                   help=f"decoder layers (default: {layers})")
+    g.add_argument("--index-share", type=int_range(1, 1024), default=2,
+                   help="layers per index group: a leader and the followers reusing its top-k "
+                        "(default: 2)")
+    g.add_argument("--top-k", type=int_range(1, MAX_HOT_SIZE), default=64,
+                   help="tokens selected per request per step (default: 64)")
+    g.add_argument("--row-layout", choices=("fp8", "bf16"), default="fp8",
+                   help="KV row layout: fp8 = 656-B rows, bf16 = 1152-B rows (default: fp8)")
+    g.add_argument("--drift", type=float_range(0.0, 1.0), default=0.05,
+                   help="indexer query drift per token, 0 = frozen, 1 = memoryless (default: 0.05)")
+    g.add_argument("--recent-window", type=int_range(0, MAX_HOT_SIZE), default=8,
+                   help="newest tokens always selected (default: 8)")
+    g.add_argument("--seed", type=int_range(0, 2**31 - 1), default=0,
+                   help="weights (and prompts) seed (default: 0)")
+
+
 def _add_workload_flags(p: argparse.ArgumentParser, *, requests: int, concurrency: int,
                         prompt_len: int, output_len: int, hot_size: bool = True) -> None:
     g = p.add_argument_group("workload (reference engine)")
@@ -172,21 +191,10 @@ def _add_workload_flags(p: argparse.ArgumentParser, *, requests: int, concurrenc
                    help=f"prompt tokens per request, before jitter (default: {prompt_len})")
     g.add_argument("--output-len", type=int_range(1, 1 << 20), default=output_len,
                    help=f"generated tokens per request, before jitter (default: {output_len})")
-    g.add_argument("--layers", type=int_range(1, 1024), default=4, help="decoder layers (default: 4)")
-    g.add_argument("--index-share", type=int_range(1, 1024), default=2,
-                   help="layers per index group: a leader and the followers reusing its top-k (default: 2)")
-    g.add_argument("--top-k", type=int_range(1, MAX_HOT_SIZE), default=64,
-                   help="tokens selected per request per step (default: 64)")
+    _add_model_flags(g, layers=4)
     if hot_size:
         g.add_argument("--hot-size", type=int_range(1, MAX_HOT_SIZE), default=None,
                        help="hot-buffer rows per request per layer, >= --top-k (default: 2 x top-k)")
-    g.add_argument("--row-layout", choices=("fp8", "bf16"), default="fp8",
-                   help="KV row layout: fp8 = 656-B rows, bf16 = 1152-B rows (default: fp8)")
-    g.add_argument("--drift", type=float_range(0.0, 1.0), default=0.05,
-                   help="indexer query drift per token, 0 = frozen, 1 = memoryless (default: 0.05)")
-    g.add_argument("--recent-window", type=int_range(0, MAX_HOT_SIZE), default=8,
-                   help="newest tokens always selected (default: 8)")
-    g.add_argument("--seed", type=int_range(0, 2**31 - 1), default=0, help="weights/prompts seed (default: 0)")
     g.add_argument("--metrics-interval", type=int_range(1, 1_000_000), default=16,
                    help="engine steps between counter snapshots (default: 16)")
     g.add_argument("--threads", type=int_range(0, 1024), default=1,
@@ -326,23 +334,13 @@ def build_parser() -> argparse.ArgumentParser:
                     "--model DIR` (with or without the HiSparse connector). No network needed.")
     p.add_argument("dir", metavar="DIR", help="output directory (created if missing)")
     m = p.add_argument_group("model")
-    m.add_argument("--layers", type=int_range(1, 1024), default=2, help="decoder layers (default: 2)")
-    m.add_argument("--index-share", type=int_range(1, 1024), default=2,
-                   help="layers per index group (default: 2)")
-    m.add_argument("--hidden", type=int_range(1, 65536), default=64, help="residual width (default: 64)")
+    _add_model_flags(m, layers=2)
+    m.add_argument("--hidden", type=int_range(1, 65536), default=64,
+                   help="residual width (default: 64)")
     m.add_argument("--vocab", type=int_range(257, 1 << 20), default=512,
                    help="vocabulary, >= 257: 256 byte tokens + end-of-text (default: 512)")
     m.add_argument("--indexer-dim", type=int_range(1, 4096), default=32,
                    help="indexer key/query width (default: 32)")
-    m.add_argument("--top-k", type=int_range(1, MAX_HOT_SIZE), default=64,
-                   help="tokens each query attends to (default: 64)")
-    m.add_argument("--row-layout", choices=("fp8", "bf16"), default="fp8",
-                   help="KV row layout: fp8 = 656-B rows, bf16 = 1152-B rows (default: fp8)")
-    m.add_argument("--drift", type=float_range(0.0, 1.0), default=0.05,
-                   help="indexer query drift per token (default: 0.05)")
-    m.add_argument("--recent-window", type=int_range(0, MAX_HOT_SIZE), default=8,
-                   help="newest tokens always selected (default: 8)")
-    m.add_argument("--seed", type=int_range(0, 2**31 - 1), default=0, help="weights seed (default: 0)")
     m.add_argument("--max-model-len", type=int_range(2, 1 << 20), default=2048,
                    help="longest context in tokens (default: 2048)")
     p.set_defaults(func=_export_model, _parser=p)
