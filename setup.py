@@ -35,7 +35,9 @@ def build_temp_dir(torch_version: str, with_cuda: bool) -> str:
     """A build folder that outlives the build: setuptools' editable builds compile in a fresh
     temporary folder each time, so ninja found no objects and recompiled everything (~60 s)
     even with csrc/ untouched. One folder per python/torch/backend keeps builds apart."""
-    tag = f"py{sys.version_info[0]}{sys.version_info[1]}-torch{torch_version}" + ("-cuda" if with_cuda else "")
+    tag = f"py{sys.version_info[0]}{sys.version_info[1]}-torch{torch_version}" + (
+        "-cuda" if with_cuda else ""
+    )
     return os.path.join(ROOT, "build", "temp-" + re.sub(r"[^A-Za-z0-9.+_-]", "_", tag))
 
 
@@ -43,8 +45,10 @@ def _extension(with_cuda: bool, std: str):
     cpp = sorted(glob.glob(os.path.join("csrc", "*.cpp")))
     cxx_flags = ["-O3", f"-std={std}"]
     if with_cuda:
-        cu = sorted(glob.glob(os.path.join("csrc", "cuda", "*.cpp")) +
-                    glob.glob(os.path.join("csrc", "cuda", "*.cu")))
+        cu = sorted(
+            glob.glob(os.path.join("csrc", "cuda", "*.cpp"))
+            + glob.glob(os.path.join("csrc", "cuda", "*.cu"))
+        )
         arch = os.environ.get("TORCH_CUDA_ARCH_LIST")
         if not arch:
             os.environ["TORCH_CUDA_ARCH_LIST"] = "9.0"
@@ -75,9 +79,11 @@ def _build_ext_class(temp_dir: str, with_cuda: bool):
             self.build_temp = temp_dir
 
         def build_extensions(self):
-            print(f"hisparse: compiling the C++{'/CUDA' if with_cuda else ''} "
-                  f"kernels in {temp_dir} (first build 40-130 s; later builds reuse the objects)",
-                  flush=True)
+            print(
+                f"hisparse: compiling the C++{'/CUDA' if with_cuda else ''} "
+                f"kernels in {temp_dir} (first build 40-130 s; later builds reuse the objects)",
+                flush=True,
+            )
             super().build_extensions()
 
     return BuildExt

@@ -68,19 +68,26 @@ class PipelineError(ValueError):
 
 
 def _tname(t) -> str:
-    return {str: "a string", int: "an integer", list: "a list", dict: "a mapping",
-            bool: "true/false"}[t]
+    return {
+        str: "a string",
+        int: "an integer",
+        list: "a list",
+        dict: "a mapping",
+        bool: "true/false",
+    }[t]
 
 
-def validate_area(data: Any, where: str, repo: str = REPO,
-                  check_paths: bool = True) -> List[Dict[str, Any]]:
+def validate_area(
+    data: Any, where: str, repo: str = REPO, check_paths: bool = True
+) -> List[Dict[str, Any]]:
     """Check one test-area file; return its steps (each with 'group' and 'area' added)."""
     if not isinstance(data, dict):
         raise PipelineError(f"{where}: must be a mapping with 'group' and 'steps'")
     for k in data:
         if k not in FILE_KEYS:
-            raise PipelineError(f"{where}: unknown top-level key {k!r} "
-                                f"(allowed: {', '.join(FILE_KEYS)})")
+            raise PipelineError(
+                f"{where}: unknown top-level key {k!r} (allowed: {', '.join(FILE_KEYS)})"
+            )
     for k in ("group", "steps"):
         if k not in data:
             raise PipelineError(f"{where}: missing top-level key {k!r}")
@@ -109,10 +116,12 @@ def validate_area(data: Any, where: str, repo: str = REPO,
         if not step["label"].strip():
             raise PipelineError(f"{w}: 'label' is empty")
         if step["timeout_in_minutes"] <= 0:
-            raise PipelineError(f"{w}: 'timeout_in_minutes' must be > 0, "
-                                f"got {step['timeout_in_minutes']}")
-        if not step["commands"] or not all(isinstance(c, str) and c.strip()
-                                           for c in step["commands"]):
+            raise PipelineError(
+                f"{w}: 'timeout_in_minutes' must be > 0, got {step['timeout_in_minutes']}"
+            )
+        if not step["commands"] or not all(
+            isinstance(c, str) and c.strip() for c in step["commands"]
+        ):
             raise PipelineError(f"{w}: 'commands' must be a non-empty list of non-empty strings")
         device = step.get("device", "cpu")
         if device not in DEVICES:
@@ -124,15 +133,17 @@ def validate_area(data: Any, where: str, repo: str = REPO,
             raise PipelineError(f"{w}: 'num_devices' must be 1 on device cpu, got {n}")
         deps = step["source_file_dependencies"]
         if not deps or not all(isinstance(d, str) and d.strip() for d in deps):
-            raise PipelineError(f"{w}: 'source_file_dependencies' must be a non-empty list "
-                                f"of paths")
+            raise PipelineError(
+                f"{w}: 'source_file_dependencies' must be a non-empty list of paths"
+            )
         for d in deps:
             if os.path.isabs(d) or ".." in d.split("/"):
                 raise PipelineError(f"{w}: dependency {d!r} must be a path inside the repo")
             if check_paths and not os.path.exists(os.path.join(repo, d)):
                 raise PipelineError(
                     f"{w}: source_file_dependencies path {d!r} does not exist in the repo "
-                    f"(renamed or removed?); this step would silently stop triggering")
+                    f"(renamed or removed?); this step would silently stop triggering"
+                )
         if "env" in step:
             for k, v in step["env"].items():
                 if not isinstance(k, str) or not isinstance(v, str):
@@ -157,8 +168,9 @@ def load_steps(repo: str = REPO, check_paths: bool = True) -> List[Dict[str, Any
                 raise PipelineError(f"{rel}: not valid YAML: {e}") from None
         for s in validate_area(data, rel, repo, check_paths):
             if s["label"] in seen:
-                raise PipelineError(f"{rel}: label {s['label']!r} already used in "
-                                    f"{seen[s['label']]}")
+                raise PipelineError(
+                    f"{rel}: label {s['label']!r} already used in {seen[s['label']]}"
+                )
             seen[s["label"]] = rel
             steps.append(s)
     return steps
@@ -175,17 +187,24 @@ def matches(step: Dict[str, Any], changed: Sequence[str]) -> bool:
 
 
 def changed_files(base: str, repo: str = REPO) -> List[str]:
-    mb = subprocess.run(["git", "merge-base", base, "HEAD"], cwd=repo, capture_output=True,
-                        text=True)
+    mb = subprocess.run(
+        ["git", "merge-base", base, "HEAD"], cwd=repo, capture_output=True, text=True
+    )
     if mb.returncode != 0:
         raise PipelineError(f"git merge-base {base} HEAD failed: {mb.stderr.strip()}")
-    diff = subprocess.run(["git", "diff", "--name-only", mb.stdout.strip(), "HEAD"], cwd=repo,
-                          capture_output=True, text=True, check=True)
+    diff = subprocess.run(
+        ["git", "diff", "--name-only", mb.stdout.strip(), "HEAD"],
+        cwd=repo,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     return [line for line in diff.stdout.splitlines() if line.strip()]
 
 
-def build_pipeline(steps: List[Dict[str, Any]], changed: Optional[Sequence[str]],
-                   nightly: bool) -> Dict[str, Any]:
+def build_pipeline(
+    steps: List[Dict[str, Any]], changed: Optional[Sequence[str]], nightly: bool
+) -> Dict[str, Any]:
     """Buildkite pipeline: groups of command steps. `changed=None` or nightly = run all.
     On pull requests an optional step is preceded by a block step and depends on it."""
     groups: Dict[str, List[Dict[str, Any]]] = {}
@@ -218,9 +237,12 @@ def build_pipeline(steps: List[Dict[str, Any]], changed: Optional[Sequence[str]]
 def main(argv: Optional[Sequence[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--validate", action="store_true", help="check the files and exit")
-    p.add_argument("--nightly", action="store_true",
-                   help="every step, optional ones unblocked (also: NIGHTLY=1 or a scheduled "
-                        "build, BUILDKITE_SOURCE=schedule)")
+    p.add_argument(
+        "--nightly",
+        action="store_true",
+        help="every step, optional ones unblocked (also: NIGHTLY=1 or a scheduled "
+        "build, BUILDKITE_SOURCE=schedule)",
+    )
     src = p.add_mutually_exclusive_group()
     src.add_argument("--changed-from", help="git ref; run the steps the diff against it touches")
     src.add_argument("--changed-files", nargs="*", help="explicit list of changed paths")
@@ -229,12 +251,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         steps = load_steps()
         if args.validate:
             for s in steps:
-                print(f"ok  {s['area']}: {s['label']} ({s.get('device', 'cpu')} x "
-                      f"{s.get('num_devices', 1)}, {s['timeout_in_minutes']} min"
-                      f"{', optional' if s.get('optional') else ''})")
+                print(
+                    f"ok  {s['area']}: {s['label']} ({s.get('device', 'cpu')} x "
+                    f"{s.get('num_devices', 1)}, {s['timeout_in_minutes']} min"
+                    f"{', optional' if s.get('optional') else ''})"
+                )
             return 0
-        nightly = (args.nightly or os.environ.get("NIGHTLY") == "1"
-                   or os.environ.get("BUILDKITE_SOURCE") == "schedule")
+        nightly = (
+            args.nightly
+            or os.environ.get("NIGHTLY") == "1"
+            or os.environ.get("BUILDKITE_SOURCE") == "schedule"
+        )
         on_main = os.environ.get("BUILDKITE_BRANCH") == "main"
         changed: Optional[List[str]] = None
         if args.changed_files is not None:

@@ -51,6 +51,7 @@ I32 = torch.int32
 # timing helpers
 # --------------------------------------------------------------------------------------------
 
+
 class CudaTimer:
     """Events around one call, preceded by an L2-sized write and a spin that keeps the GPU busy."""
 
@@ -84,6 +85,7 @@ def pct(xs, q):
 # resolve
 # --------------------------------------------------------------------------------------------
 
+
 class ResolveSetup:
     def __init__(self, B, device, num_keys=1 << 30, seed=0):
         self.B, self.device, self.num_keys = B, device, num_keys
@@ -100,8 +102,9 @@ class ResolveSetup:
         self.top_k = self.cur.clone()
 
     def _fresh(self, shape):
-        return torch.randint(0, self.num_keys, shape, generator=self.g, dtype=torch.int64,
-                             device=self.device).to(I32)
+        return torch.randint(
+            0, self.num_keys, shape, generator=self.g, dtype=torch.int64, device=self.device
+        ).to(I32)
 
     def advance(self, rate):
         """Next trace step: replace a `rate` fraction of each row with fresh (missing) keys."""
@@ -114,16 +117,29 @@ class ResolveSetup:
         ops.invalidate(self.slot_keys, self.lru, self.state_rows)
 
     def call(self):
-        ops.resolve_residency(self.top_k, self.state_rows, self.slot_keys, self.lru, self.stats,
-                              self.out, self.src, self.dst, self.cnt, num_keys=self.num_keys)
+        ops.resolve_residency(
+            self.top_k,
+            self.state_rows,
+            self.slot_keys,
+            self.lru,
+            self.stats,
+            self.out,
+            self.src,
+            self.dst,
+            self.cnt,
+            num_keys=self.num_keys,
+        )
 
 
 def bench_resolve(device, batches, reps, timer, graph_cfg=None, rates=MISS_RATES, cold=False):
     """Drifting-trace resolve at each (batch, miss rate); `cold` adds batch 1 from an empty state
     with 100 % misses. graph_cfg: a (batch, rate) or a set of them also timed as graph replays."""
     rows = []
-    graph_set = set() if graph_cfg is None else (
-        {graph_cfg} if isinstance(graph_cfg, tuple) else set(graph_cfg))
+    graph_set = (
+        set()
+        if graph_cfg is None
+        else ({graph_cfg} if isinstance(graph_cfg, tuple) else set(graph_cfg))
+    )
     configs = [(B, rate) for B in batches for rate in rates]
     if cold:
         configs.append((1, 1.0))
@@ -147,11 +163,22 @@ def bench_resolve(device, batches, reps, timer, graph_cfg=None, rates=MISS_RATES
                 times.append((time.perf_counter() - t0) * 1e6)
             misses.append(int(st.cnt.sum()))
         med = median(times)
-        row = dict(op="resolve", device=device, batch=B, top_k=K_TOP, hot=H_HOT,
-                   miss_rate=rate, cold=rate == 1.0,
-                   measured_miss_rate=sum(misses) / (reps * B * K_TOP), reps=reps,
-                   median_us=med, p10_us=pct(times, 10), p90_us=pct(times, 90),
-                   rows_per_s=B / (med * 1e-6), entries_per_s=B * K_TOP / (med * 1e-6))
+        row = dict(
+            op="resolve",
+            device=device,
+            batch=B,
+            top_k=K_TOP,
+            hot=H_HOT,
+            miss_rate=rate,
+            cold=rate == 1.0,
+            measured_miss_rate=sum(misses) / (reps * B * K_TOP),
+            reps=reps,
+            median_us=med,
+            p10_us=pct(times, 10),
+            p90_us=pct(times, 90),
+            rows_per_s=B / (med * 1e-6),
+            entries_per_s=B * K_TOP / (med * 1e-6),
+        )
         if device == "cuda":
             warm = []
             for _ in range(max(10, reps // 2)):
@@ -191,6 +218,7 @@ def graph_resolve(st, rate, reps, timer, pre=None):
 # gather
 # --------------------------------------------------------------------------------------------
 
+
 def alloc_pool(nbytes, device):
     if device == "cuda":
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
@@ -201,8 +229,9 @@ def alloc_pool(nbytes, device):
 
 def make_plan(B, count, pool_rows, hot_rows_per_req, device, g):
     """Misses spread uniformly over the pool; destinations are distinct rows of each request."""
-    src = torch.randint(0, pool_rows, (B, K_TOP), generator=g, dtype=torch.int64,
-                        device=device).to(I32)
+    src = torch.randint(0, pool_rows, (B, K_TOP), generator=g, dtype=torch.int64, device=device).to(
+        I32
+    )
     perm = torch.argsort(torch.rand(B, hot_rows_per_req, generator=g, device=device), dim=1)
     dst = (perm[:, :K_TOP] + torch.arange(B, device=device)[:, None] * hot_rows_per_req).to(I32)
     cnt = torch.full((B,), count, dtype=I32, device=device)
@@ -215,8 +244,11 @@ def bench_gather(device, pools, batches, reps, timer, single=True):
     rows = []
     for pool_gib, pool in pools:
         for row_bytes in ROW_BYTES:
-            cases = [dict(B=B, rate=rate, count=max(1, round(rate * K_TOP)))
-                     for B in batches for rate in MISS_RATES]
+            cases = [
+                dict(B=B, rate=rate, count=max(1, round(rate * K_TOP)))
+                for B in batches
+                for rate in MISS_RATES
+            ]
             if single:
                 cases.append(dict(B=1, rate=1.0, count=K_TOP))  # one request's 2048 misses
             for c in cases:
@@ -237,8 +269,9 @@ def gather_cases(device, pool_gib, pool, cases, reps, timer):
         pool_rows = pool.numel() // (row_bytes * L)
         packed = pool[: pool_rows * row_bytes * L].view(pool_rows, L, row_bytes)
         host = [packed[:, l] for l in range(L)]
-        hot = [torch.zeros(B * H_HOT, row_bytes, dtype=torch.uint8, device=device)
-               for _ in range(L)]
+        hot = [
+            torch.zeros(B * H_HOT, row_bytes, dtype=torch.uint8, device=device) for _ in range(L)
+        ]
         moved = torch.zeros(1, dtype=torch.uint64, device=device)
         times = []
         for i in range(reps + 3):
@@ -246,7 +279,7 @@ def gather_cases(device, pool_gib, pool, cases, reps, timer):
             if sort:
                 src[:, :count] = src[:, :count].sort(dim=1).values
 
-            def call():
+            def call(hot=hot, src=src, dst=dst, cnt=cnt):
                 ops.gather(host, hot, src, dst, cnt, moved)
 
             if device == "cuda":
@@ -261,14 +294,33 @@ def gather_cases(device, pool_gib, pool, cases, reps, timer):
         nbytes = B * count * row_bytes * L
         moved_total = moved.cpu().tolist()[0]
         assert moved_total == (reps + 3) * nbytes, (moved_total, nbytes)
-        rows.append(dict(op="gather", device=device, pool_gib=pool_gib, row_bytes=row_bytes,
-                         batch=B, miss_rate=rate, rows=B * count, layers=L, sorted=sort,
-                         bytes=nbytes, reps=reps, median_us=med, p10_us=pct(times, 10),
-                         p90_us=pct(times, 90), gbps=nbytes / (med * 1e-6) / 1e9,
-                         rows_per_s=B * count * L / (med * 1e-6), single_request=(rate == 1.0)))
+        rows.append(
+            dict(
+                op="gather",
+                device=device,
+                pool_gib=pool_gib,
+                row_bytes=row_bytes,
+                batch=B,
+                miss_rate=rate,
+                rows=B * count,
+                layers=L,
+                sorted=sort,
+                bytes=nbytes,
+                reps=reps,
+                median_us=med,
+                p10_us=pct(times, 10),
+                p90_us=pct(times, 90),
+                gbps=nbytes / (med * 1e-6) / 1e9,
+                rows_per_s=B * count * L / (med * 1e-6),
+                single_request=(rate == 1.0),
+            )
+        )
         tag = (f" L={L} co-located" if L > 1 else "") + (" sorted" if sort else "")
-        print(f"  gather pool={pool_gib:g}GiB row={row_bytes} B={B:4d} miss={rate:5.3f}{tag}: "
-              f"{med:9.1f} us {rows[-1]['gbps']:6.1f} GB/s", flush=True)
+        print(
+            f"  gather pool={pool_gib:g}GiB row={row_bytes} B={B:4d} miss={rate:5.3f}{tag}: "
+            f"{med:9.1f} us {rows[-1]['gbps']:6.1f} GB/s",
+            flush=True,
+        )
         del hot
     return rows
 
@@ -277,17 +329,21 @@ def gather_cases(device, pool_gib, pool, cases, reps, timer):
 # save_rows
 # --------------------------------------------------------------------------------------------
 
+
 def bench_save(reps, timer, new_rows=256, layers=61, row_bytes=656, host_rows=1 << 17):
     """One decode step's new rows (256 x 61 layers) from device views into a pinned host pool:
     one save_rows call for all layers (one launch), one call per layer, and a bulk
     device-to-host memcpy of the same bytes (the ceiling)."""
     dev_rows = 4 * new_rows
-    src_raw = torch.randint(0, 256, (layers, dev_rows, row_bytes), dtype=torch.uint8,
-                            device="cuda")
+    src_raw = torch.randint(0, 256, (layers, dev_rows, row_bytes), dtype=torch.uint8, device="cuda")
     host_raw = torch.empty(layers * host_rows * row_bytes, dtype=torch.uint8, pin_memory=True)
     src = [src_raw[l] for l in range(layers)]
-    layer_major = [host_raw[l * host_rows * row_bytes:(l + 1) * host_rows * row_bytes]
-                   .view(host_rows, row_bytes) for l in range(layers)]
+    layer_major = [
+        host_raw[l * host_rows * row_bytes : (l + 1) * host_rows * row_bytes].view(
+            host_rows, row_bytes
+        )
+        for l in range(layers)
+    ]
     # token-major: one host row per token holding all its layers' rows (40 KB), each layer a
     # strided view; a step's rows then share pages across layers
     packed = host_raw[: host_rows * layers * row_bytes].view(host_rows, layers, row_bytes)
@@ -304,23 +360,40 @@ def bench_save(reps, timer, new_rows=256, layers=61, row_bytes=656, host_rows=1 
             h_rows = (torch.randperm(host_rows, generator=g, device="cuda")[:new_rows]).to(I32)
 
             if mode != "per layer":
+
                 def call():
                     ops.save_rows(src, host, s_rows, h_rows, moved)
             else:
+
                 def call():
                     for l in range(layers):
-                        ops.save_rows(src[l:l + 1], host[l:l + 1], s_rows, h_rows, moved)
+                        ops.save_rows(src[l : l + 1], host[l : l + 1], s_rows, h_rows, moved)
+
             t = timer.time_us(call)
             if i >= 3:
                 times.append(t)
         med = median(times)
-        out.append(dict(op="save_rows", mode=mode, new_rows=new_rows, layers=layers,
-                        row_bytes=row_bytes, bytes=nbytes, reps=reps, median_us=med,
-                        p10_us=pct(times, 10), p90_us=pct(times, 90),
-                        gbps=nbytes / (med * 1e-6) / 1e9,
-                        launches=layers if mode == "per layer" else 1))
-        print(f"  save_rows {new_rows} rows x {layers} layers ({mode}): {med:8.1f} us "
-              f"{out[-1]['gbps']:5.1f} GB/s", flush=True)
+        out.append(
+            dict(
+                op="save_rows",
+                mode=mode,
+                new_rows=new_rows,
+                layers=layers,
+                row_bytes=row_bytes,
+                bytes=nbytes,
+                reps=reps,
+                median_us=med,
+                p10_us=pct(times, 10),
+                p90_us=pct(times, 90),
+                gbps=nbytes / (med * 1e-6) / 1e9,
+                launches=layers if mode == "per layer" else 1,
+            )
+        )
+        print(
+            f"  save_rows {new_rows} rows x {layers} layers ({mode}): {med:8.1f} us "
+            f"{out[-1]['gbps']:5.1f} GB/s",
+            flush=True,
+        )
     assert moved.cpu().tolist()[0] == 3 * (reps + 3) * nbytes
     # ceiling: one bulk copy of the same bytes, device -> pinned host
     dsrc = src_raw.view(-1)[:nbytes]
@@ -331,12 +404,26 @@ def bench_save(reps, timer, new_rows=256, layers=61, row_bytes=656, host_rows=1 
         if i >= 3:
             times.append(t)
     med = median(times)
-    out.append(dict(op="memcpy_d2h", mode="bulk memcpy", new_rows=new_rows, layers=layers,
-                    row_bytes=row_bytes, bytes=nbytes, reps=reps, median_us=med,
-                    p10_us=pct(times, 10), p90_us=pct(times, 90),
-                    gbps=nbytes / (med * 1e-6) / 1e9, launches=1))
-    print(f"  memcpy D2H {nbytes / 2**20:.1f} MiB: {med:8.1f} us {out[-1]['gbps']:5.1f} GB/s",
-          flush=True)
+    out.append(
+        dict(
+            op="memcpy_d2h",
+            mode="bulk memcpy",
+            new_rows=new_rows,
+            layers=layers,
+            row_bytes=row_bytes,
+            bytes=nbytes,
+            reps=reps,
+            median_us=med,
+            p10_us=pct(times, 10),
+            p90_us=pct(times, 90),
+            gbps=nbytes / (med * 1e-6) / 1e9,
+            launches=1,
+        )
+    )
+    print(
+        f"  memcpy D2H {nbytes / 2**20:.1f} MiB: {med:8.1f} us {out[-1]['gbps']:5.1f} GB/s",
+        flush=True,
+    )
     del host_raw
     return out
 
@@ -363,7 +450,7 @@ def bench_memcpy(pool, reps, chunk=64 << 20):
     span = max(1, pool.numel() - n + 1)
     for i in range(reps + 2):
         off = ((i * 7919) * n) % span
-        src = pool[off: off + n]
+        src = pool[off : off + n]
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         dst.copy_(src, non_blocking=True)
@@ -372,14 +459,21 @@ def bench_memcpy(pool, reps, chunk=64 << 20):
         if i >= 2:
             times.append(start.elapsed_time(end) * 1000.0)
     med = median(times)
-    return dict(op="memcpy_h2d", bytes=n, reps=reps, median_us=med,
-                gbps=n / (med * 1e-6) / 1e9, p10_gbps=n / (pct(times, 90) * 1e-6) / 1e9,
-                p90_gbps=n / (pct(times, 10) * 1e-6) / 1e9)
+    return dict(
+        op="memcpy_h2d",
+        bytes=n,
+        reps=reps,
+        median_us=med,
+        gbps=n / (med * 1e-6) / 1e9,
+        p10_gbps=n / (pct(times, 90) * 1e-6) / 1e9,
+        p90_gbps=n / (pct(times, 10) * 1e-6) / 1e9,
+    )
 
 
 # --------------------------------------------------------------------------------------------
 # report
 # --------------------------------------------------------------------------------------------
+
 
 def issue_table(res):
     """The kernel-speed issue's rows: (workload, measured, goal, met)."""
@@ -397,64 +491,136 @@ def issue_table(res):
     r = rz(64, 0.001)
     if r:
         v = r.get("median_us_graph", r["median_us"])
-        add("resolve, batch 64 @0.1 % misses (graph replay)", v, "µs", "≤ 10", v <= 10,
-            f"eager {r['median_us']:.1f} µs")
+        add(
+            "resolve, batch 64 @0.1 % misses (graph replay)",
+            v,
+            "µs",
+            "≤ 10",
+            v <= 10,
+            f"eager {r['median_us']:.1f} µs",
+        )
     r = rz(256, 0.20)
     if r:
         v = r["median_us"]
         g = r.get("median_us_graph")
-        add("resolve, batch 256 @20 %", v, "µs", "≤ 20", v <= 20,
-            "" if g is None else f"graph replay {g:.1f} µs")
+        add(
+            "resolve, batch 256 @20 %",
+            v,
+            "µs",
+            "≤ 20",
+            v <= 20,
+            "" if g is None else f"graph replay {g:.1f} µs",
+        )
     r = rz(1, 1.0)
     if r:
         v = r["median_us"]
         g = r.get("median_us_graph")
-        add("resolve, batch 1, cold (100 % misses)", v, "µs", "≤ 10", v <= 10,
-            "" if g is None else f"graph replay {g:.1f} µs")
+        add(
+            "resolve, batch 1, cold (100 % misses)",
+            v,
+            "µs",
+            "≤ 10",
+            v <= 10,
+            "" if g is None else f"graph replay {g:.1f} µs",
+        )
     mem = {m["pool_gib"]: m["gbps"] for m in res.get("memcpy", [])}
 
     def ga(pool, rb, B, rate, layers=1, sort=False):
-        m = [x for x in res.get("gather", []) if x["pool_gib"] == pool and x["row_bytes"] == rb
-             and x["batch"] == B and x["miss_rate"] == rate and x.get("layers", 1) == layers
-             and x.get("sorted", False) == sort]
+        m = [
+            x
+            for x in res.get("gather", [])
+            if x["pool_gib"] == pool
+            and x["row_bytes"] == rb
+            and x["batch"] == B
+            and x["miss_rate"] == rate
+            and x.get("layers", 1) == layers
+            and x.get("sorted", False) == sort
+        ]
         return m[0] if m else None
 
     for rb in ROW_BYTES:
         x = ga(1, rb, 256, 0.20)
         if x and 1 in mem:
             frac = 100 * x["gbps"] / mem[1]
-            add(f"gather, 1 GiB pool, batch 256 @20 %, {rb}-B rows", x["gbps"], "GB/s",
-                "≥ 85 % of memcpy", frac >= 85, f"{frac:.0f} % of same-run memcpy {mem[1]:.1f} GB/s")
-        for B, rate, name in ((256, 0.20, "batch 256 @20 %"), (1, 1.0, "one request's 2048 misses")):
+            add(
+                f"gather, 1 GiB pool, batch 256 @20 %, {rb}-B rows",
+                x["gbps"],
+                "GB/s",
+                "≥ 85 % of memcpy",
+                frac >= 85,
+                f"{frac:.0f} % of same-run memcpy {mem[1]:.1f} GB/s",
+            )
+        for B, rate, name in (
+            (256, 0.20, "batch 256 @20 %"),
+            (1, 1.0, "one request's 2048 misses"),
+        ):
             x = ga(32, rb, B, rate)
             if x:
-                add(f"gather, 32 GiB pool, {name}, {rb}-B rows", x["gbps"], "GB/s", "≥ 30",
-                    x["gbps"] >= 30, f"{x['rows_per_s'] / 1e6:.1f} M rows/s")
+                add(
+                    f"gather, 32 GiB pool, {name}, {rb}-B rows",
+                    x["gbps"],
+                    "GB/s",
+                    "≥ 30",
+                    x["gbps"] >= 30,
+                    f"{x['rows_per_s'] / 1e6:.1f} M rows/s",
+                )
             x = ga(32, rb, B, rate, sort=True)
             if x:
-                add(f"  same, plan sorted by host address in each row", x["gbps"], "GB/s",
-                    "≥ 30", x["gbps"] >= 30, f"{x['rows_per_s'] / 1e6:.1f} M rows/s")
+                add(
+                    "  same, plan sorted by host address in each row",
+                    x["gbps"],
+                    "GB/s",
+                    "≥ 30",
+                    x["gbps"] >= 30,
+                    f"{x['rows_per_s'] / 1e6:.1f} M rows/s",
+                )
             x = ga(32, rb, B, rate, layers=4)
             if x:
-                add(f"  same, index group of 4 co-located (4 layers per call)", x["gbps"], "GB/s",
-                    "≥ 30", x["gbps"] >= 30, f"{x['rows_per_s'] / 1e6:.1f} M layer-rows/s")
+                add(
+                    "  same, index group of 4 co-located (4 layers per call)",
+                    x["gbps"],
+                    "GB/s",
+                    "≥ 30",
+                    x["gbps"] >= 30,
+                    f"{x['rows_per_s'] / 1e6:.1f} M layer-rows/s",
+                )
     sv = {x["mode"]: x for x in res.get("save", [])}
     if "one call" in sv and "bulk memcpy" in sv:
         one, mc = sv["one call"], sv["bulk memcpy"]
-        add(f"save {one['new_rows']} new rows x {one['layers']} layers, one launch", one["median_us"],
-            "µs/step", "one launch per group", True,
+        add(
+            f"save {one['new_rows']} new rows x {one['layers']} layers, one launch",
+            one["median_us"],
+            "µs/step",
+            "one launch per group",
+            True,
             f"{one['gbps']:.1f} GB/s; bulk D2H memcpy of the same bytes {mc['median_us']:.1f} µs "
             f"({mc['gbps']:.1f} GB/s)"
-            + (f"; one call per layer {sv['per layer']['median_us']:.1f} µs"
-               if "per layer" in sv else ""))
+            + (
+                f"; one call per layer {sv['per layer']['median_us']:.1f} µs"
+                if "per layer" in sv
+                else ""
+            ),
+        )
     if "one call, token-major" in sv:
         tm = sv["one call, token-major"]
-        add("  same, token-major host rows (a token's 61 layer rows adjacent)", tm["median_us"],
-            "µs/step", "one launch per group", True, f"{tm['gbps']:.1f} GB/s")
+        add(
+            "  same, token-major host rows (a token's 61 layer rows adjacent)",
+            tm["median_us"],
+            "µs/step",
+            "one launch per group",
+            True,
+            f"{tm['gbps']:.1f} GB/s",
+        )
     for r in res.get("cpu_resolve", []):
         v = r["entries_per_s"] / 1e6
-        add(f"CPU resolve, batch {r['batch']} @{r['miss_rate'] * 100:g} %, one thread", v,
-            "M entries/s/core", "≥ 20", v >= 20, f"{r['median_us']:.0f} µs per call")
+        add(
+            f"CPU resolve, batch {r['batch']} @{r['miss_rate'] * 100:g} %, one thread",
+            v,
+            "M entries/s/core",
+            "≥ 20",
+            v >= 20,
+            f"{r['median_us']:.0f} µs per call",
+        )
     return out
 
 
@@ -462,26 +628,37 @@ def markdown(res):
     out = []
     env = res["env"]
     out.append(f"# bench_ops — {env['device_name']} ({res['device']})\n")
-    how = ("median of CUDA-event-timed calls, L2 flushed and GPU kept busy before each call "
-           "(warm-L2 and graph replay columns as labelled)" if res["device"] == "cuda" else
-           f"median wall-clock time per call, {env['threads']} threads")
-    out.append(f"torch {env['torch']}, {env['when']}; top-k {K_TOP}, hot {H_HOT}; {how}; "
-               f"{env.get('reps', '?')} timed calls per figure"
-               f"{'; quick run' if env['quick'] else ''}.\n")
+    how = (
+        "median of CUDA-event-timed calls, L2 flushed and GPU kept busy before each call "
+        "(warm-L2 and graph replay columns as labelled)"
+        if res["device"] == "cuda"
+        else f"median wall-clock time per call, {env['threads']} threads"
+    )
+    out.append(
+        f"torch {env['torch']}, {env['when']}; top-k {K_TOP}, hot {H_HOT}; {how}; "
+        f"{env.get('reps', '?')} timed calls per figure"
+        f"{'; quick run' if env['quick'] else ''}.\n"
+    )
     if "timer_floor_us" in res:
-        out.append(f"Timer floor: a trivial kernel measures {res['timer_floor_us']:.1f} µs with the "
-                   "same method (launch and event overhead included in every figure).\n")
+        out.append(
+            f"Timer floor: a trivial kernel measures {res['timer_floor_us']:.1f} µs with the "
+            "same method (launch and event overhead included in every figure).\n"
+        )
     if res.get("issue"):
         out.append("## Issue table (kernel speed, round 2)\n")
         out += ["| workload | measured | goal | met | note |", "|---|---:|---|:--:|---|"]
         for x in res["issue"]:
-            out.append(f"| {x['workload']} | {x['value']:.1f} {x['unit']} | {x['goal']} | "
-                       f"{'yes' if x['met'] else 'no'} | {x['note']} |")
+            out.append(
+                f"| {x['workload']} | {x['value']:.1f} {x['unit']} | {x['goal']} | "
+                f"{'yes' if x['met'] else 'no'} | {x['note']} |"
+            )
         out.append("")
     if "memcpy" in res:
-        out.append("Bulk pinned host→device memcpy (ceiling, 64 MiB copies): "
-                   + ", ".join(f"{m['pool_gib']:g} GiB pool {m['gbps']:.1f} GB/s"
-                               for m in res["memcpy"]) + "\n")
+        out.append(
+            "Bulk pinned host→device memcpy (ceiling, 64 MiB copies): "
+            + ", ".join(f"{m['pool_gib']:g} GiB pool {m['gbps']:.1f} GB/s" for m in res["memcpy"])
+            + "\n"
+        )
     out.append("## resolve_residency\n")
     hdr = "| batch | miss rate | measured | median µs | p10–p90 µs | rows/s |"
     sep = "|---:|---:|---:|---:|---:|---:|"
@@ -490,10 +667,12 @@ def markdown(res):
         sep += "---:|---:|"
     out += [hdr, sep]
     for r in res["resolve"]:
-        rate = "cold 100%" if r.get("cold") else f"{r['miss_rate']*100:g}%"
-        line = (f"| {r['batch']} | {rate} | {r['measured_miss_rate']*100:.2f}% "
-                f"| {r['median_us']:.1f} | {r['p10_us']:.1f}–{r['p90_us']:.1f} "
-                f"| {r['rows_per_s']:.3g} |")
+        rate = "cold 100%" if r.get("cold") else f"{r['miss_rate'] * 100:g}%"
+        line = (
+            f"| {r['batch']} | {rate} | {r['measured_miss_rate'] * 100:.2f}% "
+            f"| {r['median_us']:.1f} | {r['p10_us']:.1f}–{r['p90_us']:.1f} "
+            f"| {r['rows_per_s']:.3g} |"
+        )
         if res["device"] == "cuda":
             g = r.get("median_us_graph")
             line += f" {r['median_us_warm_l2']:.1f} | {'' if g is None else f'{g:.1f}'} |"
@@ -502,27 +681,37 @@ def markdown(res):
         out.append("\n## CPU resolve, one thread\n")
         out += ["| batch | miss rate | median µs | M entries/s/core |", "|---:|---:|---:|---:|"]
         for r in res["cpu_resolve"]:
-            out.append(f"| {r['batch']} | {r['miss_rate']*100:g}% | {r['median_us']:.0f} | "
-                       f"{r['entries_per_s'] / 1e6:.1f} |")
+            out.append(
+                f"| {r['batch']} | {r['miss_rate'] * 100:g}% | {r['median_us']:.0f} | "
+                f"{r['entries_per_s'] / 1e6:.1f} |"
+            )
     out.append("\n## gather\n")
-    out += ["| pool | row B | layers | batch | misses/row | rows | median µs | p10–p90 µs | GB/s "
-            "| rows/s |",
-            "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
+    out += [
+        "| pool | row B | layers | batch | misses/row | rows | median µs | p10–p90 µs | GB/s "
+        "| rows/s |",
+        "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for r in res["gather"]:
-        mr = "2048 (1 req)" if r["single_request"] else f"{r['miss_rate']*100:g}%"
+        mr = "2048 (1 req)" if r["single_request"] else f"{r['miss_rate'] * 100:g}%"
         lay = f"{r.get('layers', 1)}" + (" co-located" if r.get("layers", 1) > 1 else "")
         lay += " sorted" if r.get("sorted") else ""
-        out.append(f"| {r['pool_gib']:g} GiB | {r['row_bytes']} | {lay} | {r['batch']} | {mr} | "
-                   f"{r['rows']} | {r['median_us']:.1f} | {r['p10_us']:.1f}–{r['p90_us']:.1f} | "
-                   f"{r['gbps']:.1f} | {r['rows_per_s']:.3g} |")
+        out.append(
+            f"| {r['pool_gib']:g} GiB | {r['row_bytes']} | {lay} | {r['batch']} | {mr} | "
+            f"{r['rows']} | {r['median_us']:.1f} | {r['p10_us']:.1f}–{r['p90_us']:.1f} | "
+            f"{r['gbps']:.1f} | {r['rows_per_s']:.3g} |"
+        )
     if res.get("save"):
         out.append("\n## save_rows (one decode step's new rows, device → pinned host)\n")
-        out += ["| mode | new rows | layers | row B | launches | median µs | p10–p90 µs | GB/s |",
-                "|---|---:|---:|---:|---:|---:|---:|---:|"]
+        out += [
+            "| mode | new rows | layers | row B | launches | median µs | p10–p90 µs | GB/s |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|",
+        ]
         for r in res["save"]:
-            out.append(f"| {r['mode']} | {r['new_rows']} | {r['layers']} | {r['row_bytes']} | "
-                       f"{r['launches']} | {r['median_us']:.1f} | "
-                       f"{r['p10_us']:.1f}–{r['p90_us']:.1f} | {r['gbps']:.1f} |")
+            out.append(
+                f"| {r['mode']} | {r['new_rows']} | {r['layers']} | {r['row_bytes']} | "
+                f"{r['launches']} | {r['median_us']:.1f} | "
+                f"{r['p10_us']:.1f}–{r['p90_us']:.1f} | {r['gbps']:.1f} |"
+            )
     return "\n".join(out) + "\n"
 
 
@@ -532,8 +721,11 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true", help="fewer repetitions and configurations")
     ap.add_argument("--reps", type=int, default=None, help="timed calls per figure (default 200)")
     ap.add_argument("--json", help="write results here (and a markdown table next to it)")
-    ap.add_argument("--pools-gib", default=None,
-                    help="comma-separated host pool sizes in GiB (cuda default 1,32; cpu 1)")
+    ap.add_argument(
+        "--pools-gib",
+        default=None,
+        help="comma-separated host pool sizes in GiB (cuda default 1,32; cpu 1)",
+    )
     args = ap.parse_args(argv)
     dev = args.device
     if dev == "cuda" and not torch.cuda.is_available():
@@ -555,13 +747,21 @@ def main(argv=None):
         pools_gib = [0.25]
     if args.pools_gib:
         pools_gib = [float(x) for x in args.pools_gib.split(",")]
-    res = dict(device=dev, env=dict(torch=torch.__version__, device_name=name,
-                                    when=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-                                    threads=torch.get_num_threads(), quick=args.quick,
-                                    reps=reps))
+    res = dict(
+        device=dev,
+        env=dict(
+            torch=torch.__version__,
+            device_name=name,
+            when=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+            threads=torch.get_num_threads(),
+            quick=args.quick,
+            reps=reps,
+        ),
+    )
     if dev == "cuda":  # what a trivial kernel measures with the same method
-        res["timer_floor_us"] = median([timer.time_us(lambda: torch.cuda._sleep(1))
-                                        for _ in range(reps)])
+        res["timer_floor_us"] = median(
+            [timer.time_us(lambda: torch.cuda._sleep(1)) for _ in range(reps)]
+        )
         print(f"[{name}] timer floor (trivial kernel): {res['timer_floor_us']:.1f} us", flush=True)
     print(f"[{name}] resolve", flush=True)
     graph_cfg = {(64, 0.001), (256, 0.20), (1, 1.0)} if dev == "cuda" else None
@@ -589,13 +789,17 @@ def main(argv=None):
     for gib, pool in pools:
         cases = []
         for rb in ROW_BYTES:
-            cases += [dict(B=B, rate=rate, count=max(1, round(rate * K_TOP)), row_bytes=rb)
-                      for B in gbatches for rate in (0.05, 0.20)]
+            cases += [
+                dict(B=B, rate=rate, count=max(1, round(rate * K_TOP)), row_bytes=rb)
+                for B in gbatches
+                for rate in (0.05, 0.20)
+            ]
             cases.append(dict(B=1, rate=1.0, count=K_TOP, row_bytes=rb))
         if gib == max(pools_gib) and dev == "cuda":
             for extra in (dict(sort=True), dict(layers=4)):
-                cases.append(dict(B=256, rate=0.20, count=round(0.2 * K_TOP), row_bytes=656,
-                                  **extra))
+                cases.append(
+                    dict(B=256, rate=0.20, count=round(0.2 * K_TOP), row_bytes=656, **extra)
+                )
                 cases.append(dict(B=1, rate=1.0, count=K_TOP, row_bytes=656, **extra))
         res["gather"] += gather_cases(dev, gib, pool, cases, reps, timer)
     res["issue"] = issue_table(res)

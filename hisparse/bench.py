@@ -10,7 +10,7 @@ import os
 import statistics
 import time
 from pathlib import Path
-from typing import List, Optional
+from typing import List
 
 import torch
 
@@ -48,15 +48,22 @@ def _builtin_ops(device: str, reps: int) -> list:
         src, dst = torch.empty_like(out), torch.empty_like(out)
         cnt = torch.empty(B, dtype=torch.int32, device=device)
         cur = torch.randint(0, keys, (B, K), generator=g, device=device, dtype=torch.int32)
-        host = [torch.zeros(keys, rb, dtype=torch.uint8, device="cpu" if device == "cpu" else device)]
+        host = [
+            torch.zeros(keys, rb, dtype=torch.uint8, device="cpu" if device == "cpu" else device)
+        ]
         hot = [torch.zeros(B * H, rb, dtype=torch.uint8, device=device)]
         rt, gt, misses = [], [], 0
         for i in range(reps + 2):
             mask = torch.rand(B, K, generator=g, device=device) < 0.05
-            cur = torch.where(mask, torch.randint(0, keys, (B, K), generator=g, device=device,
-                                                  dtype=torch.int32), cur)
+            cur = torch.where(
+                mask,
+                torch.randint(0, keys, (B, K), generator=g, device=device, dtype=torch.int32),
+                cur,
+            )
             t0 = time.perf_counter()
-            ops.resolve_residency(cur, state, slot_keys, lru, stats, out, src, dst, cnt, num_keys=keys)
+            ops.resolve_residency(
+                cur, state, slot_keys, lru, stats, out, src, dst, cnt, num_keys=keys
+            )
             if device == "cuda":
                 torch.cuda.synchronize()
             t1 = time.perf_counter()
@@ -68,10 +75,28 @@ def _builtin_ops(device: str, reps: int) -> list:
                 rt.append((t1 - t0) * 1e6)
                 gt.append((t2 - t1) * 1e6)
                 misses += int(cnt.sum())
-        rows.append(dict(op="resolve", device=device, batch=B, top_k=K, hot=H, miss_rate=0.05,
-                         median_us=statistics.median(rt)))
-        rows.append(dict(op="gather", device=device, batch=B, row_bytes=rb, miss_rate=0.05,
-                         rows=misses // reps, median_us=statistics.median(gt)))
+        rows.append(
+            dict(
+                op="resolve",
+                device=device,
+                batch=B,
+                top_k=K,
+                hot=H,
+                miss_rate=0.05,
+                median_us=statistics.median(rt),
+            )
+        )
+        rows.append(
+            dict(
+                op="gather",
+                device=device,
+                batch=B,
+                row_bytes=rb,
+                miss_rate=0.05,
+                rows=misses // reps,
+                median_us=statistics.median(gt),
+            )
+        )
     return rows
 
 
@@ -98,15 +123,27 @@ def hot_size_sweep(cfg, hot_sizes: List[int], device: str, progress: bool = True
         t0 = time.perf_counter()
         r = run_workload(c, mode="hisparse", device=device)
         s = r.stats
-        out.append(dict(hot_size=H, hot_over_top_k=H / c.top_k, hit_rate=s.hit_rate,
-                        hits=s.hits, misses=s.misses, host_to_device_bytes=s.host_to_device_bytes,
-                        h2d_bytes_per_token=s.host_to_device_bytes / max(1, s.generated_tokens),
-                        device_kv_bytes=s.device_kv_bytes, tokens_per_s=s.tokens_per_s,
-                        topk_overlap=s.topk_overlap))
+        out.append(
+            dict(
+                hot_size=H,
+                hot_over_top_k=H / c.top_k,
+                hit_rate=s.hit_rate,
+                hits=s.hits,
+                misses=s.misses,
+                host_to_device_bytes=s.host_to_device_bytes,
+                h2d_bytes_per_token=s.host_to_device_bytes / max(1, s.generated_tokens),
+                device_kv_bytes=s.device_kv_bytes,
+                tokens_per_s=s.tokens_per_s,
+                topk_overlap=s.topk_overlap,
+            )
+        )
         if progress:
-            print(f"  hot={H:6d} ({H / c.top_k:4.2f} x top-k): hit rate {100 * s.hit_rate:5.1f} %  "
-                  f"misses {s.misses:8d}  H2D {s.host_to_device_bytes / 2**20:8.2f} MiB  "
-                  f"({time.perf_counter() - t0:.1f} s)", flush=True)
+            print(
+                f"  hot={H:6d} ({H / c.top_k:4.2f} x top-k): hit rate {100 * s.hit_rate:5.1f} %  "
+                f"misses {s.misses:8d}  H2D {s.host_to_device_bytes / 2**20:8.2f} MiB  "
+                f"({time.perf_counter() - t0:.1f} s)",
+                flush=True,
+            )
     return out
 
 
@@ -124,12 +161,20 @@ def plot_sweep(sweep: list, cfg, path: str) -> None:
     ax.set_ylim(0, 100)
     ax.axvline(cfg.top_k, color="grey", lw=0.8, ls=":")
     ax2 = ax.twinx()
-    ax2.plot(x, [r["h2d_bytes_per_token"] / 1024 for r in sweep], "s--", color="tab:red",
-             label="host->device KiB / token")
+    ax2.plot(
+        x,
+        [r["h2d_bytes_per_token"] / 1024 for r in sweep],
+        "s--",
+        color="tab:red",
+        label="host->device KiB / token",
+    )
     ax2.set_ylabel("host->device KiB per generated token", color="tab:red")
     ax2.set_ylim(bottom=0)
-    ax.set_title(f"HiSparse hit rate vs hot-buffer size (drift {cfg.drift:g}, "
-                 f"window {cfg.recent_window}, {cfg.row_bytes}-B rows)", fontsize=9)
+    ax.set_title(
+        f"HiSparse hit rate vs hot-buffer size (drift {cfg.drift:g}, "
+        f"window {cfg.recent_window}, {cfg.row_bytes}-B rows)",
+        fontsize=9,
+    )
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fig.savefig(path)
@@ -150,16 +195,24 @@ def main(args) -> int:
         if not args.skip_ops:
             print(f"op micro-benchmarks ({args.device})", flush=True)
             result["ops"] = op_benchmarks(args.device, args.op_reps)
-        print(f"hit rate vs hot-buffer size: {cfg.num_requests} requests, top-k {cfg.top_k}", flush=True)
+        print(
+            f"hit rate vs hot-buffer size: {cfg.num_requests} requests, top-k {cfg.top_k}",
+            flush=True,
+        )
         result["sweep"] = hot_size_sweep(cfg, args.hot_sizes, args.device)
     finally:
         torch.set_num_threads(prev)
     print()
-    print(f"{'hot rows':>9} {'x top-k':>8} {'hit rate':>9} {'misses':>9} {'H2D/token':>11} {'device KV':>11}")
+    print(
+        f"{'hot rows':>9} {'x top-k':>8} {'hit rate':>9} {'misses':>9} "
+        f"{'H2D/token':>11} {'device KV':>11}"
+    )
     for r in result["sweep"]:
-        print(f"{r['hot_size']:>9} {r['hot_over_top_k']:>8.2f} {100 * r['hit_rate']:>8.1f}% "
-              f"{r['misses']:>9} {r['h2d_bytes_per_token'] / 1024:>8.1f} KiB "
-              f"{r['device_kv_bytes'] / 2**20:>7.1f} MiB")
+        print(
+            f"{r['hot_size']:>9} {r['hot_over_top_k']:>8.2f} {100 * r['hit_rate']:>8.1f}% "
+            f"{r['misses']:>9} {r['h2d_bytes_per_token'] / 1024:>8.1f} KiB "
+            f"{r['device_kv_bytes'] / 2**20:>7.1f} MiB"
+        )
     if args.plot:
         plot_sweep(result["sweep"], cfg, args.plot)
         print(f"plot written to {args.plot}")

@@ -57,8 +57,15 @@ class PackedLayout:
             )
         run = self.block_size * self.row_bytes
         for m in range(1, len(names)):  # layers i and i+m are offset by m * layer_stride
-            if _runs_overlap(m * self.layer_stride, self.num_blocks, self.block_stride, run,
-                             self.num_blocks, self.block_stride, run):
+            if _runs_overlap(
+                m * self.layer_stride,
+                self.num_blocks,
+                self.block_stride,
+                run,
+                self.num_blocks,
+                self.block_stride,
+                run,
+            ):
                 raise BindingError(
                     f"layer_stride {self.layer_stride} with block_stride {self.block_stride}: "
                     f"layers {names[0]!r} and {names[m]!r} would overlap"
@@ -152,7 +159,7 @@ def check_disjoint(views: dict) -> None:
             raise BindingError(f"layer {name!r}: views must be uint8 byte views, got {v.dtype}")
     items = [(name, _runs(v)) for name, v in views.items()]
     for i, (name_a, (pa, na, sa, la)) in enumerate(items):
-        for name_b, (pb, nb, sb, lb) in items[i + 1:]:
+        for name_b, (pb, nb, sb, lb) in items[i + 1 :]:
             if _runs_overlap(pb - pa, na, sa, la, nb, sb, lb):
                 raise BindingError(f"layers {name_a!r} and {name_b!r} overlap in memory")
 

@@ -37,6 +37,7 @@ class _Parser(argparse.ArgumentParser):
 
 # ---- flag validators (argparse `type=`): ValueError/ArgumentTypeError -> one-line error -------
 
+
 def _int(text: str, lo: Optional[int] = None, hi: Optional[int] = None) -> int:
     try:
         v = int(text, 10)
@@ -52,12 +53,14 @@ def _int(text: str, lo: Optional[int] = None, hi: Optional[int] = None) -> int:
 def int_range(lo: Optional[int] = None, hi: Optional[int] = None) -> Callable[[str], int]:
     def parse(text: str) -> int:
         return _int(text, lo, hi)
+
     parse.__name__ = "integer"
     return parse
 
 
-def float_range(lo: float, hi: float = math.inf, *, lo_open: bool = False,
-                hi_open: bool = False) -> Callable[[str], float]:
+def float_range(
+    lo: float, hi: float = math.inf, *, lo_open: bool = False, hi_open: bool = False
+) -> Callable[[str], float]:
     def parse(text: str) -> float:
         try:
             v = float(text)
@@ -71,6 +74,7 @@ def float_range(lo: float, hi: float = math.inf, *, lo_open: bool = False,
             hi_s = "inf" if hi == math.inf else f"{hi:g}"
             raise argparse.ArgumentTypeError(f"must be in {left}{lo:g}, {hi_s}{right}, got {v:g}")
         return v
+
     parse.__name__ = "number"
     return parse
 
@@ -81,6 +85,7 @@ def port(text: str) -> int:
 
 def output_path(suffixes: Sequence[str] = ()) -> Callable[[str], str]:
     """A file path we can write: its directory exists (or can be created) and is writable."""
+
     def parse(text: str) -> str:
         if not text or text.endswith(os.sep):
             raise argparse.ArgumentTypeError(f"expected a file path, got {text!r}")
@@ -93,7 +98,9 @@ def output_path(suffixes: Sequence[str] = ()) -> Callable[[str], str]:
         while not os.path.exists(probe):
             probe = os.path.dirname(probe)
         if not os.path.isdir(probe) or not os.access(probe, os.W_OK):
-            raise argparse.ArgumentTypeError(f"cannot write {text!r}: {probe!r} is not a writable directory")
+            raise argparse.ArgumentTypeError(
+                f"cannot write {text!r}: {probe!r} is not a writable directory"
+            )
         # os.access answers yes to root everywhere, and a read-only mount only fails the write
         # itself; try it now rather than after the run.
         try:
@@ -106,6 +113,7 @@ def output_path(suffixes: Sequence[str] = ()) -> Callable[[str], str]:
         except OSError as e:
             raise argparse.ArgumentTypeError(f"cannot write {text!r}: {e.strerror or e}") from None
         return text
+
     parse.__name__ = "path"
     return parse
 
@@ -116,11 +124,13 @@ def int_list(lo: int, hi: int) -> Callable[[str], list]:
         if not parts:
             raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}")
         return sorted(set(_int(p.strip(), lo, hi) for p in parts))
+
     parse.__name__ = "list"
     return parse
 
 
 # ---- info --------------------------------------------------------------------------------
+
 
 def _info(args: argparse.Namespace) -> int:
     import torch
@@ -138,8 +148,13 @@ def _info(args: argparse.Namespace) -> int:
     if torch.cuda.is_available():
         for i in range(torch.cuda.device_count()):
             p = torch.cuda.get_device_properties(i)
-            lines.append((f"GPU {i}", f"{p.name}, {p.total_memory / 2**30:.0f} GiB, "
-                                      f"sm_{p.major}{p.minor}, {p.multi_processor_count} SMs"))
+            lines.append(
+                (
+                    f"GPU {i}",
+                    f"{p.name}, {p.total_memory / 2**30:.0f} GiB, "
+                    f"sm_{p.major}{p.minor}, {p.multi_processor_count} SMs",
+                )
+            )
     else:
         lines.append(("GPU", "none visible"))
     width = max(len(k) for k, _ in lines)
@@ -151,55 +166,129 @@ def _info(args: argparse.Namespace) -> int:
 # ---- demo / bench share the workload flags -------------------------------------------------
 
 _ENGINE_FLAG = {  # EngineConfig field -> flag, for cross-flag errors
-    "num_layers": "--layers", "index_share": "--index-share", "top_k": "--top-k",
-    "hot_size": "--hot-size", "num_requests": "--requests", "max_running": "--concurrency",
-    "prompt_len": "--prompt-len", "output_len": "--output-len", "drift": "--drift",
-    "recent_window": "--recent-window", "seed": "--seed", "metrics_interval": "--metrics-interval",
+    "num_layers": "--layers",
+    "index_share": "--index-share",
+    "top_k": "--top-k",
+    "hot_size": "--hot-size",
+    "num_requests": "--requests",
+    "max_running": "--concurrency",
+    "prompt_len": "--prompt-len",
+    "output_len": "--output-len",
+    "drift": "--drift",
+    "recent_window": "--recent-window",
+    "seed": "--seed",
+    "metrics_interval": "--metrics-interval",
     "row_layout": "--row-layout",
 }
 
 
 def _add_model_flags(g, *, layers: int) -> None:
     """The reference model's shape, shared by the engine commands and export-model."""
-    g.add_argument("--layers", type=int_range(1, 1024), default=layers,
-                   help=f"decoder layers (default: {layers})")
-    g.add_argument("--index-share", type=int_range(1, 1024), default=2,
-                   help="layers per index group: a leader and the followers reusing its top-k "
-                        "(default: 2)")
-    g.add_argument("--top-k", type=int_range(1, MAX_HOT_SIZE), default=64,
-                   help="tokens selected per request per step (default: 64)")
-    g.add_argument("--row-layout", choices=("fp8", "bf16"), default="fp8",
-                   help="KV row layout: fp8 = 656-B rows, bf16 = 1152-B rows (default: fp8)")
-    g.add_argument("--drift", type=float_range(0.0, 1.0), default=0.05,
-                   help="indexer query drift per token, 0 = frozen, 1 = memoryless (default: 0.05)")
-    g.add_argument("--recent-window", type=int_range(0, MAX_HOT_SIZE), default=8,
-                   help="newest tokens always selected (default: 8)")
-    g.add_argument("--seed", type=int_range(0, 2**31 - 1), default=0,
-                   help="weights (and prompts) seed (default: 0)")
+    g.add_argument(
+        "--layers",
+        type=int_range(1, 1024),
+        default=layers,
+        help=f"decoder layers (default: {layers})",
+    )
+    g.add_argument(
+        "--index-share",
+        type=int_range(1, 1024),
+        default=2,
+        help="layers per index group: a leader and the followers reusing its top-k (default: 2)",
+    )
+    g.add_argument(
+        "--top-k",
+        type=int_range(1, MAX_HOT_SIZE),
+        default=64,
+        help="tokens selected per request per step (default: 64)",
+    )
+    g.add_argument(
+        "--row-layout",
+        choices=("fp8", "bf16"),
+        default="fp8",
+        help="KV row layout: fp8 = 656-B rows, bf16 = 1152-B rows (default: fp8)",
+    )
+    g.add_argument(
+        "--drift",
+        type=float_range(0.0, 1.0),
+        default=0.05,
+        help="indexer query drift per token, 0 = frozen, 1 = memoryless (default: 0.05)",
+    )
+    g.add_argument(
+        "--recent-window",
+        type=int_range(0, MAX_HOT_SIZE),
+        default=8,
+        help="newest tokens always selected (default: 8)",
+    )
+    g.add_argument(
+        "--seed",
+        type=int_range(0, 2**31 - 1),
+        default=0,
+        help="weights (and prompts) seed (default: 0)",
+    )
 
 
-def _add_workload_flags(p: argparse.ArgumentParser, *, requests: int, concurrency: int,
-                        prompt_len: int, output_len: int, hot_size: bool = True) -> None:
+def _add_workload_flags(
+    p: argparse.ArgumentParser,
+    *,
+    requests: int,
+    concurrency: int,
+    prompt_len: int,
+    output_len: int,
+    hot_size: bool = True,
+) -> None:
     g = p.add_argument_group("workload (reference engine)")
-    g.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
-                   help="where the engine runs (default: cpu)")
-    g.add_argument("--requests", type=int_range(1, 1_000_000), default=requests,
-                   help=f"requests in the workload (default: {requests})")
-    g.add_argument("--concurrency", type=int_range(1, 65536), default=concurrency,
-                   help=f"max requests running at once = state rows (default: {concurrency})")
-    g.add_argument("--prompt-len", type=int_range(1, 1 << 20), default=prompt_len,
-                   help=f"prompt tokens per request, before jitter (default: {prompt_len})")
-    g.add_argument("--output-len", type=int_range(1, 1 << 20), default=output_len,
-                   help=f"generated tokens per request, before jitter (default: {output_len})")
+    g.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="where the engine runs (default: cpu)",
+    )
+    g.add_argument(
+        "--requests",
+        type=int_range(1, 1_000_000),
+        default=requests,
+        help=f"requests in the workload (default: {requests})",
+    )
+    g.add_argument(
+        "--concurrency",
+        type=int_range(1, 65536),
+        default=concurrency,
+        help=f"max requests running at once = state rows (default: {concurrency})",
+    )
+    g.add_argument(
+        "--prompt-len",
+        type=int_range(1, 1 << 20),
+        default=prompt_len,
+        help=f"prompt tokens per request, before jitter (default: {prompt_len})",
+    )
+    g.add_argument(
+        "--output-len",
+        type=int_range(1, 1 << 20),
+        default=output_len,
+        help=f"generated tokens per request, before jitter (default: {output_len})",
+    )
     _add_model_flags(g, layers=4)
     if hot_size:
-        g.add_argument("--hot-size", type=int_range(1, MAX_HOT_SIZE), default=None,
-                       help="hot-buffer rows per request per layer, >= --top-k (default: 2 x top-k)")
-    g.add_argument("--metrics-interval", type=int_range(1, 1_000_000), default=16,
-                   help="engine steps between counter snapshots (default: 16)")
-    g.add_argument("--threads", type=int_range(0, 1024), default=1,
-                   help="torch CPU threads for the run; 0 = leave torch's default (default: 1: "
-                        "the engine's ops are small)")
+        g.add_argument(
+            "--hot-size",
+            type=int_range(1, MAX_HOT_SIZE),
+            default=None,
+            help="hot-buffer rows per request per layer, >= --top-k (default: 2 x top-k)",
+        )
+    g.add_argument(
+        "--metrics-interval",
+        type=int_range(1, 1_000_000),
+        default=16,
+        help="engine steps between counter snapshots (default: 16)",
+    )
+    g.add_argument(
+        "--threads",
+        type=int_range(0, 1024),
+        default=1,
+        help="torch CPU threads for the run; 0 = leave torch's default (default: 1: "
+        "the engine's ops are small)",
+    )
 
 
 def check_engine_flags(parser: argparse.ArgumentParser, args: argparse.Namespace, **over):
@@ -209,16 +298,20 @@ def check_engine_flags(parser: argparse.ArgumentParser, args: argparse.Namespace
     if getattr(args, "hot_size", None) is not None and args.hot_size < args.top_k:
         parser.error(f"argument --hot-size: must be >= --top-k ({args.top_k}), got {args.hot_size}")
     if args.recent_window > args.top_k:
-        parser.error(f"argument --recent-window: must be <= --top-k ({args.top_k}), got {args.recent_window}")
+        parser.error(
+            f"argument --recent-window: must be <= --top-k ({args.top_k}), got {args.recent_window}"
+        )
     if args.index_share > args.layers:
-        parser.error(f"argument --index-share: must be <= --layers ({args.layers}), got {args.index_share}")
+        parser.error(
+            f"argument --index-share: must be <= --layers ({args.layers}), got {args.index_share}"
+        )
     try:
         return engine_config_from_args(args, **over)
     except ValueError as e:
         msg = str(e)
         for field, flag in _ENGINE_FLAG.items():
             if msg.startswith(field + " "):
-                msg = f"argument {flag}:" + msg[len(field):]
+                msg = f"argument {flag}:" + msg[len(field) :]
                 break
         parser.error(msg)
 
@@ -250,13 +343,17 @@ def _bench(args: argparse.Namespace) -> int:
     check_engine_flags(args._parser, args, hot_size=max(args.hot_sizes + [args.top_k]))
     bad = [h for h in args.hot_sizes if h < args.top_k]
     if bad:
-        args._parser.error(f"argument --hot-sizes: every size must be >= --top-k ({args.top_k}), got {bad}")
+        args._parser.error(
+            f"argument --hot-sizes: every size must be >= --top-k ({args.top_k}), got {bad}"
+        )
     if args.plot:
         try:
             import matplotlib  # noqa: F401
         except ImportError:
-            args._parser.error("argument --plot: needs matplotlib, which is not installed "
-                               "(pip install 'hisparse[plot]')")
+            args._parser.error(
+                "argument --plot: needs matplotlib, which is not installed "
+                "(pip install 'hisparse[plot]')"
+            )
     _require_backend(args.device)
     from hisparse import bench
 
@@ -284,65 +381,119 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_info)
 
     p = sub.add_parser(
-        "demo", help="run one workload resident vs HiSparse and check bit-exact parity",
+        "demo",
+        help="run one workload resident vs HiSparse and check bit-exact parity",
         description="Run one workload on the reference sparse-MLA engine twice: every KV row on "
-                    "the device, then HiSparse (host pool + small hot buffers). Prints a summary; "
-                    "exits 1 if tokens or final hidden states differ.")
+        "the device, then HiSparse (host pool + small hot buffers). Prints a summary; "
+        "exits 1 if tokens or final hidden states differ.",
+    )
     _add_workload_flags(p, requests=32, concurrency=8, prompt_len=512, output_len=96)
     o = p.add_argument_group("output")
-    o.add_argument("--metrics-port", type=port, default=None,
-                   help="serve Prometheus /metrics on this port during the run (0 = any free port)")
-    o.add_argument("--json", type=output_path((".json",)), default=None, metavar="PATH",
-                   help="write the summary as JSON")
+    o.add_argument(
+        "--metrics-port",
+        type=port,
+        default=None,
+        help="serve Prometheus /metrics on this port during the run (0 = any free port)",
+    )
+    o.add_argument(
+        "--json",
+        type=output_path((".json",)),
+        default=None,
+        metavar="PATH",
+        help="write the summary as JSON",
+    )
     o.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bars")
-    o.add_argument("--binding-fault", choices=("base_offset",), default=None,
-                   help="negative control: bind every layer of the HiSparse run at the allocation's "
-                        "base offset (the upstream bug); parity must then FAIL")
+    o.add_argument(
+        "--binding-fault",
+        choices=("base_offset",),
+        default=None,
+        help="negative control: bind every layer of the HiSparse run at the allocation's "
+        "base offset (the upstream bug); parity must then FAIL",
+    )
     p.set_defaults(func=_demo, _parser=p)
 
     p = sub.add_parser(
-        "bench", help="op micro-benchmarks and hit rate vs hot-buffer size",
-        description="Micro-benchmarks of resolve/gather, then a sweep of hit rate against hot-buffer "
-                    "size on the reference workload (HiSparse mode).")
-    _add_workload_flags(p, requests=12, concurrency=4, prompt_len=256, output_len=32, hot_size=False)
+        "bench",
+        help="op micro-benchmarks and hit rate vs hot-buffer size",
+        description="Micro-benchmarks of resolve/gather, then a sweep of hit rate against "
+        "hot-buffer size on the reference workload (HiSparse mode).",
+    )
+    _add_workload_flags(
+        p, requests=12, concurrency=4, prompt_len=256, output_len=32, hot_size=False
+    )
     b = p.add_argument_group("bench")
-    b.add_argument("--hot-sizes", type=int_list(1, MAX_HOT_SIZE), default=None,
-                   metavar="H1,H2,...",
-                   help="hot-buffer sizes to sweep, each >= --top-k (default: 1, 1.25, 1.5, 2, 3, 4 x top-k)")
+    b.add_argument(
+        "--hot-sizes",
+        type=int_list(1, MAX_HOT_SIZE),
+        default=None,
+        metavar="H1,H2,...",
+        help="hot-buffer sizes to sweep, each >= --top-k (default: 1, 1.25, 1.5, 2, 3, 4 x top-k)",
+    )
     b.add_argument("--skip-ops", action="store_true", help="skip the op micro-benchmarks")
-    b.add_argument("--op-reps", type=int_range(1, 10000), default=5,
-                   help="repetitions per op configuration (default: 5)")
-    b.add_argument("--plot", type=output_path((".png",)), default=None, metavar="PATH.png",
-                   help="draw hit rate and H2D bytes against hot-buffer size")
-    b.add_argument("--json", type=output_path((".json",)), default=None, metavar="PATH",
-                   help="write all results as JSON")
+    b.add_argument(
+        "--op-reps",
+        type=int_range(1, 10000),
+        default=5,
+        help="repetitions per op configuration (default: 5)",
+    )
+    b.add_argument(
+        "--plot",
+        type=output_path((".png",)),
+        default=None,
+        metavar="PATH.png",
+        help="draw hit rate and H2D bytes against hot-buffer size",
+    )
+    b.add_argument(
+        "--json",
+        type=output_path((".json",)),
+        default=None,
+        metavar="PATH",
+        help="write all results as JSON",
+    )
     p.set_defaults(func=_bench, _parser=p)
 
     p = sub.add_parser(
-        "plan", help="capacity calculator: concurrency with and without HiSparse, host pool, PCIe",
-        description="Size a deployment: max concurrent requests with and without HiSparse, the host "
-                    "pool they need, and host->device traffic per decode step. Formulas: docs/plan.md.")
+        "plan",
+        help="capacity calculator: concurrency with and without HiSparse, host pool, PCIe",
+        description="Size a deployment: max concurrent requests with and without HiSparse, the "
+        "host pool they need, and host->device traffic per decode step. Formulas: docs/plan.md.",
+    )
     from hisparse.plan import add_plan_flags
 
     add_plan_flags(p, int_range=int_range, float_range=float_range, output_path=output_path)
     p.set_defaults(func=_plan, _parser=p)
 
     p = sub.add_parser(
-        "export-model", help="write the reference sparse-MLA model as a directory vLLM serves",
+        "export-model",
+        help="write the reference sparse-MLA model as a directory vLLM serves",
         description="Write config.json, model.safetensors (seeded weights) and a byte-level "
-                    "tokenizer into DIR, for `python -m vllm.entrypoints.openai.api_server "
-                    "--model DIR` (with or without the HiSparse connector). No network needed.")
+        "tokenizer into DIR, for `python -m vllm.entrypoints.openai.api_server "
+        "--model DIR` (with or without the HiSparse connector). No network needed.",
+    )
     p.add_argument("dir", metavar="DIR", help="output directory (created if missing)")
     m = p.add_argument_group("model")
     _add_model_flags(m, layers=2)
-    m.add_argument("--hidden", type=int_range(1, 65536), default=64,
-                   help="residual width (default: 64)")
-    m.add_argument("--vocab", type=int_range(257, 1 << 20), default=512,
-                   help="vocabulary, >= 257: 256 byte tokens + end-of-text (default: 512)")
-    m.add_argument("--indexer-dim", type=int_range(1, 4096), default=32,
-                   help="indexer key/query width (default: 32)")
-    m.add_argument("--max-model-len", type=int_range(2, 1 << 20), default=2048,
-                   help="longest context in tokens (default: 2048)")
+    m.add_argument(
+        "--hidden", type=int_range(1, 65536), default=64, help="residual width (default: 64)"
+    )
+    m.add_argument(
+        "--vocab",
+        type=int_range(257, 1 << 20),
+        default=512,
+        help="vocabulary, >= 257: 256 byte tokens + end-of-text (default: 512)",
+    )
+    m.add_argument(
+        "--indexer-dim",
+        type=int_range(1, 4096),
+        default=32,
+        help="indexer key/query width (default: 32)",
+    )
+    m.add_argument(
+        "--max-model-len",
+        type=int_range(2, 1 << 20),
+        default=2048,
+        help="longest context in tokens (default: 2048)",
+    )
     p.set_defaults(func=_export_model, _parser=p)
     return parser
 
@@ -352,19 +503,30 @@ def _export_model(args: argparse.Namespace) -> int:
 
     try:
         cfg = model_config(
-            args.max_model_len, num_layers=args.layers, index_share=args.index_share,
-            hidden=args.hidden, vocab=args.vocab, indexer_dim=args.indexer_dim,
-            top_k=args.top_k, row_layout=args.row_layout, drift=args.drift,
-            recent_window=args.recent_window, seed=args.seed)
+            args.max_model_len,
+            num_layers=args.layers,
+            index_share=args.index_share,
+            hidden=args.hidden,
+            vocab=args.vocab,
+            indexer_dim=args.indexer_dim,
+            top_k=args.top_k,
+            row_layout=args.row_layout,
+            drift=args.drift,
+            recent_window=args.recent_window,
+            seed=args.seed,
+        )
         if args.index_share > args.layers:
-            raise ExportError(f"--index-share ({args.index_share}) must be <= --layers "
-                              f"({args.layers})")
+            raise ExportError(
+                f"--index-share ({args.index_share}) must be <= --layers ({args.layers})"
+            )
         out = export_model(args.dir, cfg)
     except (ExportError, OSError) as e:
         args._parser.error(str(e))
         return 2
-    print(f"wrote {out}: {cfg.num_layers} layers, top-k {cfg.top_k}, {cfg.row_bytes}-B rows, "
-          f"context {cfg.max_context}")
+    print(
+        f"wrote {out}: {cfg.num_layers} layers, top-k {cfg.top_k}, {cfg.row_bytes}-B rows, "
+        f"context {cfg.max_context}"
+    )
     return 0
 
 
@@ -394,8 +556,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except Exception as e:  # noqa: BLE001  (a command never ends in a traceback)
         if os.environ.get("HISPARSE_TRACEBACK", "") not in ("", "0"):
             raise
-        sub.exit(1, f"{sub.prog}: error: {type(e).__name__}: {_one_line(e)} "
-                    f"(HISPARSE_TRACEBACK=1 shows where)\n")
+        sub.exit(
+            1,
+            f"{sub.prog}: error: {type(e).__name__}: {_one_line(e)} "
+            f"(HISPARSE_TRACEBACK=1 shows where)\n",
+        )
     return 1  # unreachable: sub.exit raises
 
 

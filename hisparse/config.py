@@ -45,15 +45,15 @@ class HiSparseConfig:
 
     def __post_init__(self) -> None:
         if self.device_buffer_size is not None:
-            _check_int("device_buffer_size", self.device_buffer_size, minimum=1,
-                       maximum=MAX_HOT_SIZE)
+            _check_int(
+                "device_buffer_size", self.device_buffer_size, minimum=1, maximum=MAX_HOT_SIZE
+            )
         # Before the default device_buffer_size is derived from top_k: a top_k past the
         # hot-buffer limit is reported against top_k, not against a size nobody set.
         for key in ("top_k", "index_share", "metrics_interval", "max_num_seqs", "block_size"):
             _check_int(key, getattr(self, key), minimum=1, maximum=MAX_INT_SETTING[key])
         if self.device_buffer_size is None:
-            object.__setattr__(self, "device_buffer_size",
-                               min(2 * self.top_k, MAX_HOT_SIZE))
+            object.__setattr__(self, "device_buffer_size", min(2 * self.top_k, MAX_HOT_SIZE))
         _check_int("device_buffer_size", self.device_buffer_size, minimum=1)
         if not self.top_k <= self.device_buffer_size <= MAX_HOT_SIZE:
             raise HiSparseConfigError(
@@ -82,7 +82,8 @@ class HiSparseConfig:
         p = self.pin_host_pool
         if p is not None and not isinstance(p, bool):
             raise HiSparseConfigError(
-                f"{_PREFIX}['pin_host_pool'] must be true, false or null, got {type(p).__name__} {p!r}"
+                f"{_PREFIX}['pin_host_pool'] must be true, false or null, "
+                f"got {type(p).__name__} {p!r}"
             )
 
     @property

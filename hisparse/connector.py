@@ -100,8 +100,9 @@ class HiSparseConnector(KVConnectorBase_V1, SupportsHMA):
         if layers is not None:
             from hisparse.vllm.binding import find_model_layers
 
-            self._model_layers = find_model_layers(vllm_config, kv_cache_config, self.config,
-                                                   extra, layers)
+            self._model_layers = find_model_layers(
+                vllm_config, kv_cache_config, self.config, extra, layers
+            )
         if role == KVConnectorRole.WORKER:
             self.worker = HiSparseConnectorWorker(self.config)
         else:
@@ -135,8 +136,9 @@ class HiSparseConnector(KVConnectorBase_V1, SupportsHMA):
 
     def _need_worker(self, what: str) -> HiSparseConnectorWorker:
         if self.worker is None:
-            raise RuntimeError(f"{what} is a worker-side call; this connector has the "
-                               "scheduler role")
+            raise RuntimeError(
+                f"{what} is a worker-side call; this connector has the scheduler role"
+            )
         return self.worker
 
     def register_kv_caches(self, kv_caches: dict) -> None:
@@ -150,8 +152,10 @@ class HiSparseConnector(KVConnectorBase_V1, SupportsHMA):
         lay = self._model_layers
         S, H = self.config.max_num_seqs, self.config.device_buffer_size
         device = next(iter(kv_caches.values())).device if kv_caches else torch.device("cpu")
-        hot = {n: torch.zeros(S * H, rb, dtype=torch.uint8, device=device)
-               for n, rb in lay.row_bytes.items()}
+        hot = {
+            n: torch.zeros(S * H, rb, dtype=torch.uint8, device=device)
+            for n, rb in lay.row_bytes.items()
+        }
         worker.register_kv_caches(hot, host_rows=lay.host_rows, groups=lay.groups)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
@@ -163,12 +167,14 @@ class HiSparseConnector(KVConnectorBase_V1, SupportsHMA):
             raise RuntimeError("start_load_kv needs bind_connector_metadata(...) first")
         worker.start_step(self._get_connector_metadata())
 
-    def resolve(self, layer_name: str, top_k: Any, resident_rows: Any = None, *,
-                state_rows: Any = None):
+    def resolve(
+        self, layer_name: str, top_k: Any, resident_rows: Any = None, *, state_rows: Any = None
+    ):
         """After the indexer: the attention rows of ``layer_name`` for this step's top-k (rows of
         ``hot_rows(layer_name)``). Followers pass ``top_k=None`` and get the leader's plan."""
-        return self._need_worker("resolve").resolve(layer_name, top_k, resident_rows,
-                                                    state_rows=state_rows)
+        return self._need_worker("resolve").resolve(
+            layer_name, top_k, resident_rows, state_rows=state_rows
+        )
 
     def batch_state_rows(self, anchor_keys: Any):
         """The state row of each batch row, from the key of its last token this step."""
@@ -185,8 +191,9 @@ class HiSparseConnector(KVConnectorBase_V1, SupportsHMA):
     def wait_for_layer_load(self, layer_name: str) -> None:
         self._need_worker("wait_for_layer_load").wait_for_layer_load(layer_name)
 
-    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any,
-                      **kwargs: Any) -> None:
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any
+    ) -> None:
         """Write the layer's rows computed this step (``kv_layer``) into the host pool at
         ``attn_metadata.slot_mapping`` (or ``slot_mapping=`` keyword)."""
         worker = self._need_worker("save_kv_layer")
@@ -218,8 +225,9 @@ class HiSparseConnector(KVConnectorBase_V1, SupportsHMA):
     # -------------------------------------------------------- scheduler side
     def _need_scheduler(self, what: str) -> HiSparseScheduler:
         if self._scheduler is None:
-            raise RuntimeError(f"{what} is a scheduler-side call; this connector has the "
-                               "worker role")
+            raise RuntimeError(
+                f"{what} is a scheduler-side call; this connector has the worker role"
+            )
         return self._scheduler
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple:
@@ -260,8 +268,9 @@ class HiSparseConnector(KVConnectorBase_V1, SupportsHMA):
     # ------------------------------------------------------------- telemetry
     @classmethod
     def build_kv_connector_stats(cls, data: Optional[dict] = None) -> HiSparseKVConnectorStats:
-        return HiSparseKVConnectorStats(data=data) if data is not None else \
-            HiSparseKVConnectorStats()
+        return (
+            HiSparseKVConnectorStats(data=data) if data is not None else HiSparseKVConnectorStats()
+        )
 
     @classmethod
     def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):

@@ -31,11 +31,18 @@ def engine_config_from_args(args, **over) -> EngineConfig:
     """The EngineConfig the flags describe; ``over`` replaces fields before validation."""
     hot_size = getattr(args, "hot_size", None) or min(2 * args.top_k, MAX_HOT_SIZE)
     fields = dict(
-        num_layers=args.layers, index_share=args.index_share, row_layout=args.row_layout,
-        top_k=args.top_k, hot_size=hot_size,
-        num_requests=args.requests, max_running=args.concurrency,
-        prompt_len=args.prompt_len, output_len=args.output_len,
-        drift=args.drift, recent_window=args.recent_window, seed=args.seed,
+        num_layers=args.layers,
+        index_share=args.index_share,
+        row_layout=args.row_layout,
+        top_k=args.top_k,
+        hot_size=hot_size,
+        num_requests=args.requests,
+        max_running=args.concurrency,
+        prompt_len=args.prompt_len,
+        output_len=args.output_len,
+        drift=args.drift,
+        recent_window=args.recent_window,
+        seed=args.seed,
         metrics_interval=args.metrics_interval,
     )
     fields.update(over)
@@ -55,8 +62,13 @@ def memory_needs(cfg: EngineConfig) -> dict:
     }
 
 
-def check_memory(cfg: EngineConfig, device: str, *, host_free: Optional[int] = None,
-                 device_free: Optional[int] = None) -> dict:
+def check_memory(
+    cfg: EngineConfig,
+    device: str,
+    *,
+    host_free: Optional[int] = None,
+    device_free: Optional[int] = None,
+) -> dict:
     """Refuse, before anything is allocated, a workload whose KV cannot fit: the allocator
     would otherwise fail deep inside the run (a 27-line traceback, or the OOM killer)."""
     from hisparse.host_pool import _RESERVE_BYTES, available_host_bytes
@@ -67,19 +79,25 @@ def check_memory(cfg: EngineConfig, device: str, *, host_free: Optional[int] = N
     if device == "cuda":
         if device_free is None:
             device_free = torch.cuda.mem_get_info()[0]
-        budgets = [("resident", "device", need["resident_device"], device_free),
-                   ("HiSparse", "device", need["hisparse_device"], device_free),
-                   ("HiSparse", "host", need["hisparse_host"], host_free)]
+        budgets = [
+            ("resident", "device", need["resident_device"], device_free),
+            ("HiSparse", "device", need["hisparse_device"], device_free),
+            ("HiSparse", "host", need["hisparse_host"], host_free),
+        ]
     else:  # both runs keep everything in RAM; they run one after the other
-        budgets = [("resident", "host", need["resident_device"], host_free),
-                   ("HiSparse", "host", need["hisparse_device"] + need["hisparse_host"], host_free)]
+        budgets = [
+            ("resident", "host", need["resident_device"], host_free),
+            ("HiSparse", "host", need["hisparse_device"] + need["hisparse_host"], host_free),
+        ]
     for run, where, n, free in budgets:
         if n > free:
             raise CommandError(
                 f"the {run} run needs {_fmt_bytes(n)} of {where} memory for its KV but "
                 f"{_fmt_bytes(free)} is free: lower --prompt-len + --output-len ("
                 f"{cfg.prompt_len} + {cfg.output_len}), --concurrency ({cfg.max_running}) or "
-                f"--layers ({cfg.num_layers})", 2)
+                f"--layers ({cfg.num_layers})",
+                2,
+            )
     return need
 
 
@@ -124,25 +142,37 @@ def summary_table(summary: dict) -> str:
         ("hits", "-", h["hits"]),
         ("misses", "-", h["misses"]),
         ("host->device bytes", "-", _fmt_bytes(h["host_to_device_bytes"])),
-        ("host pool used / size", "-",
-         f"{_fmt_bytes(h['host_pool_used_bytes'])} / {_fmt_bytes(h['host_pool_bytes'])}"),
+        (
+            "host pool used / size",
+            "-",
+            f"{_fmt_bytes(h['host_pool_used_bytes'])} / {_fmt_bytes(h['host_pool_bytes'])}",
+        ),
         ("device KV bytes", _fmt_bytes(r["device_kv_bytes"]), _fmt_bytes(h["device_kv_bytes"])),
-        ("top-k overlap (consecutive steps)", f"{100 * r['topk_overlap']:.1f} %",
-         f"{100 * h['topk_overlap']:.1f} %"),
+        (
+            "top-k overlap (consecutive steps)",
+            f"{100 * r['topk_overlap']:.1f} %",
+            f"{100 * h['topk_overlap']:.1f} %",
+        ),
     ]
     w0 = max(len(a) for a, _, _ in rows)
     w1 = max(len("resident"), *(len(str(b)) for _, b, _ in rows))
     w2 = max(len("hisparse"), *(len(str(c)) for _, _, c in rows))
-    lines = [f"{'':<{w0}}  {'resident':>{w1}}  {'hisparse':>{w2}}",
-             f"{'-' * w0}  {'-' * w1}  {'-' * w2}"]
+    lines = [
+        f"{'':<{w0}}  {'resident':>{w1}}  {'hisparse':>{w2}}",
+        f"{'-' * w0}  {'-' * w1}  {'-' * w2}",
+    ]
     lines += [f"{a:<{w0}}  {str(b):>{w1}}  {str(c):>{w2}}" for a, b, c in rows]
     par = summary["parity"]
-    lines.append(f"{'parity (tokens + final hidden states)':<{w0}}  "
-                 f"{('OK' if par['ok'] else 'FAILED'):>{w1 + w2 + 2}}")
+    lines.append(
+        f"{'parity (tokens + final hidden states)':<{w0}}  "
+        f"{('OK' if par['ok'] else 'FAILED'):>{w1 + w2 + 2}}"
+    )
     if "metrics_endpoint" in summary:
         me = summary["metrics_endpoint"]
-        lines.append(f"{'metrics endpoint port ' + str(me['port']):<{w0}}  "
-                     f"{('counters match' if me['matches'] else 'counters DIFFER'):>{w1 + w2 + 2}}")
+        lines.append(
+            f"{'metrics endpoint port ' + str(me['port']):<{w0}}  "
+            f"{('counters match' if me['matches'] else 'counters DIFFER'):>{w1 + w2 + 2}}"
+        )
     return "\n".join(lines)
 
 
@@ -176,14 +206,20 @@ def run_demo(args, *, exporter=None, out=None) -> DemoOutcome:
         own_exporter = True
     try:
         if exporter is not None:
-            print(f"serving metrics on http://127.0.0.1:{exporter.port}/metrics", file=out, flush=True)
+            print(
+                f"serving metrics on http://127.0.0.1:{exporter.port}/metrics", file=out, flush=True
+            )
         from hisparse.engine import request_lengths
 
         total = sum(request_lengths(cfg)[1])
-        print(f"workload: {cfg.num_requests} requests (<= {cfg.max_running} running), prompts "
-              f"~{cfg.prompt_len}, outputs ~{cfg.output_len} tokens; {cfg.num_layers} layers in "
-              f"{cfg.num_groups} index groups; top-k {cfg.top_k}, hot buffer {cfg.hot_size} rows, "
-              f"{cfg.row_bytes}-B rows ({cfg.row_layout}); device {device}", file=out, flush=True)
+        print(
+            f"workload: {cfg.num_requests} requests (<= {cfg.max_running} running), prompts "
+            f"~{cfg.prompt_len}, outputs ~{cfg.output_len} tokens; {cfg.num_layers} layers in "
+            f"{cfg.num_groups} index groups; top-k {cfg.top_k}, hot buffer {cfg.hot_size} rows, "
+            f"{cfg.row_bytes}-B rows ({cfg.row_layout}); device {device}",
+            file=out,
+            flush=True,
+        )
         results = {}
         for mode in ("resident", "hisparse"):
             bar = _bar(total, mode, args.progress, out)
@@ -196,14 +232,24 @@ def run_demo(args, *, exporter=None, out=None) -> DemoOutcome:
 
             try:
                 results[mode] = run_workload(
-                    cfg, mode=mode, device=device, progress=progress,
+                    cfg,
+                    mode=mode,
+                    device=device,
+                    progress=progress,
                     metrics=exporter if mode == "hisparse" else None,
-                    binding_fault=args.binding_fault if mode == "hisparse" else None)
+                    binding_fault=args.binding_fault if mode == "hisparse" else None,
+                )
             except BindingError as e:
                 # The worker refuses overlapping per-layer views (the --binding-fault control).
                 print(f"parity FAILED: the {mode} run was rejected at bind time: {e}", file=out)
-                return DemoOutcome({"config": cfg.to_dict(), "device": device,
-                                    "parity": {"ok": False, "detail": f"BindingError: {e}"}}, 1)
+                return DemoOutcome(
+                    {
+                        "config": cfg.to_dict(),
+                        "device": device,
+                        "parity": {"ok": False, "detail": f"BindingError: {e}"},
+                    },
+                    1,
+                )
             finally:
                 if bar is not None:
                     bar.close()
@@ -214,16 +260,23 @@ def run_demo(args, *, exporter=None, out=None) -> DemoOutcome:
             "tokens_sha256": tokens_digest(results["hisparse"].tokens),
             "resident": results["resident"].stats.to_dict(),
             "hisparse": results["hisparse"].stats.to_dict(),
-            "parity": {"ok": par.ok, "tokens_equal": par.tokens_equal,
-                       "hidden_equal": par.hidden_equal, "detail": par.describe(),
-                       "mismatched_requests": par.mismatched_requests},
+            "parity": {
+                "ok": par.ok,
+                "tokens_equal": par.tokens_equal,
+                "hidden_equal": par.hidden_equal,
+                "detail": par.describe(),
+                "mismatched_requests": par.mismatched_requests,
+            },
         }
         if exporter is not None:
             scraped = scrape_counters(exporter.port)
             h = summary["hisparse"]
             mine = {k: h[k] for k in _SERIES}
-            summary["metrics_endpoint"] = {"port": exporter.port, "scraped": scraped,
-                                           "matches": scraped == mine}
+            summary["metrics_endpoint"] = {
+                "port": exporter.port,
+                "scraped": scraped,
+                "matches": scraped == mine,
+            }
     finally:
         if own_exporter:
             exporter.stop()
@@ -232,8 +285,11 @@ def run_demo(args, *, exporter=None, out=None) -> DemoOutcome:
     print(summary_table(summary), file=out)
     print(f"generated tokens sha256: {summary['tokens_sha256']}", file=out)
     if summary["hisparse"]["device_kv_bytes"] >= summary["resident"]["device_kv_bytes"]:
-        print("note: the hot buffers are as large as the whole context here, so HiSparse saves no "
-              "device memory at this size (raise --prompt-len or lower --hot-size)", file=out)
+        print(
+            "note: the hot buffers are as large as the whole context here, so HiSparse saves no "
+            "device memory at this size (raise --prompt-len or lower --hot-size)",
+            file=out,
+        )
     if not par.ok:
         print(par.describe(), file=out)
     if args.json:
@@ -251,8 +307,9 @@ def _bar(total: int, desc: str, enabled: Optional[bool], out):
         return None
     from tqdm import tqdm
 
-    return tqdm(total=total, desc=f"{desc:<8}", unit="tok", file=sys.stderr, leave=True,
-                dynamic_ncols=True)
+    return tqdm(
+        total=total, desc=f"{desc:<8}", unit="tok", file=sys.stderr, leave=True, dynamic_ncols=True
+    )
 
 
 def main(args) -> int:

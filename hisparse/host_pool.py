@@ -32,7 +32,9 @@ class HostPool:
 
     def __init__(self, num_bytes: int, *, pin: bool, what: str = "host pool") -> None:
         if isinstance(num_bytes, bool) or not isinstance(num_bytes, int) or num_bytes <= 0:
-            raise HostPoolError(f"{what}: size must be a positive number of bytes, got {num_bytes!r}")
+            raise HostPoolError(
+                f"{what}: size must be a positive number of bytes, got {num_bytes!r}"
+            )
         available = available_host_bytes()
         if num_bytes > available - _RESERVE_BYTES:
             raise HostPoolError(
@@ -52,8 +54,10 @@ class HostPool:
             err = cudart.cudaHostRegister(self.raw.data_ptr(), num_bytes, 0)
             if int(err) != 0:
                 self.raw = None
-                raise HostPoolError(f"{what}: cudaHostRegister of {num_bytes} bytes failed "
-                                    f"(cudaError {int(err)}); is the memlock limit too low?")
+                raise HostPoolError(
+                    f"{what}: cudaHostRegister of {num_bytes} bytes failed "
+                    f"(cudaError {int(err)}); is the memlock limit too low?"
+                )
             self.pinned = True
 
     def release(self) -> None:

@@ -40,8 +40,14 @@ def check_extension(ext) -> None:
         )
 
 
-def check_int(name: str, value: Any, minimum: int, maximum: Optional[int] = None, *,
-              error: Type[Exception] = ValueError) -> int:
+def check_int(
+    name: str,
+    value: Any,
+    minimum: int,
+    maximum: Optional[int] = None,
+    *,
+    error: Type[Exception] = ValueError,
+) -> int:
     """``value`` if it is an int (not a bool) in [minimum, maximum]; otherwise ``error`` with a
     one-line message that starts with ``name``."""
     if isinstance(value, bool) or not isinstance(value, int):

@@ -39,7 +39,8 @@ class HiSparseMetricsExporter:
             raise ValueError("engine_indexes must name at least one engine")
         self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
         metric_types = {
-            cls: functools.partial(cls, registry=self.registry) for cls in (Gauge, Counter, Histogram)
+            cls: functools.partial(cls, registry=self.registry)
+            for cls in (Gauge, Counter, Histogram)
         }
         labelnames = ["model_name", "engine"]
         per_engine = {int(i): [model_name, str(int(i))] for i in engine_indexes}
@@ -105,12 +106,21 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     parser = _Parser(
         prog="python -m hisparse.metrics",
-        description="Serve the HiSparse Prometheus metrics on /metrics until interrupted.")
-    parser.add_argument("--port", type=int, default=9400, help="TCP port, 0 = any free port (default: 9400)")
+        description="Serve the HiSparse Prometheus metrics on /metrics until interrupted.",
+    )
+    parser.add_argument(
+        "--port", type=int, default=9400, help="TCP port, 0 = any free port (default: 9400)"
+    )
     parser.add_argument("--addr", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
-    parser.add_argument("--model-name", default="hisparse", help="model_name label (default: hisparse)")
-    parser.add_argument("--duration", type=float, default=None,
-                        help="stop after this many seconds (default: serve until Ctrl-C)")
+    parser.add_argument(
+        "--model-name", default="hisparse", help="model_name label (default: hisparse)"
+    )
+    parser.add_argument(
+        "--duration",
+        type=float,
+        default=None,
+        help="stop after this many seconds (default: serve until Ctrl-C)",
+    )
     args = parser.parse_args(argv)
     if not 0 <= args.port <= 65535:
         parser.error(f"argument --port: must be in [0, 65535], got {args.port}")
@@ -121,7 +131,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         port = exporter.start(args.port, addr=args.addr)
     except (OSError, ValueError) as e:
         parser.error(f"argument --port: {e}")
-    print(f"serving HiSparse metrics on http://{args.addr}:{port}/metrics (Ctrl-C stops)", flush=True)
+    print(
+        f"serving HiSparse metrics on http://{args.addr}:{port}/metrics (Ctrl-C stops)", flush=True
+    )
     deadline = None if args.duration is None else time.monotonic() + args.duration
     try:
         while deadline is None or time.monotonic() < deadline:

@@ -24,8 +24,18 @@ CONFIG_KEY = "hisparse"
 EOS_TOKEN = "<|endoftext|>"
 NUM_BYTE_TOKENS = 256
 #: Engine-config fields that define the model (the rest describe a workload).
-MODEL_FIELDS = ("num_layers", "index_share", "hidden", "vocab", "indexer_dim", "row_layout",
-                "seed", "top_k", "recent_window", "drift")
+MODEL_FIELDS = (
+    "num_layers",
+    "index_share",
+    "hidden",
+    "vocab",
+    "indexer_dim",
+    "row_layout",
+    "seed",
+    "top_k",
+    "recent_window",
+    "drift",
+)
 
 _ST_DTYPES = {torch.float32: "F32", torch.float64: "F64", torch.int64: "I64"}
 
@@ -45,13 +55,22 @@ def model_config(max_model_len: int = 2048, **model_fields) -> EngineConfig:
     # The engine config wants a hot size >= top_k; the model itself has none (the connector's).
     hot = min(2 * top_k, MAX_HOT_SIZE) if isinstance(top_k, int) else top_k
     try:
-        cfg = EngineConfig(dtype="float32", prompt_len=max_model_len - 1, output_len=1,
-                           length_jitter=0.0, max_running=1, hot_size=hot, **model_fields)
+        cfg = EngineConfig(
+            dtype="float32",
+            prompt_len=max_model_len - 1,
+            output_len=1,
+            length_jitter=0.0,
+            max_running=1,
+            hot_size=hot,
+            **model_fields,
+        )
     except ValueError as e:
         raise ExportError(str(e)) from None
     if cfg.vocab < NUM_BYTE_TOKENS + 1:
-        raise ExportError(f"vocab must be >= {NUM_BYTE_TOKENS + 1} (byte tokenizer + "
-                          f"{EOS_TOKEN}), got {cfg.vocab}")
+        raise ExportError(
+            f"vocab must be >= {NUM_BYTE_TOKENS + 1} (byte tokenizer + "
+            f"{EOS_TOKEN}), got {cfg.vocab}"
+        )
     return cfg
 
 
@@ -73,8 +92,10 @@ def hf_config(cfg: EngineConfig) -> dict:
         "torch_dtype": "float32",
         "bos_token_id": None,
         "eos_token_id": NUM_BYTE_TOKENS,
-        CONFIG_KEY: {**{k: getattr(cfg, k) for k in MODEL_FIELDS},
-                     "max_model_len": cfg.max_context},
+        CONFIG_KEY: {
+            **{k: getattr(cfg, k) for k in MODEL_FIELDS},
+            "max_model_len": cfg.max_context,
+        },
     }
 
 
@@ -82,8 +103,10 @@ def config_from_hf(hf: Union[Mapping, object]) -> EngineConfig:
     """The engine config stored in an exported config.json (a dict or a transformers config)."""
     block = hf.get(CONFIG_KEY) if isinstance(hf, Mapping) else getattr(hf, CONFIG_KEY, None)
     if not isinstance(block, Mapping):
-        raise ExportError(f"config.json has no '{CONFIG_KEY}' section: not a model written by "
-                          "`hisparse export-model`")
+        raise ExportError(
+            f"config.json has no '{CONFIG_KEY}' section: not a model written by "
+            "`hisparse export-model`"
+        )
     fields = {k: block[k] for k in MODEL_FIELDS if k in block}
     return model_config(int(block.get("max_model_len", 2048)), **fields)
 
@@ -113,8 +136,11 @@ def write_safetensors(path: Union[str, Path], tensors: Mapping[str, torch.Tensor
         if t.dtype not in _ST_DTYPES:
             raise ExportError(f"tensor {name!r} has dtype {t.dtype}, not one of {list(_ST_DTYPES)}")
         data = t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
-        header[name] = {"dtype": _ST_DTYPES[t.dtype], "shape": list(t.shape),
-                        "data_offsets": [offset, offset + len(data)]}
+        header[name] = {
+            "dtype": _ST_DTYPES[t.dtype],
+            "shape": list(t.shape),
+            "data_offsets": [offset, offset + len(data)],
+        }
         blobs.append(data)
         offset += len(data)
     header["__metadata__"] = {"format": "pt"}
@@ -144,34 +170,59 @@ def _byte_chars() -> list:
 def tokenizer_files(max_model_len: int) -> Dict[str, dict]:
     """tokenizer.json (byte-level BPE, no merges: one token per byte) and its config."""
     vocab = {c: i for i, c in enumerate(_byte_chars())}
-    byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True,
-                  "use_regex": True}
+    byte_level = {
+        "type": "ByteLevel",
+        "add_prefix_space": False,
+        "trim_offsets": True,
+        "use_regex": True,
+    }
     tok = {
         "version": "1.0",
         "truncation": None,
         "padding": None,
-        "added_tokens": [{"id": NUM_BYTE_TOKENS, "content": EOS_TOKEN, "single_word": False,
-                          "lstrip": False, "rstrip": False, "normalized": False,
-                          "special": True}],
+        "added_tokens": [
+            {
+                "id": NUM_BYTE_TOKENS,
+                "content": EOS_TOKEN,
+                "single_word": False,
+                "lstrip": False,
+                "rstrip": False,
+                "normalized": False,
+                "special": True,
+            }
+        ],
         "normalizer": None,
         "pre_tokenizer": byte_level,
         "post_processor": None,
         "decoder": byte_level,
-        "model": {"type": "BPE", "dropout": None, "unk_token": None,
-                  "continuing_subword_prefix": None, "end_of_word_suffix": None,
-                  "fuse_unk": False, "byte_fallback": False, "ignore_merges": False,
-                  "vocab": vocab, "merges": []},
+        "model": {
+            "type": "BPE",
+            "dropout": None,
+            "unk_token": None,
+            "continuing_subword_prefix": None,
+            "end_of_word_suffix": None,
+            "fuse_unk": False,
+            "byte_fallback": False,
+            "ignore_merges": False,
+            "vocab": vocab,
+            "merges": [],
+        },
     }
     tok_cfg = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "eos_token": EOS_TOKEN,
         "model_max_length": max_model_len,
         "clean_up_tokenization_spaces": False,
-        "chat_template": ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n"
-                          "{% endfor %}{% if add_generation_prompt %}assistant: {% endif %}"),
+        "chat_template": (
+            "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n"
+            "{% endfor %}{% if add_generation_prompt %}assistant: {% endif %}"
+        ),
     }
-    return {"tokenizer.json": tok, "tokenizer_config.json": tok_cfg,
-            "special_tokens_map.json": {"eos_token": EOS_TOKEN}}
+    return {
+        "tokenizer.json": tok,
+        "tokenizer_config.json": tok_cfg,
+        "special_tokens_map.json": {"eos_token": EOS_TOKEN},
+    }
 
 
 def export_model(out_dir: Union[str, os.PathLike], cfg: EngineConfig) -> Path:
@@ -182,9 +233,11 @@ def export_model(out_dir: Union[str, os.PathLike], cfg: EngineConfig) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     if not os.access(out, os.W_OK):
         raise ExportError(f"DIR {str(out)!r} is not writable")
-    files = {"config.json": hf_config(cfg),
-             "generation_config.json": {"eos_token_id": NUM_BYTE_TOKENS},
-             **tokenizer_files(cfg.max_context)}
+    files = {
+        "config.json": hf_config(cfg),
+        "generation_config.json": {"eos_token_id": NUM_BYTE_TOKENS},
+        **tokenizer_files(cfg.max_context),
+    }
     for name, payload in files.items():
         (out / name).write_text(json.dumps(payload, indent=1) + "\n")
     write_safetensors(out / "model.safetensors", model_weights(cfg))

@@ -42,8 +42,18 @@ def resolve_residency(
     if isinstance(top_k, torch.Tensor):
         _ext.require(_device_type(top_k))
     _op("hisparse_resolve_residency")(
-        top_k, state_rows, resident_rows, slot_keys, lru, stats, out_rows, miss_src, miss_dst,
-        miss_count, num_keys, hot_base,
+        top_k,
+        state_rows,
+        resident_rows,
+        slot_keys,
+        lru,
+        stats,
+        out_rows,
+        miss_src,
+        miss_dst,
+        miss_count,
+        num_keys,
+        hot_base,
     )
 
 
@@ -73,20 +83,22 @@ def invalidate(
     _op("hisparse_invalidate")(slot_keys, lru, state_rows, keys)
 
 
-def _check_one_device(op: str, ref_name: str, ref: torch.Tensor, named, *,
-                      host_views=()) -> None:
+def _check_one_device(op: str, ref_name: str, ref: torch.Tensor, named, *, host_views=()) -> None:
     """The contract puts every tensor on one device; the fake kernel is the one place a meta
     tensor among real ones lands (the dispatcher picks Meta over CPU and CUDA), so it must
     refuse the mix instead of silently doing nothing. Host views may also live on the CPU."""
     dev = ref.device
     for name, t in named:
         if t is not None and t.device != dev:
-            raise RuntimeError(f"{op}: argument '{name}' must be on {dev} like '{ref_name}', "
-                               f"got {t.device}")
+            raise RuntimeError(
+                f"{op}: argument '{name}' must be on {dev} like '{ref_name}', got {t.device}"
+            )
     for name, t in host_views:
         if t.device != dev and t.device.type != "cpu":
-            raise RuntimeError(f"{op}: argument '{name}' must be on {dev} like '{ref_name}' or "
-                               f"in host memory, got {t.device}")
+            raise RuntimeError(
+                f"{op}: argument '{name}' must be on {dev} like '{ref_name}' or "
+                f"in host memory, got {t.device}"
+            )
 
 
 def save_rows(
@@ -116,27 +128,58 @@ def _register_fakes() -> None:
         return
 
     @torch.library.register_fake("hisparse::hisparse_resolve_residency")
-    def _resolve_fake(top_k, state_rows, resident_rows, slot_keys, lru, stats, out_rows,
-                      miss_src, miss_dst, miss_count, num_keys, hot_base):
-        _check_one_device("hisparse_resolve_residency", "top_k", top_k, (
-            ("state_rows", state_rows), ("resident_rows", resident_rows),
-            ("slot_keys", slot_keys), ("lru", lru), ("stats", stats), ("out_rows", out_rows),
-            ("miss_src", miss_src), ("miss_dst", miss_dst), ("miss_count", miss_count)))
+    def _resolve_fake(
+        top_k,
+        state_rows,
+        resident_rows,
+        slot_keys,
+        lru,
+        stats,
+        out_rows,
+        miss_src,
+        miss_dst,
+        miss_count,
+        num_keys,
+        hot_base,
+    ):
+        _check_one_device(
+            "hisparse_resolve_residency",
+            "top_k",
+            top_k,
+            (
+                ("state_rows", state_rows),
+                ("resident_rows", resident_rows),
+                ("slot_keys", slot_keys),
+                ("lru", lru),
+                ("stats", stats),
+                ("out_rows", out_rows),
+                ("miss_src", miss_src),
+                ("miss_dst", miss_dst),
+                ("miss_count", miss_count),
+            ),
+        )
         return None
 
     @torch.library.register_fake("hisparse::hisparse_gather")
     def _gather_fake(host, hot, miss_src, miss_dst, miss_count, moved_bytes):
         _check_one_device(
-            "hisparse_gather", "miss_src", miss_src,
+            "hisparse_gather",
+            "miss_src",
+            miss_src,
             [("miss_dst", miss_dst), ("miss_count", miss_count), ("moved_bytes", moved_bytes)]
             + [(f"hot[{i}]", t) for i, t in enumerate(hot)],
-            host_views=[(f"host[{i}]", t) for i, t in enumerate(host)])
+            host_views=[(f"host[{i}]", t) for i, t in enumerate(host)],
+        )
         return None
 
     @torch.library.register_fake("hisparse::hisparse_invalidate")
     def _invalidate_fake(slot_keys, lru, state_rows, keys):
-        _check_one_device("hisparse_invalidate", "slot_keys", slot_keys, (
-            ("lru", lru), ("state_rows", state_rows), ("keys", keys)))
+        _check_one_device(
+            "hisparse_invalidate",
+            "slot_keys",
+            slot_keys,
+            (("lru", lru), ("state_rows", state_rows), ("keys", keys)),
+        )
         return None
 
 

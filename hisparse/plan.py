@@ -14,12 +14,14 @@ from typing import Optional
 
 from hisparse.limits import MAX_HOT_SIZE, ROW_ALIGN, check_int
 
-GIB = 2 ** 30
+GIB = 2**30
 
 # Model presets. Indexer keys: a 128-dim FP8 key plus one float32 scale per token = 132 B, per
 # index group (DeepSeek-V3.2: every layer has its indexer; GLM-5.x: one per 4 layers).
 PRESETS = {
-    "deepseek-v3.2": dict(layers=61, row_bytes=656, top_k=2048, index_share=1, indexer_key_bytes=132),
+    "deepseek-v3.2": dict(
+        layers=61, row_bytes=656, top_k=2048, index_share=1, indexer_key_bytes=132
+    ),
     "glm-5.x": dict(layers=78, row_bytes=656, top_k=2048, index_share=4, indexer_key_bytes=132),
 }
 MODEL_FIELDS = ("layers", "row_bytes", "top_k", "index_share", "indexer_key_bytes")
@@ -50,17 +52,28 @@ class PlanInputs:
         for f in pos_int:
             check_int(f"argument --{f.replace('_', '-')}:", getattr(self, f), 1, error=PlanError)
         if self.row_bytes % ROW_ALIGN:
-            raise PlanError(f"argument --row-bytes: must be a multiple of {ROW_ALIGN} (rows are "
-                            f"{ROW_ALIGN}-byte aligned), got {self.row_bytes}")
+            raise PlanError(
+                f"argument --row-bytes: must be a multiple of {ROW_ALIGN} (rows are "
+                f"{ROW_ALIGN}-byte aligned), got {self.row_bytes}"
+            )
         if self.indexer_key_bytes < 0:
-            raise PlanError(f"argument --indexer-key-bytes: must be >= 0, got {self.indexer_key_bytes}")
+            raise PlanError(
+                f"argument --indexer-key-bytes: must be >= 0, got {self.indexer_key_bytes}"
+            )
         if self.hot_size < self.top_k:
-            raise PlanError(f"argument --hot-size: must be >= --top-k ({self.top_k}), got {self.hot_size}")
+            raise PlanError(
+                f"argument --hot-size: must be >= --top-k ({self.top_k}), got {self.hot_size}"
+            )
         if self.hot_size > MAX_HOT_SIZE:
-            raise PlanError(f"argument --hot-size: must be <= {MAX_HOT_SIZE} (slot ids are int16), "
-                            f"got {self.hot_size}")
+            raise PlanError(
+                f"argument --hot-size: must be <= {MAX_HOT_SIZE} (slot ids are int16), "
+                f"got {self.hot_size}"
+            )
         if self.index_share > self.layers:
-            raise PlanError(f"argument --index-share: must be <= --layers ({self.layers}), got {self.index_share}")
+            raise PlanError(
+                f"argument --index-share: must be <= --layers ({self.layers}), "
+                f"got {self.index_share}"
+            )
         if not (self.gpu_mem_gib > 0 and self.host_mem_gib >= 0 and self.pcie_gbps > 0):
             raise PlanError("argument --gpu-mem-gib/--pcie-gbps: must be > 0")
         if not 0.0 <= self.miss_rate <= 1.0:
@@ -73,23 +86,25 @@ def compute(p: PlanInputs) -> dict:
     """Every number `hisparse plan` prints (see docs/plan.md for the formulas)."""
     L, b, k, s, e = p.layers, p.row_bytes, p.top_k, p.index_share, p.indexer_key_bytes
     T, H, m = p.context, p.hot_size, p.miss_rate
-    G = math.ceil(L / s)                          # index groups (= indexers)
+    G = math.ceil(L / s)  # index groups (= indexers)
     gpu = int(p.gpu_mem_gib * GIB)
     host = int(p.host_mem_gib * GIB)
-    kv_per_token = L * b                          # bytes of one token's rows, all layers
-    idx_per_token = G * e                         # its indexer keys, all groups
+    kv_per_token = L * b  # bytes of one token's rows, all layers
+    idx_per_token = G * e  # its indexer keys, all groups
     resident_req = T * (kv_per_token + idx_per_token)
-    hot_rows = min(H, T)                          # a hot buffer never needs more rows than tokens
+    hot_rows = min(H, T)  # a hot buffer never needs more rows than tokens
     hisparse_dev_req = L * hot_rows * b + T * idx_per_token
     host_req = T * kv_per_token
     n_res = gpu // resident_req
     n_hs_gpu = gpu // hisparse_dev_req
     n_hs_host = host // host_req if host_req else 0
     n_hs = min(n_hs_gpu, n_hs_host)
-    limit = "GPU memory (hot buffers + indexer keys)" if n_hs_gpu <= n_hs_host else "host memory (pool)"
+    limit = (
+        "GPU memory (hot buffers + indexer keys)" if n_hs_gpu <= n_hs_host else "host memory (pool)"
+    )
     batch = p.batch if p.batch is not None else n_hs
-    misses_req = m * min(k, T)                    # rows missed per request per index group per step
-    h2d_step = batch * misses_req * L * b         # every member layer copies each miss
+    misses_req = m * min(k, T)  # rows missed per request per index group per step
+    h2d_step = batch * misses_req * L * b  # every member layer copies each miss
     h2d_s = h2d_step / (p.pcie_gbps * 1e9)
     return {
         "inputs": asdict(p),
@@ -116,8 +131,18 @@ def compute(p: PlanInputs) -> dict:
             "h2d_ms": h2d_s * 1e3,
             "pcie_gbps": p.pcie_gbps,
         },
-        "hybrid": _hybrid(p, gpu, host, batch, resident_req, hisparse_dev_req, host_req,
-                          T * idx_per_token, misses_req * L * b, n_hs_gpu),
+        "hybrid": _hybrid(
+            p,
+            gpu,
+            host,
+            batch,
+            resident_req,
+            hisparse_dev_req,
+            host_req,
+            T * idx_per_token,
+            misses_req * L * b,
+            n_hs_gpu,
+        ),
         "notes": _notes(p, T, H, k),
     }
 
@@ -135,10 +160,12 @@ def hybrid_resident(batch: int, gpu: int, resident_req: int, hisparse_dev_req: i
     return int(min(batch, (gpu - batch * hisparse_dev_req) // extra))
 
 
-def _hybrid(p, gpu, host, batch, resident_req, hisparse_dev_req, host_req, idx_req, miss_bytes_req,
-            n_hs_gpu) -> dict:
+def _hybrid(
+    p, gpu, host, batch, resident_req, hisparse_dev_req, host_req, idx_req, miss_bytes_req, n_hs_gpu
+) -> dict:
     """The hybrid mode's plan: spills start past the resident capacity; only spilled requests
     use the host pool and move rows host->device, so its host limit is looser than always-host's."""
+
     def fits(n):
         r = hybrid_resident(n, gpu, resident_req, hisparse_dev_req)
         return r >= 0 and (n - r) * host_req <= host
@@ -150,23 +177,34 @@ def _hybrid(p, gpu, host, batch, resident_req, hisparse_dev_req, host_req, idx_r
     n_hyb = lo
     limit = "GPU memory (hot buffers + indexer keys)" if n_hyb == n_hs_gpu else "host memory (pool)"
     r = hybrid_resident(batch, gpu, resident_req, hisparse_dev_req)
-    out = {"max_concurrency": n_hyb, "limited_by": limit, "spills_above": gpu // resident_req,
-           "batch": batch}
+    out = {
+        "max_concurrency": n_hyb,
+        "limited_by": limit,
+        "spills_above": gpu // resident_req,
+        "batch": batch,
+    }
     if r < 0:
         out.update(resident=None, spilled=None, host_pool_bytes=None, h2d_bytes=None, h2d_ms=None)
         return out
     spilled = batch - r
     h2d = spilled * miss_bytes_req
-    out.update(resident=r, spilled=spilled, host_pool_bytes=spilled * host_req, h2d_bytes=h2d,
-               h2d_ms=h2d / (p.pcie_gbps * 1e9) * 1e3)
+    out.update(
+        resident=r,
+        spilled=spilled,
+        host_pool_bytes=spilled * host_req,
+        h2d_bytes=h2d,
+        h2d_ms=h2d / (p.pcie_gbps * 1e9) * 1e3,
+    )
     return out
 
 
 def _notes(p: PlanInputs, T: int, H: int, k: int) -> list:
     notes = []
     if T <= H:
-        notes.append(f"context ({T}) <= hot size ({H}): every token fits in the hot buffer, HiSparse "
-                     "saves no device memory")
+        notes.append(
+            f"context ({T}) <= hot size ({H}): every token fits in the hot buffer, HiSparse "
+            "saves no device memory"
+        )
     if T <= k:
         notes.append(f"context ({T}) <= top-k ({k}): attention is dense at this length")
     return notes
@@ -182,14 +220,18 @@ def render(r: dict) -> str:
     gain = f"{mc['gain']:.1f}x" if mc["gain"] is not None else "n/a (resident fits no request)"
     lines = [
         f"model: {i['layers']} layers, {i['row_bytes']}-B KV rows, top-k {i['top_k']}, "
-        f"index share {i['index_share']} ({r['index_groups']} indexers), indexer keys {i['indexer_key_bytes']} B/token",
+        f"index share {i['index_share']} ({r['index_groups']} indexers), "
+        f"indexer keys {i['indexer_key_bytes']} B/token",
         f"budget per GPU: {i['gpu_mem_gib']:g} GiB GPU for KV, {i['host_mem_gib']:g} GiB host; "
-        f"context {i['context']:,} tokens; hot buffer {i['hot_size']} rows; miss rate {i['miss_rate']:g}",
+        f"context {i['context']:,} tokens; hot buffer {i['hot_size']} rows; "
+        f"miss rate {i['miss_rate']:g}",
         "",
         f"  per request, resident:        {_gib(bpr['resident_device'])} on the GPU",
-        f"  per request, HiSparse:        {_gib(bpr['hisparse_device'])} on the GPU + {_gib(bpr['hisparse_host'])} host",
+        f"  per request, HiSparse:        {_gib(bpr['hisparse_device'])} on the GPU + "
+        f"{_gib(bpr['hisparse_host'])} host",
         f"  max concurrency, resident:    {mc['resident']:,}",
-        f"  max concurrency, HiSparse:    {mc['hisparse']:,}  (limited by {mc['hisparse_limited_by']}; "
+        f"  max concurrency, HiSparse:    {mc['hisparse']:,}  "
+        f"(limited by {mc['hisparse_limited_by']}; "
         f"GPU allows {mc['hisparse_gpu_limit']:,}, host {mc['hisparse_host_limit']:,})",
         f"  gain:                         {gain}",
         f"  host pool at max concurrency: {_gib(r['host_pool_bytes_at_max'])}",
@@ -198,14 +240,17 @@ def render(r: dict) -> str:
     ]
     hy = r["hybrid"]
     lines += [
-        f"  hybrid residency:             all resident up to {hy['spills_above']:,} requests, spills "
+        f"  hybrid residency:             all resident up to {hy['spills_above']:,} requests, "
+        "spills "
         f"beyond; max concurrency {hy['max_concurrency']:,} (limited by {hy['limited_by']})",
     ]
     if hy["resident"] is not None:
         lines.append(
-            f"  hybrid at batch {hy['batch']:,}: {hy['resident']:,} resident + {hy['spilled']:,} spilled, "
-            f"host pool {_gib(hy['host_pool_bytes'])}, {hy['h2d_bytes'] / 1e9:,.3f} GB host->device "
-            f"= {hy['h2d_ms']:,.3f} ms per step")
+            f"  hybrid at batch {hy['batch']:,}: {hy['resident']:,} resident + "
+            f"{hy['spilled']:,} spilled, host pool {_gib(hy['host_pool_bytes'])}, "
+            f"{hy['h2d_bytes'] / 1e9:,.3f} GB host->device "
+            f"= {hy['h2d_ms']:,.3f} ms per step"
+        )
     else:
         lines.append(f"  hybrid at batch {hy['batch']:,}: does not fit the GPU budget")
     lines += [f"  note: {n}" for n in r["notes"]]
@@ -222,48 +267,107 @@ def inputs_from_args(args) -> PlanInputs:
         elif f not in model:
             missing.append("--" + f.replace("_", "-"))
     if missing:
-        raise PlanError(f"argument --preset: give a preset ({', '.join(PRESETS)}) or all of "
-                        f"{', '.join(missing)}")
+        raise PlanError(
+            f"argument --preset: give a preset ({', '.join(PRESETS)}) or all of "
+            f"{', '.join(missing)}"
+        )
     hot = args.hot_size if args.hot_size is not None else 2 * model["top_k"]
     return PlanInputs(
-        layers=model["layers"], row_bytes=model["row_bytes"], top_k=model["top_k"],
-        index_share=model["index_share"], indexer_key_bytes=model["indexer_key_bytes"],
-        gpu_mem_gib=args.gpu_mem_gib, host_mem_gib=args.host_mem_gib, context=args.context,
-        hot_size=hot, miss_rate=args.miss_rate, pcie_gbps=args.pcie_gbps, batch=args.batch,
+        layers=model["layers"],
+        row_bytes=model["row_bytes"],
+        top_k=model["top_k"],
+        index_share=model["index_share"],
+        indexer_key_bytes=model["indexer_key_bytes"],
+        gpu_mem_gib=args.gpu_mem_gib,
+        host_mem_gib=args.host_mem_gib,
+        context=args.context,
+        hot_size=hot,
+        miss_rate=args.miss_rate,
+        pcie_gbps=args.pcie_gbps,
+        batch=args.batch,
     )
 
 
 def add_plan_flags(p, *, int_range, float_range, output_path) -> None:
-    m = p.add_argument_group("model (a preset, or every value explicitly; explicit values override the preset)")
+    m = p.add_argument_group(
+        "model (a preset, or every value explicitly; explicit values override the preset)"
+    )
     m.add_argument("--preset", choices=tuple(PRESETS), default=None, help="model preset")
     m.add_argument("--layers", type=int_range(1, 100_000), default=None, help="attention layers")
-    m.add_argument("--row-bytes", type=int_range(ROW_ALIGN, 1 << 20), default=None,
-                   help="KV row bytes per token per layer (656 FP8 MLA, 1152 BF16 MLA; "
-                        f"multiple of {ROW_ALIGN})")
-    m.add_argument("--top-k", type=int_range(1, MAX_HOT_SIZE), default=None,
-                   help="tokens selected per step")
-    m.add_argument("--index-share", type=int_range(1, 100_000), default=None,
-                   help="layers per index group (leader + followers)")
-    m.add_argument("--indexer-key-bytes", type=int_range(0, 1 << 20), default=None,
-                   help="indexer key bytes per token per index group (stay on the GPU)")
+    m.add_argument(
+        "--row-bytes",
+        type=int_range(ROW_ALIGN, 1 << 20),
+        default=None,
+        help="KV row bytes per token per layer (656 FP8 MLA, 1152 BF16 MLA; "
+        f"multiple of {ROW_ALIGN})",
+    )
+    m.add_argument(
+        "--top-k", type=int_range(1, MAX_HOT_SIZE), default=None, help="tokens selected per step"
+    )
+    m.add_argument(
+        "--index-share",
+        type=int_range(1, 100_000),
+        default=None,
+        help="layers per index group (leader + followers)",
+    )
+    m.add_argument(
+        "--indexer-key-bytes",
+        type=int_range(0, 1 << 20),
+        default=None,
+        help="indexer key bytes per token per index group (stay on the GPU)",
+    )
     d = p.add_argument_group("deployment")
-    d.add_argument("--gpu-mem-gib", type=float_range(0.0, 1e6, lo_open=True), default=DEFAULTS["gpu_mem_gib"],
-                   help=f"GPU memory for KV per GPU, after weights and activations (default: {DEFAULTS['gpu_mem_gib']:g})")
-    d.add_argument("--host-mem-gib", type=float_range(0.0, 1e7), default=DEFAULTS["host_mem_gib"],
-                   help=f"pinned host memory for the pool per GPU (default: {DEFAULTS['host_mem_gib']:g})")
-    d.add_argument("--context", type=int_range(1, 1 << 30), default=DEFAULTS["context"],
-                   help=f"tokens per request, prompt + output (default: {DEFAULTS['context']})")
-    d.add_argument("--hot-size", type=int_range(1, MAX_HOT_SIZE), default=None,
-                   help="hot-buffer rows per request per layer (default: 2 x top-k)")
-    d.add_argument("--miss-rate", type=float_range(0.0, 1.0), default=DEFAULTS["miss_rate"],
-                   help=f"fraction of top-k lookups that miss per step (default: {DEFAULTS['miss_rate']:g})")
-    d.add_argument("--pcie-gbps", type=float_range(0.0, 1e5, lo_open=True), default=DEFAULTS["pcie_gbps"],
-                   help=f"host->device gather bandwidth, GB/s (default: {DEFAULTS['pcie_gbps']:g}, "
-                        "an H200's zero-copy gather of 656-B rows)")
-    d.add_argument("--batch", type=int_range(1, 1 << 30), default=None,
-                   help="decode batch for the per-step traffic (default: HiSparse max concurrency)")
-    p.add_argument("--json", type=output_path((".json",)), default=None, metavar="PATH",
-                   help="write the results as JSON")
+    d.add_argument(
+        "--gpu-mem-gib",
+        type=float_range(0.0, 1e6, lo_open=True),
+        default=DEFAULTS["gpu_mem_gib"],
+        help="GPU memory for KV per GPU, after weights and activations "
+        f"(default: {DEFAULTS['gpu_mem_gib']:g})",
+    )
+    d.add_argument(
+        "--host-mem-gib",
+        type=float_range(0.0, 1e7),
+        default=DEFAULTS["host_mem_gib"],
+        help=f"pinned host memory for the pool per GPU (default: {DEFAULTS['host_mem_gib']:g})",
+    )
+    d.add_argument(
+        "--context",
+        type=int_range(1, 1 << 30),
+        default=DEFAULTS["context"],
+        help=f"tokens per request, prompt + output (default: {DEFAULTS['context']})",
+    )
+    d.add_argument(
+        "--hot-size",
+        type=int_range(1, MAX_HOT_SIZE),
+        default=None,
+        help="hot-buffer rows per request per layer (default: 2 x top-k)",
+    )
+    d.add_argument(
+        "--miss-rate",
+        type=float_range(0.0, 1.0),
+        default=DEFAULTS["miss_rate"],
+        help=f"fraction of top-k lookups that miss per step (default: {DEFAULTS['miss_rate']:g})",
+    )
+    d.add_argument(
+        "--pcie-gbps",
+        type=float_range(0.0, 1e5, lo_open=True),
+        default=DEFAULTS["pcie_gbps"],
+        help=f"host->device gather bandwidth, GB/s (default: {DEFAULTS['pcie_gbps']:g}, "
+        "an H200's zero-copy gather of 656-B rows)",
+    )
+    d.add_argument(
+        "--batch",
+        type=int_range(1, 1 << 30),
+        default=None,
+        help="decode batch for the per-step traffic (default: HiSparse max concurrency)",
+    )
+    p.add_argument(
+        "--json",
+        type=output_path((".json",)),
+        default=None,
+        metavar="PATH",
+        help="write the results as JSON",
+    )
 
 
 def main(args) -> int:

@@ -20,8 +20,9 @@ from hisparse.limits import INT32_MAX, MAX_HOT_SIZE, check_int
 IntsLike = Union[Sequence[int], torch.Tensor]
 
 
-def empty_residency(num_state_rows: int, hot_size: int,
-                    device: Union[str, torch.device] = "cpu") -> tuple:
+def empty_residency(
+    num_state_rows: int, hot_size: int, device: Union[str, torch.device] = "cpu"
+) -> tuple:
     """``(slot_keys, lru)`` of state rows with nothing hot: slot_keys int32 [S, H] all -1, lru
     int16 [S, H] with every row 0..H-1 (what ``invalidate`` leaves in a row, docs/ops.md)."""
     slot_keys = torch.empty((num_state_rows, hot_size), dtype=torch.int32, device=device)
@@ -47,11 +48,13 @@ def _int64_cpu(name: str, values: IntsLike) -> torch.Tensor:
     try:
         seq = list(values)
     except TypeError:
-        raise ValueError(f"{name} must be a sequence of integers, got {type(values).__name__}") from None
+        raise ValueError(
+            f"{name} must be a sequence of integers, got {type(values).__name__}"
+        ) from None
     for v in seq:
         if isinstance(v, bool) or not isinstance(v, numbers.Integral):
             raise ValueError(f"{name} must hold integers, got {type(v).__name__} {v!r}")
-        if not -2**63 <= int(v) < 2**63:
+        if not -(2**63) <= int(v) < 2**63:
             raise ValueError(f"{name} holds {v}, which is not a valid index")
     return torch.tensor([int(v) for v in seq], dtype=torch.int64)
 
@@ -109,12 +112,16 @@ class HiSparseIndexGroup:
         H = check_int("hot_size", hot_size, 1)
         K = check_int("top_k", top_k, 1)
         if not K <= H <= MAX_HOT_SIZE:
-            raise ValueError(f"need top_k <= hot_size <= {MAX_HOT_SIZE}, got top_k={K} hot_size={H}")
+            raise ValueError(
+                f"need top_k <= hot_size <= {MAX_HOT_SIZE}, got top_k={K} hot_size={H}"
+            )
         check_int("max_batch", max_batch, 1)
         check_int("num_keys", num_keys, 0)
         check_int("hot_base", hot_base, 0)
         if hot_base + S * H > INT32_MAX:
-            raise ValueError(f"hot_base + num_state_rows*hot_size must fit int32, got {hot_base + S * H}")
+            raise ValueError(
+                f"hot_base + num_state_rows*hot_size must fit int32, got {hot_base + S * H}"
+            )
         self.name = name
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
@@ -150,9 +157,7 @@ class HiSparseIndexGroup:
     ) -> torch.Tensor:
         """Resolve one step for the batch; returns the physical rows attention reads [B, K]."""
         if top_k.dim() != 2 or top_k.shape[1] != self.top_k:
-            raise ValueError(
-                f"top_k must have shape [B, {self.top_k}], got {tuple(top_k.shape)}"
-            )
+            raise ValueError(f"top_k must have shape [B, {self.top_k}], got {tuple(top_k.shape)}")
         B = top_k.shape[0]
         if B > self.max_batch:
             raise ValueError(f"batch {B} exceeds max_batch {self.max_batch} of group {self.name!r}")
@@ -160,9 +165,18 @@ class HiSparseIndexGroup:
             # The previous step's gathers read the plan buffers this resolve overwrites.
             torch.cuda.current_stream(self.device).wait_stream(self.copy_stream)
         ops.resolve_residency(
-            top_k, state_rows, self.slot_keys, self.lru, self.stats,
-            self.out_rows[:B], self.miss_src[:B], self.miss_dst[:B], self.miss_count[:B],
-            num_keys=self.num_keys, hot_base=self.hot_base, resident_rows=resident_rows,
+            top_k,
+            state_rows,
+            self.slot_keys,
+            self.lru,
+            self.stats,
+            self.out_rows[:B],
+            self.miss_src[:B],
+            self.miss_dst[:B],
+            self.miss_count[:B],
+            num_keys=self.num_keys,
+            hot_base=self.hot_base,
+            resident_rows=resident_rows,
         )
         if self._resolved is not None:
             self._resolved.record(torch.cuda.current_stream(self.device))
@@ -182,9 +196,7 @@ class HiSparseIndexGroup:
     def _rows_tensor(self, name: str, rows: IntsLike) -> torch.Tensor:
         t = _int64_cpu(name, rows)
         if t.numel() and (int(t.min()) < 0 or int(t.max()) >= self.num_state_rows):
-            raise ValueError(
-                f"{name} must lie in [0, {self.num_state_rows}), got {t.tolist()}"
-            )
+            raise ValueError(f"{name} must lie in [0, {self.num_state_rows}), got {t.tolist()}")
         return self._upload(t)
 
     def _upload(self, t: torch.Tensor) -> torch.Tensor:
@@ -205,7 +217,9 @@ class HiSparseIndexGroup:
         rows = self._rows_tensor("state_rows", state_rows)
         k = _int64_cpu("keys", keys)
         if k.numel() != rows.numel():
-            raise ValueError(f"keys must match state_rows in length, got {k.numel()} and {rows.numel()}")
+            raise ValueError(
+                f"keys must match state_rows in length, got {k.numel()} and {rows.numel()}"
+            )
         # The op takes int32 keys: a key past int32 would wrap onto another key (2**32 + 1 -> 1)
         # and drop that key's hot copy while the rewritten one stays stale.
         bad = (k < 0) | (k >= self.num_keys)
@@ -231,21 +245,29 @@ class HiSparseRuntime:
         g = index_group
         for what, v in (("host_view", host_view), ("hot_view", hot_view)):
             if v.dtype != torch.uint8 or v.dim() not in (2, 3):
-                raise BindingError(f"{layer_name}: {what} must be uint8 [rows, row_bytes] or [blocks, block_size, row_bytes]")
+                raise BindingError(
+                    f"{layer_name}: {what} must be uint8 [rows, row_bytes] or "
+                    "[blocks, block_size, row_bytes]"
+                )
         rows = lambda v: v.shape[0] * (v.shape[1] if v.dim() == 3 else 1)  # noqa: E731
         if host_view.shape[-1] != hot_view.shape[-1]:
             raise BindingError(
-                f"{layer_name}: host and hot rows differ in size ({host_view.shape[-1]} vs {hot_view.shape[-1]} bytes)"
+                f"{layer_name}: host and hot rows differ in size ({host_view.shape[-1]} vs "
+                f"{hot_view.shape[-1]} bytes)"
             )
         if rows(host_view) < g.num_keys:
-            raise BindingError(f"{layer_name}: host view has {rows(host_view)} rows, group needs {g.num_keys}")
+            raise BindingError(
+                f"{layer_name}: host view has {rows(host_view)} rows, group needs {g.num_keys}"
+            )
         if rows(hot_view) < g.hot_base + g.num_state_rows * g.hot_size:
             raise BindingError(
                 f"{layer_name}: hot view has {rows(hot_view)} rows, group needs "
                 f"{g.hot_base + g.num_state_rows * g.hot_size}"
             )
         if hot_view.device != g.device:
-            raise BindingError(f"{layer_name}: hot view is on {hot_view.device}, group on {g.device}")
+            raise BindingError(
+                f"{layer_name}: hot view is on {hot_view.device}, group on {g.device}"
+            )
         if members := g.members:
             if rows(host_view) != rows(members[0].host_view):
                 raise BindingError(f"{layer_name}: host view rows differ from the group leader's")

@@ -94,8 +94,10 @@ class HiSparseScheduler:
     def _key(self, blocks: list, req_id, pos: int) -> int:
         b = pos // self.block_size
         if b >= len(blocks):
-            raise ValueError(f"request {req_id!r}: position {pos} lies past its {len(blocks)} "
-                             f"blocks of {self.block_size} tokens")
+            raise ValueError(
+                f"request {req_id!r}: position {pos} lies past its {len(blocks)} "
+                f"blocks of {self.block_size} tokens"
+            )
         return int(blocks[b]) * self.block_size + pos % self.block_size
 
     def build(self, scheduler_output: Any) -> HiSparseConnectorMetadata:
@@ -107,8 +109,11 @@ class HiSparseScheduler:
                 "scheduler_output.num_scheduled_tokens must be a dict {req_id: tokens}, got "
                 f"{type(scheduled).__name__}"
             )
-        gone = [rid for attr in ("finished_req_ids", "preempted_req_ids")
-                for rid in getattr(scheduler_output, attr, None) or ()]
+        gone = [
+            rid
+            for attr in ("finished_req_ids", "preempted_req_ids")
+            for rid in getattr(scheduler_output, attr, None) or ()
+        ]
         vllm_view = _vllm_request_view(scheduler_output)
         live = {rid for rid in self.tokens if rid not in gone}
         new_reqs = [rid for rid in scheduled if rid not in live]
@@ -130,8 +135,9 @@ class HiSparseScheduler:
             tokens[rid] = nc + n
             anchors.append(self._key(blocks[rid], rid, nc + n - 1))
             written = self.tokens.get(rid, 0) if rid in live else 0
-            rewrites.extend((rid, self._key(blocks[rid], rid, p))
-                            for p in range(nc, min(written, nc + n)))
+            rewrites.extend(
+                (rid, self._key(blocks[rid], rid, p)) for p in range(nc, min(written, nc + n))
+            )
         # Commit.
         for rid in gone:
             self.release(rid)

@@ -15,32 +15,62 @@ from hisparse._vllm_compat import KVConnectorPromMetrics, KVConnectorStats
 
 # (data key, Prometheus name, help). Prometheus exposes counters with a `_total` suffix.
 COUNTERS = (
-    ("hits", "vllm:hisparse_cache_hits",
-     "HiSparse hot-buffer lookups answered by a row already in the hot buffer."),
-    ("misses", "vllm:hisparse_cache_misses",
-     "HiSparse hot-buffer lookups that copied the row in from the host pool."),
-    ("host_to_device_bytes", "vllm:hisparse_host_to_device_bytes",
-     "Bytes HiSparse gathers copied from the host pool into hot buffers (exact)."),
+    (
+        "hits",
+        "vllm:hisparse_cache_hits",
+        "HiSparse hot-buffer lookups answered by a row already in the hot buffer.",
+    ),
+    (
+        "misses",
+        "vllm:hisparse_cache_misses",
+        "HiSparse hot-buffer lookups that copied the row in from the host pool.",
+    ),
+    (
+        "host_to_device_bytes",
+        "vllm:hisparse_host_to_device_bytes",
+        "Bytes HiSparse gathers copied from the host pool into hot buffers (exact).",
+    ),
 )
 # Hybrid residency (the reference engine's residency="hybrid"): whole requests move between the
 # device KV pages and the host pool. Rows are counted per layer, like the gathers' bytes.
 SPILL_COUNTERS = (
-    ("spilled_requests", "vllm:hisparse_spilled_requests",
-     "Requests whose KV rows were spilled from device pages to the HiSparse host pool."),
-    ("spilled_rows", "vllm:hisparse_spilled_rows",
-     "KV rows (per layer) copied from device pages to the host pool by spills."),
-    ("spilled_bytes", "vllm:hisparse_spilled_bytes",
-     "Bytes copied from device pages to the host pool by spills (exact)."),
-    ("returned_requests", "vllm:hisparse_returned_requests",
-     "Spilled requests whose KV rows were brought back into device pages."),
-    ("returned_rows", "vllm:hisparse_returned_rows",
-     "KV rows (per layer) copied from the host pool back into device pages."),
+    (
+        "spilled_requests",
+        "vllm:hisparse_spilled_requests",
+        "Requests whose KV rows were spilled from device pages to the HiSparse host pool.",
+    ),
+    (
+        "spilled_rows",
+        "vllm:hisparse_spilled_rows",
+        "KV rows (per layer) copied from device pages to the host pool by spills.",
+    ),
+    (
+        "spilled_bytes",
+        "vllm:hisparse_spilled_bytes",
+        "Bytes copied from device pages to the host pool by spills (exact).",
+    ),
+    (
+        "returned_requests",
+        "vllm:hisparse_returned_requests",
+        "Spilled requests whose KV rows were brought back into device pages.",
+    ),
+    (
+        "returned_rows",
+        "vllm:hisparse_returned_rows",
+        "KV rows (per layer) copied from the host pool back into device pages.",
+    ),
 )
 GAUGES = (
-    ("host_pool_usage", "vllm:hisparse_host_pool_usage",
-     "Fraction (0-1) of HiSparse host-pool rows held by live requests, at the last snapshot."),
-    ("hot_rows_in_use", "vllm:hisparse_hot_rows_in_use",
-     "HiSparse hot-buffer rows holding a token, summed over layers, at the last snapshot."),
+    (
+        "host_pool_usage",
+        "vllm:hisparse_host_pool_usage",
+        "Fraction (0-1) of HiSparse host-pool rows held by live requests, at the last snapshot.",
+    ),
+    (
+        "hot_rows_in_use",
+        "vllm:hisparse_hot_rows_in_use",
+        "HiSparse hot-buffer rows holding a token, summed over layers, at the last snapshot.",
+    ),
 )
 COUNTER_NAMES = tuple(name for _, name, _ in COUNTERS + SPILL_COUNTERS)
 GAUGE_NAMES = tuple(name for _, name, _ in GAUGES)
@@ -70,7 +100,9 @@ class HiSparseKVConnectorStats(KVConnectorStats):
         clean = {}
         for key, values in data.items():
             if key not in _KEYS:
-                raise ValueError(f"data[{key!r}] is not a HiSparse stat (known: {', '.join(_KEYS)})")
+                raise ValueError(
+                    f"data[{key!r}] is not a HiSparse stat (known: {', '.join(_KEYS)})"
+                )
             if not isinstance(values, (list, tuple)):
                 raise ValueError(f"data[{key!r}] must be a list, got {type(values).__name__}")
             clean[key] = list(values)
@@ -110,9 +142,13 @@ class HiSparseKVConnectorStats(KVConnectorStats):
     ) -> None:
         """Append one snapshot's deltas (and, if given, its gauge samples). The spill deltas are
         given all together or not at all."""
-        spill = dict(spilled_requests=spilled_requests, spilled_rows=spilled_rows,
-                     spilled_bytes=spilled_bytes, returned_requests=returned_requests,
-                     returned_rows=returned_rows)
+        spill = dict(
+            spilled_requests=spilled_requests,
+            spilled_rows=spilled_rows,
+            spilled_bytes=spilled_bytes,
+            returned_requests=returned_requests,
+            returned_rows=returned_rows,
+        )
         given = [k for k, v in spill.items() if v is not None]
         if given and len(given) != len(spill):
             missing = sorted(set(spill) - set(given))
@@ -126,7 +162,9 @@ class HiSparseKVConnectorStats(KVConnectorStats):
         if host_pool_usage is not None:
             u = float(host_pool_usage)
             if not 0.0 <= u <= 1.0:
-                raise ValueError(f"host_pool_usage must be a fraction in [0, 1], got {host_pool_usage!r}")
+                raise ValueError(
+                    f"host_pool_usage must be a fraction in [0, 1], got {host_pool_usage!r}"
+                )
             self.data["host_pool_usage"].append(u)
         if hot_rows_in_use is not None:
             self.data["hot_rows_in_use"].append(_nonneg_int("hot_rows_in_use", hot_rows_in_use))
@@ -195,9 +233,7 @@ class HiSparsePromMetrics(KVConnectorPromMetrics):
             self.gauges[key] = self._per_engine(metric)
 
     def _per_engine(self, metric) -> dict:
-        return {
-            idx: metric.labels(*values) for idx, values in self.per_engine_labelvalues.items()
-        }
+        return {idx: metric.labels(*values) for idx, values in self.per_engine_labelvalues.items()}
 
     def observe(self, transfer_stats_data: Any, engine_idx: int = 0) -> None:
         if isinstance(transfer_stats_data, KVConnectorStats):

@@ -127,7 +127,9 @@ class HiSparseConnectorWorker:
         views = {n: _as_row_bytes(n, kv_caches[n]) for n in names}
         devices = {v.device for v in views.values()}
         if len(devices) != 1:
-            raise BindingError(f"kv caches must all be on one device, got {sorted(map(str, devices))}")
+            raise BindingError(
+                f"kv caches must all be on one device, got {sorted(map(str, devices))}"
+            )
         device = devices.pop()
         # Every layer attends through its own rows: two layers sharing bytes would overwrite
         # each other's hot rows (the base-offset binding bug).
@@ -147,7 +149,9 @@ class HiSparseConnectorWorker:
                 )
         rows = {v.shape[0] for v in views.values()}
         if len(rows) != 1:
-            raise BindingError(f"kv caches must all have the same number of rows, got {sorted(rows)}")
+            raise BindingError(
+                f"kv caches must all have the same number of rows, got {sorted(rows)}"
+            )
         total_rows = rows.pop()
         hot_base = total_rows - S * H
 
@@ -173,7 +177,9 @@ class HiSparseConnectorWorker:
             num_blocks = -(-host_rows // cfg.block_size)
             host_rows = num_blocks * cfg.block_size
         pool = HostPool(
-            host_rows * per_row, pin=pin, what="HiSparse host pool (kv_connector_extra_config['host_pool_gib'])"
+            host_rows * per_row,
+            pin=pin,
+            what="HiSparse host pool (kv_connector_extra_config['host_pool_gib'])",
         )
         host_views: dict = {}
         offset = 0
@@ -187,8 +193,13 @@ class HiSparseConnectorWorker:
         for gi, members in enumerate(groups):
             g = HiSparseIndexGroup(
                 f"group{gi}:{members[0]}",
-                num_state_rows=S, hot_size=H, top_k=cfg.top_k, max_batch=S,
-                num_keys=host_rows, device=device, hot_base=hot_base,
+                num_state_rows=S,
+                hot_size=H,
+                top_k=cfg.top_k,
+                max_batch=S,
+                num_keys=host_rows,
+                device=device,
+                hot_base=hot_base,
             )
             for n in members:
                 runtimes[n] = HiSparseRuntime(n, g, host_views[n], views[n])
@@ -238,8 +249,10 @@ class HiSparseConnectorWorker:
         (padding) and a shared anchor maps to one state row."""
         self._check_registered()
         if self._anchor_rows is None:
-            raise RuntimeError("batch_state_rows needs step metadata with anchors "
-                               "(the scheduler side of this connector sends them)")
+            raise RuntimeError(
+                "batch_state_rows needs step metadata with anchors "
+                "(the scheduler side of this connector sends them)"
+            )
         if not isinstance(anchor_keys, torch.Tensor) or anchor_keys.dim() != 1:
             raise ValueError("anchor_keys must be a 1-D tensor of keys")
         if self.device.type != "cpu":
@@ -268,16 +281,22 @@ class HiSparseConnectorWorker:
         """Apply the scheduler's metadata: reset rows, drop rewritten keys, set state rows."""
         self._check_registered()
         if not isinstance(meta, HiSparseConnectorMetadata):
-            raise TypeError(f"metadata must be HiSparseConnectorMetadata, got {type(meta).__name__}")
+            raise TypeError(
+                f"metadata must be HiSparseConnectorMetadata, got {type(meta).__name__}"
+            )
         S = self.config.max_num_seqs
         B = len(meta.state_rows)
         if B > S:
             raise ValueError(f"batch of {B} requests exceeds max_num_seqs = {S}")
-        bad = [(rid, r) for rid, r in zip(meta.req_ids, meta.state_rows)
-               if isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < S]
+        bad = [
+            (rid, r)
+            for rid, r in zip(meta.req_ids, meta.state_rows)
+            if isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < S
+        ]
         if bad:
-            raise ValueError(f"request {bad[0][0]!r}: state row {bad[0][1]!r} is not in "
-                             f"[0, max_num_seqs = {S})")
+            raise ValueError(
+                f"request {bad[0][0]!r}: state row {bad[0][1]!r} is not in [0, max_num_seqs = {S})"
+            )
         if len(set(meta.state_rows)) != B:
             raise ValueError(f"state_rows of one step must be distinct, got {meta.state_rows}")
         if meta.host_rows_in_use > self.host_rows:
@@ -314,16 +333,19 @@ class HiSparseConnectorWorker:
         keys = [int(k) for k in meta.anchors]
         bad = [(r, k) for r, k in zip(meta.req_ids, keys) if not 0 <= k < self.host_rows]
         if bad:
-            raise ValueError(f"request {bad[0][0]!r}: anchor key {bad[0][1]} lies outside the "
-                             f"host pool's {self.host_rows} rows")
+            raise ValueError(
+                f"request {bad[0][0]!r}: anchor key {bad[0][1]} lies outside the "
+                f"host pool's {self.host_rows} rows"
+            )
         self._anchor_rows = {}
         for k, row, rid in zip(keys, meta.state_rows, meta.req_ids):
             self._anchor_rows.setdefault(k, []).append((row, rid))
         if self.device.type == "cpu":
             return
         if self._row_of_slot is None:
-            self._row_of_slot = torch.full((self.host_rows,), -1, dtype=torch.int32,
-                                           device=self.device)
+            self._row_of_slot = torch.full(
+                (self.host_rows,), -1, dtype=torch.int32, device=self.device
+            )
         elif self._anchors is not None:
             self._row_of_slot[self._anchors] = -1
         idx = self._upload(keys).long()
@@ -372,18 +394,23 @@ class HiSparseConnectorWorker:
                 )
             n = top_k.shape[0]
             if n > self.config.max_num_seqs:
-                raise ValueError(f"top_k has {n} rows, more than max_num_seqs = {self.config.max_num_seqs}")
+                raise ValueError(
+                    f"top_k has {n} rows, more than max_num_seqs = {self.config.max_num_seqs}"
+                )
             if state_rows is None:
                 state_rows = self._state_rows[:n]
             elif state_rows.shape != (n,):
-                raise ValueError(f"state_rows must have shape ({n},) like top_k's rows, got "
-                                 f"{tuple(state_rows.shape)}")
+                raise ValueError(
+                    f"state_rows must have shape ({n},) like top_k's rows, got "
+                    f"{tuple(state_rows.shape)}"
+                )
             g.resolve(top_k, state_rows, resident_rows)
             self._resolved.add(g.name)
             self._gathered.difference_update(m.layer_name for m in g.members)
         elif g.name not in self._resolved:
             raise RuntimeError(
-                f"layer {layer_name!r} follows {g.leader.layer_name!r}, which has not resolved this step"
+                f"layer {layer_name!r} follows {g.leader.layer_name!r}, which has not resolved "
+                "this step"
             )
         if layer_name not in self._gathered:  # a second call must not copy (or count) again
             rt.gather()
@@ -408,9 +435,12 @@ class HiSparseConnectorWorker:
             raise ValueError(f"kv_layer must be a tensor, got {type(kv_rows).__name__}")
         if isinstance(slot_mapping, torch.Tensor):
             if slot_mapping.device.type not in ("cpu", kv_rows.device.type) or (
-                    slot_mapping.device.type != "cpu" and slot_mapping.device != kv_rows.device):
-                raise ValueError(f"slot_mapping is on {slot_mapping.device}; it must be on the "
-                                 f"CPU or on the rows' device {kv_rows.device}")
+                slot_mapping.device.type != "cpu" and slot_mapping.device != kv_rows.device
+            ):
+                raise ValueError(
+                    f"slot_mapping is on {slot_mapping.device}; it must be on the "
+                    f"CPU or on the rows' device {kv_rows.device}"
+                )
             slots = slot_mapping.reshape(-1).to(torch.int64)
         else:
             slots = torch.as_tensor(list(slot_mapping), dtype=torch.int64)
@@ -460,7 +490,11 @@ class HiSparseConnectorWorker:
     def _is_capturing(self) -> bool:
         if self._is_capturing_hook is not None:
             return bool(self._is_capturing_hook())
-        return self.device is not None and self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        return (
+            self.device is not None
+            and self.device.type == "cuda"
+            and torch.cuda.is_current_stream_capturing()
+        )
 
     def _compute_stream(self):
         return torch.cuda.current_stream(self.device)

@@ -35,30 +35,38 @@ def main() -> int:
     failures = 0
     for B, K, H, S in configs:
         num_keys, L, row_bytes = 4 * H, 2, 656
-        host_raw = torch.randint(0, 256, (num_keys, L, row_bytes), generator=g,
-                                 dtype=torch.uint8).pin_memory()
+        host_raw = torch.randint(
+            0, 256, (num_keys, L, row_bytes), generator=g, dtype=torch.uint8
+        ).pin_memory()
         host = [host_raw[:, l] for l in range(L)]
         hot_rows = S * H
-        state = {d: dict(sk=torch.full((S, H), -1, dtype=torch.int32, device=d),
-                         lru=torch.arange(H, dtype=torch.int16, device=d).repeat(S, 1),
-                         stats=torch.zeros(2, dtype=torch.uint64, device=d),
-                         moved=torch.zeros(1, dtype=torch.uint64, device=d),
-                         saved=torch.zeros(1, dtype=torch.uint64, device=d),
-                         back=host_raw.clone().pin_memory() if d != "cpu" else host_raw.clone(),
-                         hot=[torch.zeros(hot_rows, row_bytes, dtype=torch.uint8, device=d)
-                              for _ in range(L)])
-                 for d in ("cpu", dev)}
+        state = {
+            d: dict(
+                sk=torch.full((S, H), -1, dtype=torch.int32, device=d),
+                lru=torch.arange(H, dtype=torch.int16, device=d).repeat(S, 1),
+                stats=torch.zeros(2, dtype=torch.uint64, device=d),
+                moved=torch.zeros(1, dtype=torch.uint64, device=d),
+                saved=torch.zeros(1, dtype=torch.uint64, device=d),
+                back=host_raw.clone().pin_memory() if d != "cpu" else host_raw.clone(),
+                hot=[
+                    torch.zeros(hot_rows, row_bytes, dtype=torch.uint8, device=d) for _ in range(L)
+                ],
+            )
+            for d in ("cpu", dev)
+        }
         for step in range(4):
             top_k = torch.randint(-2, num_keys + 3, (B, K), generator=g, dtype=torch.int64)
             top_k = top_k.to(torch.int32)
-            top_k[:, K // 2:] = top_k[:, : K - K // 2]  # duplicates
+            top_k[:, K // 2 :] = top_k[:, : K - K // 2]  # duplicates
             rows = torch.randperm(S, generator=g)[:B].to(torch.int32)
             rows[-1] = rows[0] if B > 2 else -1  # duplicate state row / padding row
             resident = None
             if step % 2:
-                resident = torch.where(torch.rand(B, K, generator=g) < 0.1,
-                                       torch.randint(0, 1000, (B, K), generator=g),
-                                       torch.full((B, K), -1)).to(torch.int32)
+                resident = torch.where(
+                    torch.rand(B, K, generator=g) < 0.1,
+                    torch.randint(0, 1000, (B, K), generator=g),
+                    torch.full((B, K), -1),
+                ).to(torch.int32)
             if step == 3:  # a corrupted LRU entry must stay memory-safe
                 for d in state:
                     state[d]["lru"][rows[0].item(), 0] = 30000
@@ -67,9 +75,20 @@ def main() -> int:
                 out = torch.full((B, K), -7, dtype=torch.int32, device=d)
                 src, dst = out.clone(), out.clone()
                 cnt = torch.full((B,), -7, dtype=torch.int32, device=d)
-                ops.resolve_residency(top_k.to(d), rows.to(d), st["sk"], st["lru"], st["stats"],
-                                      out, src, dst, cnt, num_keys=num_keys, hot_base=0,
-                                      resident_rows=None if resident is None else resident.to(d))
+                ops.resolve_residency(
+                    top_k.to(d),
+                    rows.to(d),
+                    st["sk"],
+                    st["lru"],
+                    st["stats"],
+                    out,
+                    src,
+                    dst,
+                    cnt,
+                    num_keys=num_keys,
+                    hot_base=0,
+                    resident_rows=None if resident is None else resident.to(d),
+                )
                 dst[0, 0] = hot_rows + 3  # an out-of-range destination is skipped
                 ops.gather(host, st["hot"], src, dst, cnt, st["moved"])
                 # write the first rows of each hot view back to the host copy (bad rows too)
@@ -77,8 +96,9 @@ def main() -> int:
                 h_rows = torch.arange(n, dtype=torch.int32, device=d) * 3 - 2
                 s_rows = torch.arange(n, dtype=torch.int32, device=d)
                 s_rows[1] = hot_rows + 1
-                ops.save_rows(st["hot"], [st["back"][:, l] for l in range(L)], s_rows, h_rows,
-                              st["saved"])
+                ops.save_rows(
+                    st["hot"], [st["back"][:, l] for l in range(L)], s_rows, h_rows, st["saved"]
+                )
                 drop = torch.tensor([rows[0].item(), -1, S + 1], dtype=torch.int32, device=d)
                 keys = torch.tensor([int(top_k[0, 1]), 5, 6], dtype=torch.int32, device=d)
                 ops.invalidate(st["sk"], st["lru"], drop, keys)

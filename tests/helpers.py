@@ -22,12 +22,25 @@ def new_plan(B, K, device="cpu"):
     return out, src, dst, count
 
 
-def run_resolve(top_k, state_rows, slot_keys, lru, stats, *, num_keys, hot_base=0,
-                resident_rows=None):
+def run_resolve(
+    top_k, state_rows, slot_keys, lru, stats, *, num_keys, hot_base=0, resident_rows=None
+):
     B, K = top_k.shape
     out, src, dst, count = new_plan(B, K, top_k.device)
-    ops.resolve_residency(top_k, state_rows, slot_keys, lru, stats, out, src, dst, count,
-                          num_keys=num_keys, hot_base=hot_base, resident_rows=resident_rows)
+    ops.resolve_residency(
+        top_k,
+        state_rows,
+        slot_keys,
+        lru,
+        stats,
+        out,
+        src,
+        dst,
+        count,
+        num_keys=num_keys,
+        hot_base=hot_base,
+        resident_rows=resident_rows,
+    )
     return out, src, dst, count
 
 

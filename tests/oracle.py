@@ -68,7 +68,7 @@ def resolve(top_k, state_rows, slot_keys, lru, stats, *, num_keys, hot_base, res
             if out[i] is None:
                 out[i] = base + slot_of[key] if key in slot_of else -1
         # Rule 5.
-        new_order = evictable[len(filled):] + filled + [j for j in order if j in taken_by_hits]
+        new_order = evictable[len(filled) :] + filled + [j for j in order if j in taken_by_hits]
         lru[s][: len(new_order)] = new_order
         stats[0] += len(hit_slot)
         stats[1] += len(filled)

@@ -29,8 +29,10 @@ def make_pair(extra=None, row_bytes=(32, 64, 48), rows=None):
     work = HiSparseConnector.from_extra_config(cfg, role="worker")
     S, H = cfg["max_num_seqs"], cfg["device_buffer_size"]
     n_rows = rows if rows is not None else S * H
-    caches = {f"model.layers.{i}.attn": torch.zeros(n_rows, rb, dtype=torch.uint8)
-              for i, rb in enumerate(row_bytes)}
+    caches = {
+        f"model.layers.{i}.attn": torch.zeros(n_rows, rb, dtype=torch.uint8)
+        for i, rb in enumerate(row_bytes)
+    }
     work.register_kv_caches(caches)
     return sched, work, caches
 
@@ -88,10 +90,11 @@ class Workload:
                 st = self.live[rid]
                 slots.append(st["base"] + st["len"] % self.span)
                 st["len"] += 1
-            for name, cache in self.caches.items():
+            for name in self.caches:
                 rb = w.runtime(name).row_bytes
-                rows = torch.tensor([[(s * 7 + j) % 251 for j in range(rb)] for s in slots],
-                                    dtype=torch.uint8)
+                rows = torch.tensor(
+                    [[(s * 7 + j) % 251 for j in range(rb)] for s in slots], dtype=torch.uint8
+                )
                 self.work.save_kv_layer(name, rows, None, slot_mapping=slots)
             top = []
             for rid in order:

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 from engine_helpers import SMALL_FLAGS
+
 from hisparse import cli
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -15,8 +16,19 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_bench_sweep_plot_and_json(tmp_path, capsys):
     flags = [f for f in SMALL_FLAGS if f not in ("--hot-size", "32")]
     png, js = tmp_path / "sweep.png", tmp_path / "sweep.json"
-    rc = cli.main(["bench", *flags, "--skip-ops", "--hot-sizes", "16,24,64",
-                   "--plot", str(png), "--json", str(js)])
+    rc = cli.main(
+        [
+            "bench",
+            *flags,
+            "--skip-ops",
+            "--hot-sizes",
+            "16,24,64",
+            "--plot",
+            str(png),
+            "--json",
+            str(js),
+        ]
+    )
     assert rc == 0
     assert png.stat().st_size > 1000 and png.read_bytes()[:4] == b"\x89PNG"
     sweep = json.loads(js.read_text())["sweep"]
@@ -29,18 +41,33 @@ def test_bench_sweep_plot_and_json(tmp_path, capsys):
 
 
 def test_bench_engine_small_mode(tmp_path):
-    spec = importlib.util.spec_from_file_location("bench_engine", ROOT / "benchmarks" / "bench_engine.py")
+    spec = importlib.util.spec_from_file_location(
+        "bench_engine", ROOT / "benchmarks" / "bench_engine.py"
+    )
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    rc = mod.main(["--device", "cpu", "--small", "--concurrency", "1,8,16", "--out-dir", str(tmp_path),
-                   "--name", "t"])
+    rc = mod.main(
+        [
+            "--device",
+            "cpu",
+            "--small",
+            "--concurrency",
+            "1,8,16",
+            "--out-dir",
+            str(tmp_path),
+            "--name",
+            "t",
+        ]
+    )
     assert rc == 0
     res = json.loads((tmp_path / "t.json").read_text())
     cap = res["capacity"]
     assert 1 <= cap["resident"] < 8 <= cap["hisparse"] < 16
     rows = {(r["mode"], r["concurrency"]): r for r in res["rows"]}
     assert rows[("resident", 8)]["status"] == "out of memory"
-    assert rows[("hisparse", 8)]["status"] == "ok" and rows[("hisparse", 8)]["decode_tokens_per_s"] > 0
+    assert (
+        rows[("hisparse", 8)]["status"] == "ok" and rows[("hisparse", 8)]["decode_tokens_per_s"] > 0
+    )
     assert rows[("hisparse", 16)]["status"] == "out of memory"
     assert res["parity"] and all(res["parity"].values())
     assert (tmp_path / "t.md").read_text().startswith("# Decode throughput")

@@ -5,11 +5,24 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hisparse.binding import (BindingError, PackedLayout, bind_layers, check_disjoint,
-                              check_same_view, layer_view)
+from hisparse.binding import (
+    BindingError,
+    PackedLayout,
+    bind_layers,
+    check_disjoint,
+    check_same_view,
+    layer_view,
+)
 
-LAYOUT = PackedLayout(("l0", "l1", "l2"), num_blocks=3, block_size=4, row_bytes=32,
-                      block_stride=160, layer_stride=512, offset=64)
+LAYOUT = PackedLayout(
+    ("l0", "l1", "l2"),
+    num_blocks=3,
+    block_size=4,
+    row_bytes=32,
+    block_stride=160,
+    layer_stride=512,
+    offset=64,
+)
 
 
 def _fill_each_layer(views):
@@ -19,9 +32,14 @@ def _fill_each_layer(views):
 
 def _base_offset_binding(raw, layout):
     """The upstream bug: every layer bound at the tensor config's base offset."""
-    return {name: raw.as_strided((layout.num_blocks, layout.block_size, layout.row_bytes),
-                                 (layout.block_stride, layout.row_bytes, 1), layout.offset)
-            for name in layout.layer_names}
+    return {
+        name: raw.as_strided(
+            (layout.num_blocks, layout.block_size, layout.row_bytes),
+            (layout.block_stride, layout.row_bytes, 1),
+            layout.offset,
+        )
+        for name in layout.layer_names
+    }
 
 
 def test_layer_views_start_at_offset_plus_index_times_layer_stride():
@@ -41,7 +59,7 @@ def test_real_binding_keeps_layers_apart():
         assert bool((v == i + 1).all()), f"layer {i} was overwritten"
     # bytes between blocks and before the offset are untouched
     assert int(raw[:64].sum()) == 0
-    assert int(raw[64 + 128:64 + 160].sum()) == 0
+    assert int(raw[64 + 128 : 64 + 160].sum()) == 0
 
 
 def test_negative_control_base_offset_binding_overwrites_layers():
@@ -60,15 +78,18 @@ def test_view_past_allocation_rejected():
         bind_layers(raw, LAYOUT)
 
 
-@pytest.mark.parametrize("kwargs,match", [
-    (dict(layer_stride=256), "would overlap"),
-    (dict(layer_stride=64, block_stride=256), "would overlap"),  # interleaved, rows collide
-    (dict(block_stride=96), "block_stride"),
-    (dict(row_bytes=40), "row_bytes must be a multiple of 16"),
-    (dict(offset=8), "offset and layer_stride"),
-    (dict(num_blocks=0), "num_blocks must be a positive int"),
-    (dict(layer_names=("a", "a")), "unique"),
-])
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(layer_stride=256), "would overlap"),
+        (dict(layer_stride=64, block_stride=256), "would overlap"),  # interleaved, rows collide
+        (dict(block_stride=96), "block_stride"),
+        (dict(row_bytes=40), "row_bytes must be a multiple of 16"),
+        (dict(offset=8), "offset and layer_stride"),
+        (dict(num_blocks=0), "num_blocks must be a positive int"),
+        (dict(layer_names=("a", "a")), "unique"),
+    ],
+)
 def test_bad_layouts_rejected(kwargs, match):
     base = dict(layer_names=("a", "b"), num_blocks=3, block_size=4, row_bytes=32)
     base.update(kwargs)
@@ -101,8 +122,14 @@ def test_default_strides_pack_tightly():
 
 def test_interleaved_layout_packs_layers_block_by_block():
     """Layers of one group side by side inside each block (docs/hardware.md): legal, disjoint."""
-    lay = PackedLayout(("a", "b", "c"), num_blocks=4, block_size=2, row_bytes=32,
-                       layer_stride=64, block_stride=3 * 64)
+    lay = PackedLayout(
+        ("a", "b", "c"),
+        num_blocks=4,
+        block_size=2,
+        row_bytes=32,
+        layer_stride=64,
+        block_stride=3 * 64,
+    )
     raw = torch.zeros(lay.nbytes(), dtype=torch.uint8)
     views = bind_layers(raw, lay)
     _fill_each_layer(views)
@@ -113,13 +140,13 @@ def test_interleaved_layout_packs_layers_block_by_block():
 
 def test_check_disjoint_is_exact_for_strided_views():
     raw = torch.zeros(4096, dtype=torch.uint8)
-    a = raw.as_strided((4, 2, 32), (256, 32, 1), 0)     # bytes [0,64) of every 256
-    b = raw.as_strided((4, 2, 32), (256, 32, 1), 64)    # [64,128): interleaved, disjoint
-    c = raw.as_strided((1, 2, 32), (256, 32, 1), 900)   # [900,964): past every block of a, b
+    a = raw.as_strided((4, 2, 32), (256, 32, 1), 0)  # bytes [0,64) of every 256
+    b = raw.as_strided((4, 2, 32), (256, 32, 1), 64)  # [64,128): interleaved, disjoint
+    c = raw.as_strided((1, 2, 32), (256, 32, 1), 900)  # [900,964): past every block of a, b
     check_disjoint({"a": a, "b": b, "c": c})
-    d = raw.as_strided((2, 32), (32, 1), 920)           # [920,984) overlaps c
+    d = raw.as_strided((2, 32), (32, 1), 920)  # [920,984) overlaps c
     with pytest.raises(BindingError, match="'c' and 'd'"):
         check_disjoint({"a": a, "c": c, "d": d})
-    e = raw.as_strided((1, 32), (32, 1), 512 + 40)      # inside a's 3rd block [512,576)
+    e = raw.as_strided((1, 32), (32, 1), 512 + 40)  # inside a's 3rd block [512,576)
     with pytest.raises(BindingError, match="'a' and 'e'"):
         check_disjoint({"a": a, "e": e})

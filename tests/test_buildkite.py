@@ -10,7 +10,6 @@ import os
 import re
 import shutil
 import subprocess
-import sys
 
 import pytest
 import yaml
@@ -19,8 +18,9 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BK = os.path.join(REPO, ".buildkite")
 NIGHTLY = "lm-eval-hisparse-nightly-4xb200"
 
-_spec = importlib.util.spec_from_file_location("generate_pipeline",
-                                               os.path.join(BK, "generate_pipeline.py"))
+_spec = importlib.util.spec_from_file_location(
+    "generate_pipeline", os.path.join(BK, "generate_pipeline.py")
+)
 gp = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(gp)
 
@@ -32,6 +32,7 @@ def steps():
 
 # ----------------------------------------------------------------------------- the real files
 
+
 def test_every_area_file_validates(steps):
     assert len(steps) >= 3
     for s in steps.values():
@@ -41,8 +42,12 @@ def test_every_area_file_validates(steps):
 
 def test_every_dependency_path_exists(steps):
     """A renamed file must fail here, not silently stop a GPU job from triggering."""
-    missing = [(label, d) for label, s in steps.items() for d in s["source_file_dependencies"]
-               if not os.path.exists(os.path.join(REPO, d))]
+    missing = [
+        (label, d)
+        for label, s in steps.items()
+        for d in s["source_file_dependencies"]
+        if not os.path.exists(os.path.join(REPO, d))
+    ]
     assert missing == []
     for s in steps.values():
         for d in s["source_file_dependencies"]:
@@ -54,15 +59,17 @@ def test_every_dependency_path_is_tracked_by_git(steps):
     """Existing only in a local checkout (untracked) is not enough: CI clones the repo."""
     if shutil.which("git") is None or not os.path.exists(os.path.join(REPO, ".git")):
         pytest.skip("not a git checkout")
-    probe = subprocess.run(["git", "ls-files", "--", "setup.py"], cwd=REPO, capture_output=True,
-                           text=True)
+    probe = subprocess.run(
+        ["git", "ls-files", "--", "setup.py"], cwd=REPO, capture_output=True, text=True
+    )
     if probe.returncode != 0 or not probe.stdout.strip():
         pytest.skip("the git index here does not describe this tree (a copied working tree)")
     untracked = []
     for s in steps.values():
         for d in s["source_file_dependencies"]:
-            out = subprocess.run(["git", "ls-files", "--", d], cwd=REPO, capture_output=True,
-                                 text=True)
+            out = subprocess.run(
+                ["git", "ls-files", "--", d], cwd=REPO, capture_output=True, text=True
+            )
             if out.returncode == 0 and not out.stdout.strip():
                 untracked.append((s["label"], d))
     assert untracked == []
@@ -88,10 +95,18 @@ def test_nightly_job(steps):
     assert s["device"] == "b200" and s["num_devices"] == 4
     assert s["timeout_in_minutes"] == 60 and s["optional"] is True
     deps = set(s["source_file_dependencies"])
-    assert deps >= {"csrc/", "hisparse/runtime.py", "hisparse/binding.py", "hisparse/worker.py",
-                    "hisparse/connector.py", "evals/gsm8k/"}
-    assert any("evals/gsm8k/run_gsm8k.py" in c and "GLM-5.2-NVFP4-HiSparse.yaml" in c
-               for c in s["commands"])
+    assert deps >= {
+        "csrc/",
+        "hisparse/runtime.py",
+        "hisparse/binding.py",
+        "hisparse/worker.py",
+        "hisparse/connector.py",
+        "evals/gsm8k/",
+    }
+    assert any(
+        "evals/gsm8k/run_gsm8k.py" in c and "GLM-5.2-NVFP4-HiSparse.yaml" in c
+        for c in s["commands"]
+    )
     with open(os.path.join(REPO, "evals", "gsm8k", "configs", "models-hisparse.txt")) as f:
         assert "GLM-5.2-NVFP4-HiSparse.yaml" in f.read().split()
 
@@ -137,17 +152,24 @@ def test_nightly_covers_every_module_on_the_vllm_path(steps):
 
 
 def test_gpu_kernel_job(steps):
-    gpu = [s for s in steps.values() if s.get("device") in ("h100", "h200")
-           and any("-m cuda" in c for c in s["commands"])]
+    gpu = [
+        s
+        for s in steps.values()
+        if s.get("device") in ("h100", "h200") and any("-m cuda" in c for c in s["commands"])
+    ]
     assert gpu, "no H100/H200 job runs the CUDA tests"
     s = next(x for x in gpu if not x.get("optional"))
     cmds = "\n".join(s["commands"])
     assert re.search(r"pytest .*-m cuda", cmds)
     assert re.search(r"compute-sanitizer --tool memcheck .*tests/cuda_sanitizer_workload\.py", cmds)
-    assert re.search(r"compute-sanitizer --tool racecheck .*tests/cuda_sanitizer_workload\.py", cmds)
+    assert re.search(
+        r"compute-sanitizer --tool racecheck .*tests/cuda_sanitizer_workload\.py", cmds
+    )
     assert "benchmarks/bench_ops.py --device cuda" in cmds
-    cuda_sources = [os.path.relpath(p, REPO) for p in
-                     glob.glob(os.path.join(REPO, "csrc", "**", "*.cu"), recursive=True)]
+    cuda_sources = [
+        os.path.relpath(p, REPO)
+        for p in glob.glob(os.path.join(REPO, "csrc", "**", "*.cu"), recursive=True)
+    ]
     assert cuda_sources, "no CUDA sources under csrc/"
     for src in cuda_sources:
         assert _covered(src, s["source_file_dependencies"]), src
@@ -155,8 +177,11 @@ def test_gpu_kernel_job(steps):
 
 
 def test_cpu_unit_job(steps):
-    cpu = [s for s in steps.values() if s.get("device", "cpu") == "cpu"
-           and any("pytest" in c for c in s["commands"])]
+    cpu = [
+        s
+        for s in steps.values()
+        if s.get("device", "cpu") == "cpu" and any("pytest" in c for c in s["commands"])
+    ]
     assert cpu and all(s.get("num_devices", 1) == 1 for s in cpu)
     assert _covered("tests/test_buildkite.py", cpu[0]["source_file_dependencies"])
     assert _covered("hisparse/runtime.py", cpu[0]["source_file_dependencies"])
@@ -173,6 +198,7 @@ def test_pipeline_yml_bootstraps_the_generator():
 
 # ----------------------------------------------------------------------------- selection
 
+
 def _labels(pipeline):
     return [s["label"] for g in pipeline["steps"] for s in g["steps"] if "label" in s]
 
@@ -188,16 +214,19 @@ def test_a_binding_change_triggers_the_nightly_behind_a_block(steps):
     assert job["timeout_in_minutes"] == 60
 
 
-@pytest.mark.parametrize("path,nightly_runs", [
-    ("csrc/cuda_ops.cu", True),
-    ("hisparse/connector.py", True),
-    ("hisparse/worker.py", True),
-    ("evals/gsm8k/configs/GLM-5.2-NVFP4-HiSparse.yaml", True),
-    ("README.md", False),
-    ("docs/engine.md", False),
-    ("csrcx/thing.cu", False),          # prefix of a name is not a folder match
-    ("hisparse/engine/run.py", False),  # the reference engine is not on the vLLM path
-])
+@pytest.mark.parametrize(
+    "path,nightly_runs",
+    [
+        ("csrc/cuda_ops.cu", True),
+        ("hisparse/connector.py", True),
+        ("hisparse/worker.py", True),
+        ("evals/gsm8k/configs/GLM-5.2-NVFP4-HiSparse.yaml", True),
+        ("README.md", False),
+        ("docs/engine.md", False),
+        ("csrcx/thing.cu", False),  # prefix of a name is not a folder match
+        ("hisparse/engine/run.py", False),  # the reference engine is not on the vLLM path
+    ],
+)
 def test_trigger_rules(steps, path, nightly_runs):
     pl = gp.build_pipeline(list(steps.values()), [path], nightly=False)
     assert (NIGHTLY in _labels(pl)) is nightly_runs
@@ -215,8 +244,13 @@ def test_nightly_mode_runs_everything_unblocked(steps):
 def test_changed_files_from_git(tmp_path):
     if shutil.which("git") is None:
         pytest.skip("git not installed")
-    env = {**os.environ, "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t",
-           "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@t"}
+    env = {
+        **os.environ,
+        "GIT_AUTHOR_NAME": "t",
+        "GIT_AUTHOR_EMAIL": "t@t",
+        "GIT_COMMITTER_NAME": "t",
+        "GIT_COMMITTER_EMAIL": "t@t",
+    }
 
     def git(*a):
         subprocess.run(["git", *a], cwd=tmp_path, check=True, capture_output=True, env=env)
@@ -237,9 +271,14 @@ def test_changed_files_from_git(tmp_path):
 
 # ----------------------------------------------------------------------------- validator errors
 
+
 def _step(**over):
-    s = {"label": "x", "timeout_in_minutes": 10, "commands": ["true"],
-         "source_file_dependencies": ["csrc/"]}
+    s = {
+        "label": "x",
+        "timeout_in_minutes": 10,
+        "commands": ["true"],
+        "source_file_dependencies": ["csrc/"],
+    }
     s.update(over)
     return s
 
@@ -248,30 +287,39 @@ def _area(*steps_):
     return {"group": "g", "steps": list(steps_)}
 
 
-@pytest.mark.parametrize("step,match", [
-    ({k: v for k, v in _step().items() if k != "label"}, "missing required key 'label'"),
-    ({k: v for k, v in _step().items() if k != "timeout_in_minutes"},
-     "missing required key 'timeout_in_minutes'"),
-    ({k: v for k, v in _step().items() if k != "commands"}, "missing required key 'commands'"),
-    ({k: v for k, v in _step().items() if k != "source_file_dependencies"},
-     "missing required key 'source_file_dependencies'"),
-    (_step(timeout_in_minutes="60"), "'timeout_in_minutes' must be an integer"),
-    (_step(timeout_in_minutes=True), "'timeout_in_minutes' must be an integer"),
-    (_step(timeout_in_minutes=0), "'timeout_in_minutes' must be > 0"),
-    (_step(timeout_in_minutes=-5), "'timeout_in_minutes' must be > 0"),
-    (_step(commands="pytest"), "'commands' must be a list"),
-    (_step(commands=[]), "'commands' must be a non-empty list"),
-    (_step(device="tpu"), "unknown device 'tpu'"),
-    (_step(device="b200", num_devices=0), "'num_devices' must be >= 1"),
-    (_step(num_devices=2), "must be 1 on device cpu"),
-    (_step(optional="yes"), "'optional' must be true/false"),
-    (_step(timeout=5), "unknown key 'timeout'"),
-    (_step(source_file_dependencies=[]), "non-empty list of paths"),
-    (_step(source_file_dependencies=["hisparse/no_such_module.py"]),
-     "path 'hisparse/no_such_module.py' does not exist"),
-    (_step(source_file_dependencies=["/etc/passwd"]), "must be a path inside the repo"),
-    (_step(env={"A": 1}), "'env' must map strings to strings"),
-])
+@pytest.mark.parametrize(
+    "step,match",
+    [
+        ({k: v for k, v in _step().items() if k != "label"}, "missing required key 'label'"),
+        (
+            {k: v for k, v in _step().items() if k != "timeout_in_minutes"},
+            "missing required key 'timeout_in_minutes'",
+        ),
+        ({k: v for k, v in _step().items() if k != "commands"}, "missing required key 'commands'"),
+        (
+            {k: v for k, v in _step().items() if k != "source_file_dependencies"},
+            "missing required key 'source_file_dependencies'",
+        ),
+        (_step(timeout_in_minutes="60"), "'timeout_in_minutes' must be an integer"),
+        (_step(timeout_in_minutes=True), "'timeout_in_minutes' must be an integer"),
+        (_step(timeout_in_minutes=0), "'timeout_in_minutes' must be > 0"),
+        (_step(timeout_in_minutes=-5), "'timeout_in_minutes' must be > 0"),
+        (_step(commands="pytest"), "'commands' must be a list"),
+        (_step(commands=[]), "'commands' must be a non-empty list"),
+        (_step(device="tpu"), "unknown device 'tpu'"),
+        (_step(device="b200", num_devices=0), "'num_devices' must be >= 1"),
+        (_step(num_devices=2), "must be 1 on device cpu"),
+        (_step(optional="yes"), "'optional' must be true/false"),
+        (_step(timeout=5), "unknown key 'timeout'"),
+        (_step(source_file_dependencies=[]), "non-empty list of paths"),
+        (
+            _step(source_file_dependencies=["hisparse/no_such_module.py"]),
+            "path 'hisparse/no_such_module.py' does not exist",
+        ),
+        (_step(source_file_dependencies=["/etc/passwd"]), "must be a path inside the repo"),
+        (_step(env={"A": 1}), "'env' must map strings to strings"),
+    ],
+)
 def test_validator_names_the_problem(step, match):
     with pytest.raises(gp.PipelineError, match=match):
         gp.validate_area(_area(step), "area.yaml", REPO)
@@ -305,7 +353,12 @@ def test_validator_file_level_errors(tmp_path):
 
 def test_generator_cli_reports_errors(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(gp, "REPO", str(tmp_path))
-    monkeypatch.setattr(gp, "load_steps", lambda: gp.validate_area(
-        _area(_step(source_file_dependencies=["gone/"])), "a.yaml", str(tmp_path)))
+    monkeypatch.setattr(
+        gp,
+        "load_steps",
+        lambda: gp.validate_area(
+            _area(_step(source_file_dependencies=["gone/"])), "a.yaml", str(tmp_path)
+        ),
+    )
     assert gp.main(["--validate"]) == 1
     assert "'gone/' does not exist" in capsys.readouterr().err

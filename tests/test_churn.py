@@ -14,9 +14,9 @@ import torch
 from hisparse.binding import PackedLayout, bind_layers
 from hisparse.runtime import HiSparseIndexGroup, HiSparseRuntime, StateRowAllocator
 
-S, H, K = 6, 48, 32          # state rows, hot slots, top-k
-BLOCK, BLOCKS = 8, 96        # host pool: 96 blocks of 8 rows = 768 keys
-ROW_BYTES = (32, 64, 48)     # three member layers of one index group
+S, H, K = 6, 48, 32  # state rows, hot slots, top-k
+BLOCK, BLOCKS = 8, 96  # host pool: 96 blocks of 8 rows = 768 keys
+ROW_BYTES = (32, 64, 48)  # three member layers of one index group
 MAX_BLOCKS_PER_REQ = 10
 STEPS = 640
 MIN_LOOKUPS = 100_000
@@ -27,8 +27,12 @@ class Pool:
 
     def __init__(self, rng: random.Random) -> None:
         self.rng = rng
-        self.layout = PackedLayout(tuple(f"l{i}" for i in range(len(ROW_BYTES))), num_blocks=BLOCKS,
-                                   block_size=BLOCK, row_bytes=max(ROW_BYTES))
+        self.layout = PackedLayout(
+            tuple(f"l{i}" for i in range(len(ROW_BYTES))),
+            num_blocks=BLOCKS,
+            block_size=BLOCK,
+            row_bytes=max(ROW_BYTES),
+        )
         names = self.layout.layer_names
         raw = torch.zeros(self.layout.nbytes(), dtype=torch.uint8)
         full = bind_layers(raw, self.layout)
@@ -44,10 +48,11 @@ class Pool:
     def write(self, keys):
         """New content for these host rows in every layer (a fresh token, or a rewrite)."""
         idx = torch.tensor(keys, dtype=torch.int64)
-        for name, v in self.views.items():
+        for v in self.views.values():
             flat = v.reshape(-1, v.shape[-1])
-            flat[idx] = torch.randint(0, 256, (len(keys), v.shape[-1]), dtype=torch.uint8,
-                                      generator=self.gen)
+            flat[idx] = torch.randint(
+                0, 256, (len(keys), v.shape[-1]), dtype=torch.uint8, generator=self.gen
+            )
 
 
 class Request:
@@ -61,10 +66,19 @@ class Request:
 
 
 def _make_group(pool):
-    g = HiSparseIndexGroup("g", num_state_rows=S, hot_size=H, top_k=K, max_batch=S,
-                           num_keys=BLOCKS * BLOCK, device="cpu")
-    rts = [HiSparseRuntime(n, g, pool.views[n], torch.zeros(S * H, rb, dtype=torch.uint8))
-           for n, rb in zip(pool.layout.layer_names, ROW_BYTES)]
+    g = HiSparseIndexGroup(
+        "g",
+        num_state_rows=S,
+        hot_size=H,
+        top_k=K,
+        max_batch=S,
+        num_keys=BLOCKS * BLOCK,
+        device="cpu",
+    )
+    rts = [
+        HiSparseRuntime(n, g, pool.views[n], torch.zeros(S * H, rb, dtype=torch.uint8))
+        for n, rb in zip(pool.layout.layer_names, ROW_BYTES)
+    ]
     return g, rts
 
 
@@ -94,7 +108,9 @@ def _churn(seed, steps, sabotage=None):
             row = alloc.allocate(rid)
             reused_rows += row in seen_rows
             seen_rows.add(row)
-            req = Request(rid, [pool.free.pop(0) for _ in range(n_blocks)], rng.randint(K, n_blocks * BLOCK))
+            req = Request(
+                rid, [pool.free.pop(0) for _ in range(n_blocks)], rng.randint(K, n_blocks * BLOCK)
+            )
             pool.write(req.keys())
             live[rid] = req
         if not live:
@@ -135,8 +151,10 @@ def _churn(seed, steps, sabotage=None):
             want = pool.rows(rt.layer_name)[keys]
             if not torch.equal(got, want):
                 bad = (got != want).any(dim=1).nonzero()[0].item()
-                raise AssertionError(f"step {step}: layer {rt.layer_name} key {int(keys[bad])} "
-                                     f"served stale bytes from hot row {int(phys[bad])}")
+                raise AssertionError(
+                    f"step {step}: layer {rt.layer_name} key {int(keys[bad])} "
+                    f"served stale bytes from hot row {int(phys[bad])}"
+                )
         lookups += int(mask.sum())
         distinct_total += sum(len({k for k in row if k >= 0}) for row in top)
     return g, lookups, distinct_total, reused_rows, rewrites

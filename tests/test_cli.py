@@ -7,38 +7,41 @@ import pytest
 from hisparse import cli
 
 
-@pytest.mark.parametrize("argv, flag", [
-    (["demo", "--top-k", "0"], "--top-k"),
-    (["demo", "--top-k", "abc"], "--top-k"),
-    (["demo", "--top-k", "16", "--hot-size", "8"], "--hot-size"),
-    (["demo", "--hot-size", "40000"], "--hot-size"),
-    (["demo", "--drift", "1.5"], "--drift"),
-    (["demo", "--drift", "nan"], "--drift"),
-    (["demo", "--requests", "-1"], "--requests"),
-    (["demo", "--concurrency", "0"], "--concurrency"),
-    (["demo", "--device", "tpu"], "--device"),
-    (["demo", "--row-layout", "fp4"], "--row-layout"),
-    (["demo", "--metrics-port", "70000"], "--metrics-port"),
-    (["demo", "--metrics-port", "http"], "--metrics-port"),
-    (["demo", "--json", "summary.txt"], "--json"),
-    (["demo", "--json", "/"], "--json"),
-    (["demo", "--top-k", "8", "--recent-window", "9"], "--recent-window"),
-    (["demo", "--binding-fault", "zero"], "--binding-fault"),
-    (["demo", "--bogus"], "--bogus"),
-    (["bench", "--top-k", "16", "--hot-sizes", "8,32"], "--hot-sizes"),
-    (["bench", "--hot-sizes", "a,b"], "--hot-sizes"),
-    (["bench", "--plot", "curve.jpg"], "--plot"),
-    (["bench", "--op-reps", "0"], "--op-reps"),
-    (["plan", "--preset", "llama"], "--preset"),
-    (["plan", "--layers", "4"], "--preset"),
-    (["plan", "--preset", "glm-5.x", "--row-bytes", "100"], "--row-bytes"),
-    (["plan", "--preset", "glm-5.x", "--hot-size", "1000"], "--hot-size"),
-    (["plan", "--preset", "glm-5.x", "--miss-rate", "-0.1"], "--miss-rate"),
-    (["plan", "--preset", "glm-5.x", "--gpu-mem-gib", "0"], "--gpu-mem-gib"),
-    (["plan", "--preset", "glm-5.x", "--pcie-gbps", "inf"], "--pcie-gbps"),
-    (["plan", "--preset", "glm-5.x", "--context", "1.5"], "--context"),
-    (["plan", "--preset", "glm-5.x", "--index-share", "100"], "--index-share"),
-])
+@pytest.mark.parametrize(
+    "argv, flag",
+    [
+        (["demo", "--top-k", "0"], "--top-k"),
+        (["demo", "--top-k", "abc"], "--top-k"),
+        (["demo", "--top-k", "16", "--hot-size", "8"], "--hot-size"),
+        (["demo", "--hot-size", "40000"], "--hot-size"),
+        (["demo", "--drift", "1.5"], "--drift"),
+        (["demo", "--drift", "nan"], "--drift"),
+        (["demo", "--requests", "-1"], "--requests"),
+        (["demo", "--concurrency", "0"], "--concurrency"),
+        (["demo", "--device", "tpu"], "--device"),
+        (["demo", "--row-layout", "fp4"], "--row-layout"),
+        (["demo", "--metrics-port", "70000"], "--metrics-port"),
+        (["demo", "--metrics-port", "http"], "--metrics-port"),
+        (["demo", "--json", "summary.txt"], "--json"),
+        (["demo", "--json", "/"], "--json"),
+        (["demo", "--top-k", "8", "--recent-window", "9"], "--recent-window"),
+        (["demo", "--binding-fault", "zero"], "--binding-fault"),
+        (["demo", "--bogus"], "--bogus"),
+        (["bench", "--top-k", "16", "--hot-sizes", "8,32"], "--hot-sizes"),
+        (["bench", "--hot-sizes", "a,b"], "--hot-sizes"),
+        (["bench", "--plot", "curve.jpg"], "--plot"),
+        (["bench", "--op-reps", "0"], "--op-reps"),
+        (["plan", "--preset", "llama"], "--preset"),
+        (["plan", "--layers", "4"], "--preset"),
+        (["plan", "--preset", "glm-5.x", "--row-bytes", "100"], "--row-bytes"),
+        (["plan", "--preset", "glm-5.x", "--hot-size", "1000"], "--hot-size"),
+        (["plan", "--preset", "glm-5.x", "--miss-rate", "-0.1"], "--miss-rate"),
+        (["plan", "--preset", "glm-5.x", "--gpu-mem-gib", "0"], "--gpu-mem-gib"),
+        (["plan", "--preset", "glm-5.x", "--pcie-gbps", "inf"], "--pcie-gbps"),
+        (["plan", "--preset", "glm-5.x", "--context", "1.5"], "--context"),
+        (["plan", "--preset", "glm-5.x", "--index-share", "100"], "--index-share"),
+    ],
+)
 def test_bad_value_exits_2_with_one_line_naming_the_flag(argv, flag, capsys):
     with pytest.raises(SystemExit) as e:
         cli.main(argv)
@@ -58,7 +61,9 @@ def test_cuda_without_a_gpu_is_a_clear_error(capsys):
         cli.main(["demo", "--device", "cuda", "--requests", "1"])
     assert e.value.code == 2
     err = capsys.readouterr().err.strip()
-    assert err == "hisparse demo: error: argument --device: torch sees no CUDA GPU (use --device cpu)"
+    assert (
+        err == "hisparse demo: error: argument --device: torch sees no CUDA GPU (use --device cpu)"
+    )
 
 
 def test_no_command_prints_help_and_returns_2(capsys):

@@ -13,8 +13,8 @@ import time
 import urllib.request
 
 import pytest
-
 from engine_helpers import SMALL_FLAGS
+
 from hisparse import cli, demo
 from hisparse.engine import EngineConfig
 
@@ -42,8 +42,15 @@ def test_resident_run_too_big_is_refused_before_allocating(capsys, monkeypatch):
 
 
 def test_memory_budget_covers_both_runs_and_devices():
-    cfg = EngineConfig(num_layers=2, top_k=16, hot_size=32, max_running=4, prompt_len=1000,
-                       output_len=24, recent_window=4)
+    cfg = EngineConfig(
+        num_layers=2,
+        top_k=16,
+        hot_size=32,
+        max_running=4,
+        prompt_len=1000,
+        output_len=24,
+        recent_window=4,
+    )
     need = demo.memory_needs(cfg)
     rows = 4 * 1024  # max context 1024 rows per state row
     assert need["resident_device"] == rows * 2 * cfg.row_bytes
@@ -59,15 +66,18 @@ def test_memory_budget_covers_both_runs_and_devices():
         demo.check_memory(cfg, "cuda", host_free=1000, device_free=1 << 40)
 
 
-@pytest.mark.parametrize("argv, flag", [
-    (["demo", "--layers", "4", "--index-share", "8"], "--index-share"),
-    (["bench", "--layers", "2", "--index-share", "3"], "--index-share"),
-    (["demo", "--json", "/proc/hisparse-out.json"], "--json"),
-    (["bench", "--json", "/proc/hisparse-out.json"], "--json"),
-    (["plan", "--preset", "glm-5.x", "--json", "/proc/hisparse-out.json"], "--json"),
-    (["demo", "--bogus"], "--bogus"),
-    (["plan", "--preset", "glm-5.x", "--bogus"], "--bogus"),
-])
+@pytest.mark.parametrize(
+    "argv, flag",
+    [
+        (["demo", "--layers", "4", "--index-share", "8"], "--index-share"),
+        (["bench", "--layers", "2", "--index-share", "3"], "--index-share"),
+        (["demo", "--json", "/proc/hisparse-out.json"], "--json"),
+        (["bench", "--json", "/proc/hisparse-out.json"], "--json"),
+        (["plan", "--preset", "glm-5.x", "--json", "/proc/hisparse-out.json"], "--json"),
+        (["demo", "--bogus"], "--bogus"),
+        (["plan", "--preset", "glm-5.x", "--bogus"], "--bogus"),
+    ],
+)
 def test_bad_value_is_named_by_its_subcommand(argv, flag, capsys):
     with pytest.raises(SystemExit) as e:
         cli.main(argv)
@@ -100,11 +110,15 @@ def test_busy_metrics_port_exits_2_with_one_line(capsys):
     s.listen(1)
     try:
         with pytest.raises(SystemExit) as e:
-            cli.main(["demo", *SMALL_FLAGS, "--no-progress", "--metrics-port", str(s.getsockname()[1])])
+            cli.main(
+                ["demo", *SMALL_FLAGS, "--no-progress", "--metrics-port", str(s.getsockname()[1])]
+            )
     finally:
         s.close()
     assert e.value.code == 2
-    assert "--metrics-port" in _one_error_line(capsys, "hisparse demo: error: argument --metrics-port")
+    assert "--metrics-port" in _one_error_line(
+        capsys, "hisparse demo: error: argument --metrics-port"
+    )
 
 
 def test_ctrl_c_is_one_line_and_exit_130(capsys, monkeypatch):
@@ -120,8 +134,10 @@ def test_ctrl_c_is_one_line_and_exit_130(capsys, monkeypatch):
 
 def test_unexpected_failure_is_one_line_naming_the_command(capsys, monkeypatch):
     def boom(*a, **k):
-        raise RuntimeError("[enforce fail at alloc_cpu.cpp:117] DefaultCPUAllocator: can't allocate"
-                           "\nException raised from allocate at alloc_cpu.cpp:117")
+        raise RuntimeError(
+            "[enforce fail at alloc_cpu.cpp:117] DefaultCPUAllocator: can't allocate"
+            "\nException raised from allocate at alloc_cpu.cpp:117"
+        )
 
     monkeypatch.setattr(demo, "run_workload", boom)
     monkeypatch.delenv("HISPARSE_TRACEBACK", raising=False)
@@ -133,9 +149,23 @@ def test_unexpected_failure_is_one_line_naming_the_command(capsys, monkeypatch):
 
 
 def test_real_sigint_during_a_run_leaves_no_traceback():
-    p = subprocess.Popen([sys.executable, "-m", "hisparse", "demo", "--no-progress", "--requests",
-                          "200", "--prompt-len", "2048"], cwd=ROOT, stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True)
+    p = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "hisparse",
+            "demo",
+            "--no-progress",
+            "--requests",
+            "200",
+            "--prompt-len",
+            "2048",
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         first = p.stdout.readline()
         assert first.startswith("workload:"), first
@@ -158,11 +188,16 @@ def test_source_tree_without_the_extension_is_one_line(tmp_path):
         "        if name == 'hisparse._C': raise ImportError('blocked')\n"
         "sys.meta_path.insert(0, Block())\n"
         "from hisparse import cli\n"
-        f"sys.exit(cli.main(sys.argv[1:]))\n"
+        "sys.exit(cli.main(sys.argv[1:]))\n"
     )
     for cmd in (["demo", *SMALL_FLAGS], ["bench", "--skip-ops"]):
-        p = subprocess.run([sys.executable, "-c", code, *cmd], capture_output=True, text=True,
-                           cwd=ROOT, timeout=120)
+        p = subprocess.run(
+            [sys.executable, "-c", code, *cmd],
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
+            timeout=120,
+        )
         assert p.returncode == 1, p.stderr
         lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
         assert len(lines) == 1, p.stderr
@@ -182,24 +217,40 @@ def test_plot_without_matplotlib_is_one_line_before_the_sweep(tmp_path):
         "from hisparse import cli\n"
         "sys.exit(cli.main(sys.argv[1:]))\n"
     )
-    p = subprocess.run([sys.executable, "-c", code, "bench", "--skip-ops", "--plot",
-                        str(tmp_path / "p.png")], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    p = subprocess.run(
+        [sys.executable, "-c", code, "bench", "--skip-ops", "--plot", str(tmp_path / "p.png")],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+    )
     assert p.returncode == 2, p.stderr
-    assert p.stderr.strip() == ("hisparse bench: error: argument --plot: needs matplotlib, which is "
-                                "not installed (pip install 'hisparse[plot]')")
+    assert p.stderr.strip() == (
+        "hisparse bench: error: argument --plot: needs matplotlib, which is "
+        "not installed (pip install 'hisparse[plot]')"
+    )
 
 
 def test_python_m_hisparse_metrics_serves_until_interrupted():
-    p = subprocess.Popen([sys.executable, "-m", "hisparse.metrics", "--port", "0", "--model-name", "m1"],
-                         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    p = subprocess.Popen(
+        [sys.executable, "-m", "hisparse.metrics", "--port", "0", "--model-name", "m1"],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         line = p.stdout.readline()
         assert line.startswith("serving HiSparse metrics on http://127.0.0.1:"), line
         url = line.split()[4]
         text = urllib.request.urlopen(url, timeout=10).read().decode()
-        for series in ("vllm:hisparse_cache_hits_total", "vllm:hisparse_cache_misses_total",
-                       "vllm:hisparse_host_to_device_bytes_total", "vllm:hisparse_host_pool_usage",
-                       "vllm:hisparse_hot_rows_in_use"):
+        for series in (
+            "vllm:hisparse_cache_hits_total",
+            "vllm:hisparse_cache_misses_total",
+            "vllm:hisparse_host_to_device_bytes_total",
+            "vllm:hisparse_host_pool_usage",
+            "vllm:hisparse_hot_rows_in_use",
+        ):
             assert f'{series}{{engine="0",model_name="m1"}}' in text, series
         p.send_signal(signal.SIGINT)
         _, err = p.communicate(timeout=30)
@@ -214,8 +265,13 @@ def test_python_m_hisparse_metrics_busy_port_exits_2():
     s.bind(("127.0.0.1", 0))
     s.listen(1)
     try:
-        p = subprocess.run([sys.executable, "-m", "hisparse.metrics", "--port", str(s.getsockname()[1])],
-                           capture_output=True, text=True, cwd=ROOT, timeout=60)
+        p = subprocess.run(
+            [sys.executable, "-m", "hisparse.metrics", "--port", str(s.getsockname()[1])],
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
+            timeout=60,
+        )
     finally:
         s.close()
     assert p.returncode == 2

@@ -13,19 +13,24 @@ from hisparse.limits import MAX_HOT_SIZE
 def test_integer_settings_have_upper_bounds(key):
     limit = MAX_INT_SETTING[key]
     HiSparseConfig.from_extra_config({key: limit, "top_k": 4})
-    with pytest.raises(HiSparseConfigError,
-                       match=rf"^kv_connector_extra_config\['{key}'\] must be <= {limit}, got {limit + 1}$"):
+    with pytest.raises(
+        HiSparseConfigError,
+        match=rf"^kv_connector_extra_config\['{key}'\] must be <= {limit}, got {limit + 1}$",
+    ):
         HiSparseConfig.from_extra_config({key: limit + 1, "top_k": 4})
 
 
 def test_top_k_above_the_hot_buffer_limit_is_blamed_on_top_k():
     # device_buffer_size is not set: the message must not name it.
-    with pytest.raises(HiSparseConfigError,
-                       match=rf"^kv_connector_extra_config\['top_k'\] must be <= {MAX_HOT_SIZE},"):
+    with pytest.raises(
+        HiSparseConfigError,
+        match=rf"^kv_connector_extra_config\['top_k'\] must be <= {MAX_HOT_SIZE},",
+    ):
         HiSparseConfig.from_extra_config({"top_k": MAX_HOT_SIZE + 1})
     with pytest.raises(HiSparseConfigError, match=r"\['top_k'\]"):
-        HiSparseConfig.from_extra_config({"top_k": MAX_HOT_SIZE + 1,
-                                          "device_buffer_size": MAX_HOT_SIZE})
+        HiSparseConfig.from_extra_config(
+            {"top_k": MAX_HOT_SIZE + 1, "device_buffer_size": MAX_HOT_SIZE}
+        )
 
 
 def test_hot_rows_must_fit_int32():
@@ -41,7 +46,10 @@ def test_non_mapping_extra_config_is_one_named_error(extra):
 
 @pytest.mark.parametrize("gib", [1e30, MAX_HOST_POOL_GIB + 1, 2**70])
 def test_absurd_host_pool_is_refused_not_clamped(gib):
-    with pytest.raises(HiSparseConfigError,
-                       match=rf"\['host_pool_gib'\] must be <= {MAX_HOST_POOL_GIB} \(GiB\)"):
+    with pytest.raises(
+        HiSparseConfigError, match=rf"\['host_pool_gib'\] must be <= {MAX_HOST_POOL_GIB} \(GiB\)"
+    ):
         HiSparseConfig.from_extra_config({"host_pool_gib": gib})
-    assert HiSparseConfig(host_pool_gib=MAX_HOST_POOL_GIB).host_pool_bytes == MAX_HOST_POOL_GIB << 30
+    assert (
+        HiSparseConfig(host_pool_gib=MAX_HOST_POOL_GIB).host_pool_bytes == MAX_HOST_POOL_GIB << 30
+    )

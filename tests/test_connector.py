@@ -7,12 +7,12 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from telemetry_helpers import make_pair
 
 from hisparse.config import HiSparseConfig, HiSparseConfigError
 from hisparse.connector import HiSparseConnector, KVConnectorRole, StepSchedule
 from hisparse.stats import HiSparseKVConnectorStats
 from hisparse.worker import HiSparseConnectorMetadata
-from telemetry_helpers import make_pair
 
 
 def _req(rid):
@@ -22,27 +22,35 @@ def _req(rid):
 # ------------------------------------------------------------------ config
 def test_config_defaults():
     c = HiSparseConfig.from_extra_config(None)
-    assert (c.top_k, c.device_buffer_size, c.index_share, c.metrics_interval) == (2048, 4096, 1, 2000)
+    assert (c.top_k, c.device_buffer_size, c.index_share, c.metrics_interval) == (
+        2048,
+        4096,
+        1,
+        2000,
+    )
     assert HiSparseConfig.from_extra_config({"top_k": 64}).device_buffer_size == 128
 
 
-@pytest.mark.parametrize("extra, key", [
-    ({"hot_size": 4}, "hot_size"),
-    ({"top_k": "2048"}, "top_k"),
-    ({"top_k": True}, "top_k"),
-    ({"top_k": 0}, "top_k"),
-    ({"top_k": 64, "device_buffer_size": 32}, "device_buffer_size"),
-    ({"device_buffer_size": 32769}, "device_buffer_size"),
-    ({"top_k": 40000, "device_buffer_size": 40000}, "device_buffer_size"),
-    ({"index_share": 0}, "index_share"),
-    ({"metrics_interval": 2.5}, "metrics_interval"),
-    ({"max_num_seqs": -1}, "max_num_seqs"),
-    ({"block_size": None}, "block_size"),
-    ({"host_pool_gib": 0}, "host_pool_gib"),
-    ({"host_pool_gib": float("nan")}, "host_pool_gib"),
-    ({"host_pool_gib": "64"}, "host_pool_gib"),
-    ({"pin_host_pool": "yes"}, "pin_host_pool"),
-])
+@pytest.mark.parametrize(
+    "extra, key",
+    [
+        ({"hot_size": 4}, "hot_size"),
+        ({"top_k": "2048"}, "top_k"),
+        ({"top_k": True}, "top_k"),
+        ({"top_k": 0}, "top_k"),
+        ({"top_k": 64, "device_buffer_size": 32}, "device_buffer_size"),
+        ({"device_buffer_size": 32769}, "device_buffer_size"),
+        ({"top_k": 40000, "device_buffer_size": 40000}, "device_buffer_size"),
+        ({"index_share": 0}, "index_share"),
+        ({"metrics_interval": 2.5}, "metrics_interval"),
+        ({"max_num_seqs": -1}, "max_num_seqs"),
+        ({"block_size": None}, "block_size"),
+        ({"host_pool_gib": 0}, "host_pool_gib"),
+        ({"host_pool_gib": float("nan")}, "host_pool_gib"),
+        ({"host_pool_gib": "64"}, "host_pool_gib"),
+        ({"pin_host_pool": "yes"}, "pin_host_pool"),
+    ],
+)
 def test_config_errors_name_the_key(extra, key):
     with pytest.raises(HiSparseConfigError, match=rf"kv_connector_extra_config\['{key}'\]"):
         HiSparseConfig.from_extra_config(extra)
@@ -57,8 +65,11 @@ def test_connector_validates_extra_config_and_takes_vllm_defaults():
     with pytest.raises(HiSparseConfigError, match=r"\['topk'\]"):
         HiSparseConnector.from_extra_config({"topk": 4}, role="worker")
     kv = SimpleNamespace(kv_connector_extra_config={"top_k": 8}, kv_role="kv_both")
-    vc = SimpleNamespace(kv_transfer_config=kv, scheduler_config=SimpleNamespace(max_num_seqs=7),
-                         cache_config=SimpleNamespace(block_size=64))
+    vc = SimpleNamespace(
+        kv_transfer_config=kv,
+        scheduler_config=SimpleNamespace(max_num_seqs=7),
+        cache_config=SimpleNamespace(block_size=64),
+    )
     c = HiSparseConnector(vc, KVConnectorRole.SCHEDULER, None)
     assert c.config.max_num_seqs == 7 and c.config.block_size == 64 and c.config.top_k == 8
     kv.kv_connector_extra_config = {"top_k": 8, "max_num_seqs": 3}
@@ -77,7 +88,9 @@ def test_every_abstract_method_is_implemented():
 
 def test_roles():
     sched = HiSparseConnector.from_extra_config({"top_k": 4, "device_buffer_size": 8}, "scheduler")
-    work = HiSparseConnector.from_extra_config({"top_k": 4, "device_buffer_size": 8}, KVConnectorRole.WORKER)
+    work = HiSparseConnector.from_extra_config(
+        {"top_k": 4, "device_buffer_size": 8}, KVConnectorRole.WORKER
+    )
     assert sched.role == KVConnectorRole.SCHEDULER and sched.worker is None
     assert work.role == KVConnectorRole.WORKER and work.worker is not None
     assert sched.get_kv_connector_stats() is None  # no worker: None
@@ -104,7 +117,9 @@ def test_hisparse_meaning_of_the_load_api():
 
 # ------------------------------------------------- scheduler-side metadata
 def test_state_rows_assigned_reset_released_and_reused():
-    sched = HiSparseConnector.from_extra_config({"top_k": 4, "device_buffer_size": 8, "max_num_seqs": 2}, "scheduler")
+    sched = HiSparseConnector.from_extra_config(
+        {"top_k": 4, "device_buffer_size": 8, "max_num_seqs": 2}, "scheduler"
+    )
     m1 = sched.build_connector_meta(StepSchedule({"a": 5, "b": 3}))
     assert isinstance(m1, HiSparseConnectorMetadata)
     assert m1.req_ids == ("a", "b") and set(m1.state_rows) == {0, 1}
@@ -120,7 +135,9 @@ def test_state_rows_assigned_reset_released_and_reused():
     assert m3.state_rows == (row_a,) and m3.reset_rows == (row_a,)  # released, handed over
     assert m3.host_rows_in_use == 4 + 2  # b: 3 + 1 (the failed step added nothing), c: 2
     # finished_req_ids / preempted_req_ids in the scheduler output also release rows.
-    m4 = sched.build_connector_meta(StepSchedule({}, finished_req_ids={"b"}, preempted_req_ids={"c"}))
+    m4 = sched.build_connector_meta(
+        StepSchedule({}, finished_req_ids={"b"}, preempted_req_ids={"c"})
+    )
     assert set(m4.reset_rows) == {0, 1} and m4.req_ids == () and m4.host_rows_in_use == 0
     with pytest.raises(ValueError, match="num_scheduled_tokens"):
         sched.build_connector_meta(SimpleNamespace(num_scheduled_tokens=None))
@@ -141,7 +158,11 @@ def _step(sched, work, reqs, top):
 def test_finishing_a_request_releases_its_hot_state():
     sched, work, caches = make_pair({"max_num_seqs": 1, "index_share": 3})
     assert _step(sched, work, ["a"], [[1, 2, 3, 4]])["misses"] == 4
-    assert _step(sched, work, ["a"], [[1, 2, 3, 4]]) == {"hits": 4, "misses": 0, "host_to_device_bytes": 0}
+    assert _step(sched, work, ["a"], [[1, 2, 3, 4]]) == {
+        "hits": 4,
+        "misses": 0,
+        "host_to_device_bytes": 0,
+    }
     sched.request_finished(_req("a"), [])
     # b gets a's state row; a's hot rows must not serve b (they are reset).
     t = _step(sched, work, ["b"], [[1, 2, 3, 4]])
@@ -172,7 +193,9 @@ def test_save_kv_layer_reads_slot_mapping_from_attn_metadata():
 
 def test_build_kv_connector_stats_and_prom_metrics_are_classmethods():
     assert HiSparseConnector.build_kv_connector_stats(None).is_empty()
-    s = HiSparseConnector.build_kv_connector_stats({"hits": [1], "misses": [2], "host_to_device_bytes": [3]})
+    s = HiSparseConnector.build_kv_connector_stats(
+        {"hits": [1], "misses": [2], "host_to_device_bytes": [3]}
+    )
     assert isinstance(s, HiSparseKVConnectorStats) and s.totals()["misses"] == 2
 
 

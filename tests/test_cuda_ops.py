@@ -24,8 +24,9 @@ def _cuda_backend_ready() -> bool:
 
 pytestmark = [
     pytest.mark.cuda,
-    pytest.mark.skipif(not _cuda_backend_ready(),
-                       reason="needs a CUDA device and the CUDA build of hisparse._C"),
+    pytest.mark.skipif(
+        not _cuda_backend_ready(), reason="needs a CUDA device and the CUDA build of hisparse._C"
+    ),
 ]
 
 DEV = "cuda"
@@ -36,11 +37,26 @@ I32 = torch.int32
 # Workload generation
 # --------------------------------------------------------------------------------------------
 
+
 class Trace:
     """A random decode trace: each state row's selection drifts from step to step."""
 
-    def __init__(self, *, B, K, S, num_keys, miss_rate, seed, resident=False, pad_rows=True,
-                 dup_rows=True, pad_entries=True, bad_keys=True, dup_entries=True):
+    def __init__(
+        self,
+        *,
+        B,
+        K,
+        S,
+        num_keys,
+        miss_rate,
+        seed,
+        resident=False,
+        pad_rows=True,
+        dup_rows=True,
+        pad_entries=True,
+        bad_keys=True,
+        dup_entries=True,
+    ):
         self.B, self.K, self.S, self.num_keys = B, K, S, num_keys
         self.miss_rate = miss_rate
         self.g = torch.Generator().manual_seed(seed)
@@ -87,8 +103,9 @@ class Trace:
             if self.pad_entries and K > 4:
                 row[self._rand(max(1, K // 100), 0, K)] = -1
             if self.bad_keys and K > 8:
-                bad = torch.tensor([self.num_keys, self.num_keys + 7, 2**31 - 1, -5, -2**31],
-                                   dtype=I32)
+                bad = torch.tensor(
+                    [self.num_keys, self.num_keys + 7, 2**31 - 1, -5, -(2**31)], dtype=I32
+                )
                 row[self._rand(len(bad), 0, K)] = bad
             top_k[r] = row
         resident = None
@@ -124,16 +141,30 @@ class Pair:
             dst = torch.full((B, K), -7, dtype=I32, device=dev)
             cnt = torch.full((B,), -7, dtype=I32, device=dev)
             ops.resolve_residency(
-                top_k.to(dev), state_rows.to(dev), st["slot_keys"], st["lru"], st["stats"],
-                out, src, dst, cnt, num_keys=num_keys, hot_base=self.hot_base,
-                resident_rows=None if resident is None else resident.to(dev))
+                top_k.to(dev),
+                state_rows.to(dev),
+                st["slot_keys"],
+                st["lru"],
+                st["stats"],
+                out,
+                src,
+                dst,
+                cnt,
+                num_keys=num_keys,
+                hot_base=self.hot_base,
+                resident_rows=None if resident is None else resident.to(dev),
+            )
             res[side] = (out, src, dst, cnt)
         return res
 
     def invalidate(self, state_rows, keys=None):
         ops.invalidate(self.cpu["slot_keys"], self.cpu["lru"], state_rows, keys)
-        ops.invalidate(self.gpu["slot_keys"], self.gpu["lru"], state_rows.to(DEV),
-                       None if keys is None else keys.to(DEV))
+        ops.invalidate(
+            self.gpu["slot_keys"],
+            self.gpu["lru"],
+            state_rows.to(DEV),
+            None if keys is None else keys.to(DEV),
+        )
 
     def assert_equal(self, what=""):
         torch.cuda.synchronize()
@@ -143,8 +174,9 @@ class Pair:
                 if a.tolist() != b.tolist():
                     raise AssertionError(f"{what}: {k} differs: {a.tolist()} vs {b.tolist()}")
             elif not torch.equal(a, b):
-                raise AssertionError(f"{what}: {k} differs, first at "
-                                     f"{(a != b).nonzero()[:5].tolist()}")
+                raise AssertionError(
+                    f"{what}: {k} differs, first at {(a != b).nonzero()[:5].tolist()}"
+                )
 
 
 def assert_plan_equal(res, what=""):
@@ -153,8 +185,10 @@ def assert_plan_equal(res, what=""):
         b = b.cpu()
         if not torch.equal(a, b):
             idx = (a != b).nonzero()[:5].tolist()
-            raise AssertionError(f"{what}: {name} differs at {idx}: cpu {a[tuple(zip(*idx))]} "
-                                 f"gpu {b[tuple(zip(*idx))]}")
+            raise AssertionError(
+                f"{what}: {name} differs at {idx}: cpu {a[tuple(zip(*idx))]} "
+                f"gpu {b[tuple(zip(*idx))]}"
+            )
 
 
 def churn_state(pair, trace, g, num_keys):
@@ -165,10 +199,14 @@ def churn_state(pair, trace, g, num_keys):
     trace.forget(rows.tolist())
     n = max(4, S // 4)
     krows = torch.randint(-1, S + 1, (n,), generator=g, dtype=torch.int64).to(I32)
-    held = pair.cpu["slot_keys"][krows.clamp(0, S - 1).long(),
-                                 torch.randint(0, pair.H, (n,), generator=g)]
-    keys = torch.where(torch.rand(n, generator=g) < 0.7, held,
-                       torch.randint(-1, num_keys, (n,), generator=g, dtype=torch.int64).to(I32))
+    held = pair.cpu["slot_keys"][
+        krows.clamp(0, S - 1).long(), torch.randint(0, pair.H, (n,), generator=g)
+    ]
+    keys = torch.where(
+        torch.rand(n, generator=g) < 0.7,
+        held,
+        torch.randint(-1, num_keys, (n,), generator=g, dtype=torch.int64).to(I32),
+    )
     pair.invalidate(krows, keys)
 
 
@@ -180,22 +218,25 @@ RESOLVE_CONFIGS = [
     # B, K, H, S, miss_rate, resident, hot_base, steps
     (256, 2048, 4096, 300, 0.05, False, 0, 4),
     (64, 2048, 4096, 80, 0.20, True, 12345, 4),
-    (8, 2048, 2048, 8, 0.30, False, 0, 4),       # K == H: every slot turns over
-    (33, 300, 777, 40, 0.10, True, 3, 5),        # odd sizes, more than one scan tile of LRU
-    (5, 7, 13, 6, 0.40, True, 0, 6),             # tiny
-    (4, 2048, 32768, 6, 0.05, False, 0, 3),      # largest hot buffer (global workspace)
-    (70, 2048, 4096, 80, 0.20, True, 0, 3),      # batch up to the SM count: wide CTAs
-    (3, 9000, 9000, 4, 0.10, True, 0, 3),        # too big for shared memory: global workspace
+    (8, 2048, 2048, 8, 0.30, False, 0, 4),  # K == H: every slot turns over
+    (33, 300, 777, 40, 0.10, True, 3, 5),  # odd sizes, more than one scan tile of LRU
+    (5, 7, 13, 6, 0.40, True, 0, 6),  # tiny
+    (4, 2048, 32768, 6, 0.05, False, 0, 3),  # largest hot buffer (global workspace)
+    (70, 2048, 4096, 80, 0.20, True, 0, 3),  # batch up to the SM count: wide CTAs
+    (3, 9000, 9000, 4, 0.10, True, 0, 3),  # too big for shared memory: global workspace
 ]
 
 
-@pytest.mark.parametrize("B,K,H,S,miss_rate,resident,hot_base,steps", RESOLVE_CONFIGS,
-                         ids=[f"B{c[0]}-K{c[1]}-H{c[2]}" + ("-res" if c[5] else "")
-                              for c in RESOLVE_CONFIGS])
+@pytest.mark.parametrize(
+    "B,K,H,S,miss_rate,resident,hot_base,steps",
+    RESOLVE_CONFIGS,
+    ids=[f"B{c[0]}-K{c[1]}-H{c[2]}" + ("-res" if c[5] else "") for c in RESOLVE_CONFIGS],
+)
 def test_resolve_and_invalidate_match_cpu(B, K, H, S, miss_rate, resident, hot_base, steps):
     num_keys = max(4 * H, 1000)
-    trace = Trace(B=B, K=K, S=S, num_keys=num_keys, miss_rate=miss_rate, seed=B * 7 + K,
-                  resident=resident)
+    trace = Trace(
+        B=B, K=K, S=S, num_keys=num_keys, miss_rate=miss_rate, seed=B * 7 + K, resident=resident
+    )
     pair = Pair(S, H, hot_base)
     g = torch.Generator().manual_seed(99)
     for step in range(steps):
@@ -225,8 +266,12 @@ def test_resolve_hash_collisions_and_duplicate_holders():
     out = pair.resolve(top_k, torch.tensor([0, 1], dtype=I32), None, num_keys)
     assert_plan_equal(out)
     pair.assert_equal()
-    out = pair.resolve(top_k[:, : K // 2].contiguous().repeat(1, 2), torch.tensor([1, 0], dtype=I32),
-                       None, num_keys)
+    out = pair.resolve(
+        top_k[:, : K // 2].contiguous().repeat(1, 2),
+        torch.tensor([1, 0], dtype=I32),
+        None,
+        num_keys,
+    )
     assert_plan_equal(out)
     pair.assert_equal()
 
@@ -235,8 +280,9 @@ def test_resolve_corrupted_lru_is_memory_safe_and_matches_cpu():
     pair = Pair(2, 4)
     for st in (pair.cpu, pair.gpu):
         st["lru"][0] = torch.tensor([30000, -5, 2, 3], dtype=torch.int16)
-    out = pair.resolve(torch.tensor([[5, 6, 7, 8]], dtype=I32), torch.tensor([0], dtype=I32),
-                       None, 10)
+    out = pair.resolve(
+        torch.tensor([[5, 6, 7, 8]], dtype=I32), torch.tensor([0], dtype=I32), None, 10
+    )
     assert_plan_equal(out)
     pair.assert_equal()
     assert out["gpu"][3].tolist() == [2]
@@ -246,8 +292,9 @@ def test_resolve_empty_batch_and_all_padding():
     pair = Pair(3, 16)
     out = pair.resolve(torch.empty(0, 8, dtype=I32), torch.empty(0, dtype=I32), None, 100)
     assert_plan_equal(out)
-    out = pair.resolve(torch.full((4, 8), -1, dtype=I32), torch.tensor([-1, 3, 0, 0], dtype=I32),
-                       None, 100)
+    out = pair.resolve(
+        torch.full((4, 8), -1, dtype=I32), torch.tensor([-1, 3, 0, 0], dtype=I32), None, 100
+    )
     assert_plan_equal(out)
     pair.assert_equal()
 
@@ -255,6 +302,7 @@ def test_resolve_empty_batch_and_all_padding():
 # --------------------------------------------------------------------------------------------
 # gather, bit for bit
 # --------------------------------------------------------------------------------------------
+
 
 def _pinned(nbytes, g):
     t = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
@@ -277,8 +325,11 @@ GATHER_CONFIGS = [
 ]
 
 
-@pytest.mark.parametrize("B,K,H,S,L,row_bytes,block_size,miss_rate,steps", GATHER_CONFIGS,
-                         ids=[f"B{c[0]}-L{c[4]}-{c[5]}B" for c in GATHER_CONFIGS])
+@pytest.mark.parametrize(
+    "B,K,H,S,L,row_bytes,block_size,miss_rate,steps",
+    GATHER_CONFIGS,
+    ids=[f"B{c[0]}-L{c[4]}-{c[5]}B" for c in GATHER_CONFIGS],
+)
 def test_gather_matches_cpu(B, K, H, S, L, row_bytes, block_size, miss_rate, steps):
     g = torch.Generator().manual_seed(L * 1000 + row_bytes)
     num_keys = 32 * H  # a multiple of every block_size used here
@@ -351,8 +402,10 @@ def test_gather_many_layers_one_call():
     g = torch.Generator().manual_seed(4)
     L, rows, row_bytes = 130, 256, 32
     raw = _pinned(L * rows * row_bytes, g)
-    host = [raw[l * rows * row_bytes:(l + 1) * rows * row_bytes].view(rows, row_bytes)
-            for l in range(L)]
+    host = [
+        raw[l * rows * row_bytes : (l + 1) * rows * row_bytes].view(rows, row_bytes)
+        for l in range(L)
+    ]
     src = torch.randint(0, rows, (3, 40), generator=g, dtype=torch.int64).to(I32)
     dst = torch.randperm(512, generator=g)[:120].to(I32).view(3, 40)  # distinct, as in a plan
     cnt = torch.tensor([40, 0, 17], dtype=I32)
@@ -370,6 +423,7 @@ def test_gather_many_layers_one_call():
 def _process_cudart():
     """The CUDA runtime library this process (torch and hisparse._C) uses, through ctypes."""
     import ctypes
+
     with open("/proc/self/maps") as f:
         paths = {line.split()[-1] for line in f if "libcudart.so" in line}
     if not paths:
@@ -405,6 +459,7 @@ def test_gather_does_not_swallow_an_unrelated_pending_cuda_error():
 # CUDA graphs
 # --------------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("K,H,L", [(2048, 4096, 4), (9000, 9000, 1)], ids=["smem", "workspace"])
 def test_graph_capture_replay_equals_eager(K, H, L):
     B, S, row_bytes = 16 if K <= 4096 else 2, 20 if K <= 4096 else 3, 656
@@ -416,20 +471,32 @@ def test_graph_capture_replay_equals_eager(K, H, L):
     trace = Trace(B=B, K=K, S=S, num_keys=num_keys, miss_rate=0.1, seed=2, resident=True)
 
     def fresh():
-        return dict(slot_keys=torch.full((S, H), -1, dtype=I32, device=DEV),
-                    lru=torch.arange(H, dtype=torch.int16, device=DEV).repeat(S, 1),
-                    counters=torch.zeros(3, dtype=torch.uint64, device=DEV),
-                    hot=[torch.zeros(hot_rows, row_bytes, dtype=torch.uint8, device=DEV)
-                         for _ in range(L)],
-                    out=torch.full((B, K), -7, dtype=I32, device=DEV),
-                    src=torch.full((B, K), -7, dtype=I32, device=DEV),
-                    dst=torch.full((B, K), -7, dtype=I32, device=DEV),
-                    cnt=torch.full((B,), -7, dtype=I32, device=DEV))
+        return dict(
+            slot_keys=torch.full((S, H), -1, dtype=I32, device=DEV),
+            lru=torch.arange(H, dtype=torch.int16, device=DEV).repeat(S, 1),
+            counters=torch.zeros(3, dtype=torch.uint64, device=DEV),
+            hot=[torch.zeros(hot_rows, row_bytes, dtype=torch.uint8, device=DEV) for _ in range(L)],
+            out=torch.full((B, K), -7, dtype=I32, device=DEV),
+            src=torch.full((B, K), -7, dtype=I32, device=DEV),
+            dst=torch.full((B, K), -7, dtype=I32, device=DEV),
+            cnt=torch.full((B,), -7, dtype=I32, device=DEV),
+        )
 
     def step(st, top_k, rows, res):
-        ops.resolve_residency(top_k, rows, st["slot_keys"], st["lru"], st["counters"][0:2],
-                              st["out"], st["src"], st["dst"], st["cnt"], num_keys=num_keys,
-                              hot_base=0, resident_rows=res)
+        ops.resolve_residency(
+            top_k,
+            rows,
+            st["slot_keys"],
+            st["lru"],
+            st["counters"][0:2],
+            st["out"],
+            st["src"],
+            st["dst"],
+            st["cnt"],
+            num_keys=num_keys,
+            hot_base=0,
+            resident_rows=res,
+        )
         ops.gather(host, st["hot"], st["src"], st["dst"], st["cnt"], st["counters"][2:3])
 
     eager, graphed = fresh(), fresh()
@@ -472,6 +539,7 @@ def test_graph_capture_replay_equals_eager(K, H, L):
 # validation: the same errors as the CPU backend
 # --------------------------------------------------------------------------------------------
 
+
 def _same_error(call_cpu, call_gpu):
     with pytest.raises(RuntimeError) as ec:
         call_cpu()
@@ -484,17 +552,20 @@ def _same_error(call_cpu, call_gpu):
 
 
 def _resolve_args(dev, B=2, K=4, S=3, H=8):
-    return dict(top_k=torch.zeros(B, K, dtype=I32, device=dev),
-                state_rows=torch.tensor([0, 1], dtype=I32, device=dev),
-                resident_rows=None,
-                slot_keys=torch.full((S, H), -1, dtype=I32, device=dev),
-                lru=torch.arange(H, dtype=torch.int16, device=dev).repeat(S, 1),
-                stats=torch.zeros(2, dtype=torch.uint64, device=dev),
-                out_rows=torch.zeros(B, K, dtype=I32, device=dev),
-                miss_src=torch.zeros(B, K, dtype=I32, device=dev),
-                miss_dst=torch.zeros(B, K, dtype=I32, device=dev),
-                miss_count=torch.zeros(B, dtype=I32, device=dev),
-                num_keys=100, hot_base=0)
+    return dict(
+        top_k=torch.zeros(B, K, dtype=I32, device=dev),
+        state_rows=torch.tensor([0, 1], dtype=I32, device=dev),
+        resident_rows=None,
+        slot_keys=torch.full((S, H), -1, dtype=I32, device=dev),
+        lru=torch.arange(H, dtype=torch.int16, device=dev).repeat(S, 1),
+        stats=torch.zeros(2, dtype=torch.uint64, device=dev),
+        out_rows=torch.zeros(B, K, dtype=I32, device=dev),
+        miss_src=torch.zeros(B, K, dtype=I32, device=dev),
+        miss_dst=torch.zeros(B, K, dtype=I32, device=dev),
+        miss_count=torch.zeros(B, dtype=I32, device=dev),
+        num_keys=100,
+        hot_base=0,
+    )
 
 
 RESOLVE_BREAKERS = [
@@ -520,10 +591,20 @@ RESOLVE_BREAKERS = [
 
 
 def _call_resolve(a):
-    ops.resolve_residency(a["top_k"], a["state_rows"], a["slot_keys"], a["lru"], a["stats"],
-                          a["out_rows"], a["miss_src"], a["miss_dst"], a["miss_count"],
-                          num_keys=a["num_keys"], hot_base=a["hot_base"],
-                          resident_rows=a["resident_rows"])
+    ops.resolve_residency(
+        a["top_k"],
+        a["state_rows"],
+        a["slot_keys"],
+        a["lru"],
+        a["stats"],
+        a["out_rows"],
+        a["miss_src"],
+        a["miss_dst"],
+        a["miss_count"],
+        num_keys=a["num_keys"],
+        hot_base=a["hot_base"],
+        resident_rows=a["resident_rows"],
+    )
 
 
 @pytest.mark.parametrize("i", range(len(RESOLVE_BREAKERS)))
@@ -546,11 +627,14 @@ def test_resolve_rejects_mixed_devices():
 
 def _gather_args(dev, host_pinned=True):
     host = torch.zeros(4, 2, 32, dtype=torch.uint8, pin_memory=host_pinned and dev != "cpu")
-    return dict(host=[host], hot=[torch.zeros(8, 32, dtype=torch.uint8, device=dev)],
-                miss_src=torch.zeros(2, 4, dtype=I32, device=dev),
-                miss_dst=torch.zeros(2, 4, dtype=I32, device=dev),
-                miss_count=torch.ones(2, dtype=I32, device=dev),
-                moved_bytes=torch.zeros(1, dtype=torch.uint64, device=dev))
+    return dict(
+        host=[host],
+        hot=[torch.zeros(8, 32, dtype=torch.uint8, device=dev)],
+        miss_src=torch.zeros(2, 4, dtype=I32, device=dev),
+        miss_dst=torch.zeros(2, 4, dtype=I32, device=dev),
+        miss_count=torch.ones(2, dtype=I32, device=dev),
+        moved_bytes=torch.zeros(1, dtype=torch.uint64, device=dev),
+    )
 
 
 GATHER_BREAKERS = [
@@ -559,10 +643,16 @@ GATHER_BREAKERS = [
     ("host", lambda a, d: [a["host"][0].to(torch.int16)]),
     ("host", lambda a, d: [a["host"][0].reshape(-1)]),
     ("host", lambda a, d: [torch.zeros(4, 24, dtype=torch.uint8, pin_memory=d != "cpu")]),
-    ("host", lambda a, d: [torch.zeros(4, 2, 64, dtype=torch.uint8,
-                                       pin_memory=d != "cpu")[:, :, ::2]]),
-    ("host", lambda a, d: [torch.zeros(8 * 32 + 1, dtype=torch.uint8,
-                                       pin_memory=d != "cpu")[1:].reshape(8, 32)]),
+    (
+        "host",
+        lambda a, d: [torch.zeros(4, 2, 64, dtype=torch.uint8, pin_memory=d != "cpu")[:, :, ::2]],
+    ),
+    (
+        "host",
+        lambda a, d: [
+            torch.zeros(8 * 32 + 1, dtype=torch.uint8, pin_memory=d != "cpu")[1:].reshape(8, 32)
+        ],
+    ),
     ("hot", lambda a, d: [torch.zeros(8, 48, dtype=torch.uint8, device=d)]),
     ("miss_src", lambda a, d: a["miss_src"].long()),
     ("miss_dst", lambda a, d: a["miss_dst"][:, :1].clone()),
@@ -572,8 +662,7 @@ GATHER_BREAKERS = [
 
 
 def _call_gather(a):
-    ops.gather(a["host"], a["hot"], a["miss_src"], a["miss_dst"], a["miss_count"],
-               a["moved_bytes"])
+    ops.gather(a["host"], a["hot"], a["miss_src"], a["miss_dst"], a["miss_count"], a["moved_bytes"])
 
 
 @pytest.mark.parametrize("i", range(len(GATHER_BREAKERS)))
@@ -591,8 +680,11 @@ def test_gather_rejects_bad_input_like_cpu(i):
 def test_gather_rejects_unpinned_host_memory():
     a = _gather_args(DEV, host_pinned=False)
     assert not a["host"][0].is_pinned()
-    with pytest.raises(RuntimeError, match=r"hisparse_gather: argument 'host\[0\]' must be in "
-                                           r"pinned host memory or on cuda:0"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"hisparse_gather: argument 'host\[0\]' must be in "
+        r"pinned host memory or on cuda:0",
+    ):
         _call_gather(a)
     a = _gather_args(DEV)
     a["hot"] = [a["hot"][0].cpu()]
@@ -616,15 +708,17 @@ def test_invalidate_rejects_bad_input_like_cpu(i):
     name, brk = INVALIDATE_BREAKERS[i]
 
     def args(d):
-        return dict(slot_keys=torch.full((3, 8), -1, dtype=I32, device=d),
-                    lru=torch.arange(8, dtype=torch.int16, device=d).repeat(3, 1),
-                    state_rows=torch.tensor([0, 1], dtype=I32, device=d),
-                    keys=torch.tensor([3, 4], dtype=I32, device=d))
+        return dict(
+            slot_keys=torch.full((3, 8), -1, dtype=I32, device=d),
+            lru=torch.arange(8, dtype=torch.int16, device=d).repeat(3, 1),
+            state_rows=torch.tensor([0, 1], dtype=I32, device=d),
+            keys=torch.tensor([3, 4], dtype=I32, device=d),
+        )
 
     ac, ag = args("cpu"), args(DEV)
     ac[name], ag[name] = brk(ac, "cpu"), brk(ag, DEV)
-    msg = _same_error(lambda: ops.invalidate(ac["slot_keys"], ac["lru"], ac["state_rows"],
-                                             ac["keys"]),
-                      lambda: ops.invalidate(ag["slot_keys"], ag["lru"], ag["state_rows"],
-                                             ag["keys"]))
+    msg = _same_error(
+        lambda: ops.invalidate(ac["slot_keys"], ac["lru"], ac["state_rows"], ac["keys"]),
+        lambda: ops.invalidate(ag["slot_keys"], ag["lru"], ag["state_rows"], ag["keys"]),
+    )
     assert msg.startswith("hisparse_invalidate")

@@ -10,8 +10,8 @@ import sys
 import urllib.request
 
 import pytest
-
 from engine_helpers import SMALL_FLAGS
+
 from hisparse import cli
 from hisparse.demo import run_demo, scrape_counters
 
@@ -22,7 +22,9 @@ def _args(*extra):
 
 def test_demo_end_to_end_parity_hits_json_and_metrics(tmp_path, capsys):
     path = tmp_path / "out" / "demo.json"
-    rc = cli.main(["demo", *SMALL_FLAGS, "--no-progress", "--metrics-port", "0", "--json", str(path)])
+    rc = cli.main(
+        ["demo", *SMALL_FLAGS, "--no-progress", "--metrics-port", "0", "--json", str(path)]
+    )
     out = capsys.readouterr().out
     assert rc == 0, out
     assert "parity" in out and "OK" in out and "counters match" in out
@@ -48,15 +50,21 @@ def test_summary_counters_equal_an_independent_scrape():
         outcome = run_demo(_args(), exporter=exp, out=io.StringIO())
         assert outcome.exit_code == 0
         # scrape ourselves, after the run, with plain urllib and our own parsing
-        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+        text = (
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+        )
         h = outcome.summary["hisparse"]
-        for key, series in (("hits", "vllm:hisparse_cache_hits_total"),
-                            ("misses", "vllm:hisparse_cache_misses_total"),
-                            ("host_to_device_bytes", "vllm:hisparse_host_to_device_bytes_total")):
+        for key, series in (
+            ("hits", "vllm:hisparse_cache_hits_total"),
+            ("misses", "vllm:hisparse_cache_misses_total"),
+            ("host_to_device_bytes", "vllm:hisparse_host_to_device_bytes_total"),
+        ):
             lines = [ln for ln in text.splitlines() if ln.startswith(series + "{")]
             assert len(lines) == 1, lines
             assert int(float(lines[0].rsplit(" ", 1)[1])) == h[key] > 0
-        assert scrape_counters(port) == {k: h[k] for k in ("hits", "misses", "host_to_device_bytes")}
+        assert scrape_counters(port) == {
+            k: h[k] for k in ("hits", "misses", "host_to_device_bytes")
+        }
     finally:
         exp.stop()
 
@@ -70,8 +78,21 @@ def test_parity_failure_exits_non_zero(capsys):
 
 def test_console_script_runs(tmp_path):
     # the installed entry point, as a user runs it
-    p = subprocess.run([sys.executable, "-m", "hisparse", "demo", *SMALL_FLAGS, "--no-progress",
-                        "--json", str(tmp_path / "s.json")], capture_output=True, text=True, timeout=300)
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "hisparse",
+            "demo",
+            *SMALL_FLAGS,
+            "--no-progress",
+            "--json",
+            str(tmp_path / "s.json"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert p.returncode == 0, p.stdout + p.stderr
     assert json.loads((tmp_path / "s.json").read_text())["parity"]["ok"] is True
 

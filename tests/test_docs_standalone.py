@@ -11,13 +11,20 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Built from parts so this file does not match itself.
-OUTSIDE = re.compile("|".join([r"DESIGN(\.md)?\s*" + "\u00a7", r"\.\./" + "shared", "shared/" + "DESIGN"]))
+OUTSIDE = re.compile(
+    "|".join([r"DESIGN(\.md)?\s*" + "\u00a7", r"\.\./" + "shared", "shared/" + "DESIGN"])
+)
 
 
 def _repo_files():
     try:
-        out = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"],
-                             cwd=ROOT, capture_output=True, text=True, check=True).stdout
+        out = subprocess.run(
+            ["git", "ls-files", "--cached", "--others", "--exclude-standard"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
     except (OSError, subprocess.CalledProcessError):
         pytest.skip("not a git checkout")
     return [f for f in out.splitlines() if os.path.isfile(os.path.join(ROOT, f))]

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from engine_helpers import small_config
+
 from hisparse.engine import ROW_LAYOUTS, EngineConfig, compare_runs, run_workload
 from hisparse.engine.kvformat import KV_DIM, decode_rows, encode_rows
 from hisparse.engine.model import select_top_k
@@ -26,7 +26,9 @@ def test_row_layouts_are_the_mla_sizes_and_round_trip():
     x[0, 0, :128] = 0.0  # an all-zero FP8 tile must not divide by zero
     for name, lay in ROW_LAYOUTS.items():
         b = encode_rows(x, name)
-        assert b.dtype == torch.uint8 and b.shape == (5, 7, lay.row_bytes) and lay.row_bytes % 16 == 0
+        assert (
+            b.dtype == torch.uint8 and b.shape == (5, 7, lay.row_bytes) and lay.row_bytes % 16 == 0
+        )
         y = decode_rows(b, name, torch.float64)
         assert torch.isfinite(y).all()
         assert torch.equal(encode_rows(y, name), b)  # decoding is exact: re-encoding is a fixpoint
@@ -35,8 +37,9 @@ def test_row_layouts_are_the_mla_sizes_and_round_trip():
 
 
 def test_select_top_k_forces_recent_window_sorts_and_pads():
-    scores = torch.tensor([[5.0, 1.0, 4.0, 0.0, 3.0, -1.0],
-                           [1.0, 2.0, 9.0, 9.0, 9.0, 9.0]], dtype=torch.float64)
+    scores = torch.tensor(
+        [[5.0, 1.0, 4.0, 0.0, 3.0, -1.0], [1.0, 2.0, 9.0, 9.0, 9.0, 9.0]], dtype=torch.float64
+    )
     sel = select_top_k(scores, torch.tensor([6, 2]), k=4, recent=2)
     # row 0: newest two (4, 5) forced, then the best others (0: 5.0, 2: 4.0); sorted ascending
     assert sel[0].tolist() == [0, 2, 4, 5]
@@ -75,7 +78,9 @@ def test_select_top_k_equals_a_stable_sort_with_ties(seed):
         got = select_top_k(scores, nv, k, recent)
         assert torch.equal(got, _select_by_stable_sort(scores, nv, k, recent)), (T, k, recent)
         cont = torch.randn(N, T, generator=g, dtype=torch.float64)
-        assert torch.equal(select_top_k(cont, nv, k, recent), _select_by_stable_sort(cont, nv, k, recent))
+        assert torch.equal(
+            select_top_k(cont, nv, k, recent), _select_by_stable_sort(cont, nv, k, recent)
+        )
 
 
 def test_same_config_same_result_and_seed_matters():
@@ -87,13 +92,16 @@ def test_same_config_same_result_and_seed_matters():
     assert c.tokens != a.tokens
 
 
-@pytest.mark.parametrize("over", [
-    {},
-    {"row_layout": "bf16"},
-    {"num_layers": 5, "index_share": 2},     # a last group with a single member
-    {"index_share": 1, "recent_window": 0},  # every layer its own indexer; no forced window
-    {"dtype": "float32", "hot_size": 16},    # hot buffer = top-k: every slot evictable each step
-])
+@pytest.mark.parametrize(
+    "over",
+    [
+        {},
+        {"row_layout": "bf16"},
+        {"num_layers": 5, "index_share": 2},  # a last group with a single member
+        {"index_share": 1, "recent_window": 0},  # every layer its own indexer; no forced window
+        {"dtype": "float32", "hot_size": 16},  # hot buffer = top-k: every slot evictable each step
+    ],
+)
 def test_hisparse_is_bit_identical_to_resident(over):
     cfg = small_config(**over)
     res = run_workload(cfg, "resident", record_attention=True)
@@ -104,7 +112,9 @@ def test_hisparse_is_bit_identical_to_resident(over):
     s = hs.stats
     assert s.hits > 0 and s.misses > 0
     # every miss is copied into every member layer of its group: exact bytes
-    members = [min(cfg.index_share, cfg.num_layers - g * cfg.index_share) for g in range(cfg.num_groups)]
+    members = [
+        min(cfg.index_share, cfg.num_layers - g * cfg.index_share) for g in range(cfg.num_groups)
+    ]
     if len(set(members)) == 1:
         assert s.host_to_device_bytes == s.misses * members[0] * cfg.row_bytes
     assert s.generated_tokens == sum(len(t) for t in hs.tokens)
@@ -120,6 +130,7 @@ def test_negative_control_breaks_parity():
     assert not par.ok and not par.tokens_equal
     # HiSparse registers its caches through the connector, which refuses overlapping layers
     from hisparse.binding import BindingError
+
     with pytest.raises(BindingError, match="overlap"):
         run_workload(cfg, "hisparse", binding_fault="base_offset")
     with pytest.raises(ValueError, match="binding_fault"):
@@ -134,8 +145,9 @@ def test_state_rows_are_reused_without_stale_rows():
     assert par.ok, par.describe()
 
 
-@pytest.mark.parametrize("mode,residency", [("resident", "host"), ("hisparse", "host"),
-                                            ("hisparse", "hybrid")])
+@pytest.mark.parametrize(
+    "mode,residency", [("resident", "host"), ("hisparse", "host"), ("hisparse", "hybrid")]
+)
 def test_every_store_is_a_kv_store(mode, residency):
     from hisparse.engine.kvstore import KVStore
     from hisparse.engine.run import Engine
@@ -228,8 +240,8 @@ def test_encoding_depends_only_on_the_float32_value():
     # float32, so a float64 value just past a float32-representable fp8 midpoint still encodes
     # like that midpoint (what the CPU and CUDA backends agree on).
     x = torch.randn(3, KV_DIM, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
-    x[:, 1] = 1.0625 + 2.0 ** -30   # fp8 e4m3 midpoint between 1.0 and 1.125, plus a float64 hair
-    x[:, 0] = 448.0                 # keep the tile's scale at exactly 1.0
+    x[:, 1] = 1.0625 + 2.0**-30  # fp8 e4m3 midpoint between 1.0 and 1.125, plus a float64 hair
+    x[:, 0] = 448.0  # keep the tile's scale at exactly 1.0
     x32 = x.to(torch.float32).to(torch.float64)
     assert torch.equal(encode_rows(x, "bf16"), encode_rows(x32, "bf16"))
     # fp8: tile 0 has scale 1.0 in both (other tiles' scales follow their own amax)

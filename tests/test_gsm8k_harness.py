@@ -50,6 +50,7 @@ def good_dict(**over):
 
 # ----------------------------------------------------------------------------- shipped configs
 
+
 def test_glm_config_has_exactly_the_issue_values():
     cfg = load_config(GLM)
     assert cfg.model_name == "nvidia/GLM-5.2-NVFP4"
@@ -98,8 +99,13 @@ def test_config_connector_resolves_to_a_class_in_this_repo(path):
     with open(mod_file, encoding="utf-8") as f:
         tree = ast.parse(f.read())
     names = {n.name for n in tree.body if isinstance(n, ast.ClassDef)}
-    names |= {t.id for n in tree.body if isinstance(n, ast.Assign) for t in n.targets
-              if isinstance(t, ast.Name)}
+    names |= {
+        t.id
+        for n in tree.body
+        if isinstance(n, ast.Assign)
+        for t in n.targets
+        if isinstance(t, ast.Name)
+    }
     assert kv["kv_connector"] in names
 
 
@@ -118,6 +124,7 @@ def test_config_extra_config_is_accepted_by_the_connector(path):
 
 # ----------------------------------------------------------------------------- schema errors
 
+
 def test_good_dict_validates():
     cfg = validate(good_dict(env={"A": "1"}, temperature=0.0))
     assert cfg.env == {"A": "1"} and cfg.pass_floor == 0.5
@@ -131,22 +138,25 @@ def test_missing_key_is_named(key):
         validate(d, "cfg.yaml")
 
 
-@pytest.mark.parametrize("key,value", [
-    ("model_name", 7),
-    ("accuracy_threshold", "0.9"),
-    ("accuracy_threshold", True),
-    ("tolerance", None),
-    ("num_questions", 10.5),
-    ("num_questions", "1319"),
-    ("num_fewshot", True),
-    ("max_tokens", [256]),
-    ("max_concurrency", 3.0),
-    ("request_timeout_seconds", "1800"),
-    ("startup_max_wait_seconds", None),
-    ("server_args", ["--enforce-eager"]),
-    ("env", ["A=1"]),
-    ("temperature", "0"),
-])
+@pytest.mark.parametrize(
+    "key,value",
+    [
+        ("model_name", 7),
+        ("accuracy_threshold", "0.9"),
+        ("accuracy_threshold", True),
+        ("tolerance", None),
+        ("num_questions", 10.5),
+        ("num_questions", "1319"),
+        ("num_fewshot", True),
+        ("max_tokens", [256]),
+        ("max_concurrency", 3.0),
+        ("request_timeout_seconds", "1800"),
+        ("startup_max_wait_seconds", None),
+        ("server_args", ["--enforce-eager"]),
+        ("env", ["A=1"]),
+        ("temperature", "0"),
+    ],
+)
 def test_mistyped_key_is_named(key, value):
     with pytest.raises(ConfigError, match=f"key '{key}' must be"):
         validate(good_dict(**{key: value}), "cfg.yaml")
@@ -157,26 +167,41 @@ def test_unknown_key_is_named():
         validate(good_dict(acuracy_threshold=0.9), "cfg.yaml")
 
 
-@pytest.mark.parametrize("key,value", [
-    ("accuracy_threshold", 0.0), ("accuracy_threshold", 1.5), ("tolerance", -0.1),
-    ("tolerance", 1.0), ("num_questions", 0), ("num_questions", 1320), ("num_fewshot", -1),
-    ("max_tokens", 0), ("max_concurrency", 0), ("request_timeout_seconds", 0),
-    ("startup_max_wait_seconds", -5), ("model_name", "  "), ("temperature", -1.0),
-])
+@pytest.mark.parametrize(
+    "key,value",
+    [
+        ("accuracy_threshold", 0.0),
+        ("accuracy_threshold", 1.5),
+        ("tolerance", -0.1),
+        ("tolerance", 1.0),
+        ("num_questions", 0),
+        ("num_questions", 1320),
+        ("num_fewshot", -1),
+        ("max_tokens", 0),
+        ("max_concurrency", 0),
+        ("request_timeout_seconds", 0),
+        ("startup_max_wait_seconds", -5),
+        ("model_name", "  "),
+        ("temperature", -1.0),
+    ],
+)
 def test_out_of_range_value_is_named(key, value):
     with pytest.raises(ConfigError, match=f"key '{key}'"):
         validate(good_dict(**{key: value}), "cfg.yaml")
 
 
-@pytest.mark.parametrize("args,match", [
-    ("--kv-transfer-config '{\"kv_connector\":\"x\"}", "not valid shell syntax"),
-    ("--kv-transfer-config '{kv_connector: x}'", "not valid JSON"),
-    ("--kv-transfer-config '[1, 2]'", "JSON object with a 'kv_connector'"),
-    ("nvidia/GLM-5.2-NVFP4 --enforce-eager", "must start with an option"),
-    ("--model foo", "must not set --model"),
-    ("--tensor-parallel-size four", "--tensor-parallel-size needs a positive integer"),
-    ("--max-num-seqs 0", "--max-num-seqs needs a positive integer"),
-])
+@pytest.mark.parametrize(
+    "args,match",
+    [
+        ('--kv-transfer-config \'{"kv_connector":"x"}', "not valid shell syntax"),
+        ("--kv-transfer-config '{kv_connector: x}'", "not valid JSON"),
+        ("--kv-transfer-config '[1, 2]'", "JSON object with a 'kv_connector'"),
+        ("nvidia/GLM-5.2-NVFP4 --enforce-eager", "must start with an option"),
+        ("--model foo", "must not set --model"),
+        ("--tensor-parallel-size four", "--tensor-parallel-size needs a positive integer"),
+        ("--max-num-seqs 0", "--max-num-seqs needs a positive integer"),
+    ],
+)
 def test_bad_server_args_are_explained(args, match):
     with pytest.raises(ConfigError, match=match) as ei:
         validate(good_dict(server_args=args), "cfg.yaml")
@@ -220,27 +245,31 @@ def test_shipped_configs_round_trip_through_yaml():
 
 # ----------------------------------------------------------------------------- answers
 
-@pytest.mark.parametrize("text,expected", [
-    ("#### 42", "42"),
-    ("She pays 5 + 3 = 8 dollars.\n#### 8", "8"),
-    ("The answer is 1,234.", "1234"),
-    ("The answer is $1,234.50.", "1234.5"),
-    ("#### -7", "-7"),
-    ("####-7", "-7"),
-    ("The temperature drops to -15 degrees.", "-15"),
-    ("The answer is −3.", "-3"),
-    ("The answer is 3.75", "3.75"),
-    ("It costs 18.00 dollars.", "18"),
-    ("answer: .5", "0.5"),
-    ("#### 12\n\nQuestion: Tom has 99 apples", "12"),
-    ("So the answer is 12. Then she buys 3 more for next week.", "12"),
-    ("He has 5 apples, then 7 more, so 12 in total.", "12"),
-    ("There are 2,000,000 people.", "2000000"),
-    ("#### 1,000.", "1000"),
-    ("The answer is **36**.", "36"),
-    ("No number here.", None),
-    ("", None),
-])
+
+@pytest.mark.parametrize(
+    "text,expected",
+    [
+        ("#### 42", "42"),
+        ("She pays 5 + 3 = 8 dollars.\n#### 8", "8"),
+        ("The answer is 1,234.", "1234"),
+        ("The answer is $1,234.50.", "1234.5"),
+        ("#### -7", "-7"),
+        ("####-7", "-7"),
+        ("The temperature drops to -15 degrees.", "-15"),
+        ("The answer is −3.", "-3"),
+        ("The answer is 3.75", "3.75"),
+        ("It costs 18.00 dollars.", "18"),
+        ("answer: .5", "0.5"),
+        ("#### 12\n\nQuestion: Tom has 99 apples", "12"),
+        ("So the answer is 12. Then she buys 3 more for next week.", "12"),
+        ("He has 5 apples, then 7 more, so 12 in total.", "12"),
+        ("There are 2,000,000 people.", "2000000"),
+        ("#### 1,000.", "1000"),
+        ("The answer is **36**.", "36"),
+        ("No number here.", None),
+        ("", None),
+    ],
+)
 def test_extract_answer(text, expected):
     assert extract_answer(text) == expected
 
@@ -262,6 +291,7 @@ def test_reference_and_comparison():
 
 # ----------------------------------------------------------------------------- prompts
 
+
 def test_few_shot_prompt_layout():
     shots = [Example(f"Q{i}?", f"work {i}\n#### {i}") for i in range(5)]
     p = build_prompt(shots, Example("Final question?", "#### 99"))
@@ -278,21 +308,28 @@ def test_few_shot_prompt_layout():
 
 # ----------------------------------------------------------------------------- pass/fail rule
 
+
 def test_pass_rule_is_exact_at_the_edge():
-    assert passes(1188, 1319, 0.90, 0.0)          # 0.90068
-    assert not passes(1187, 1319, 0.90, 0.0)      # 0.89992
-    assert passes(9, 10, 0.90, 0.0)               # exactly at the threshold
+    assert passes(1188, 1319, 0.90, 0.0)  # 0.90068
+    assert not passes(1187, 1319, 0.90, 0.0)  # 0.89992
+    assert passes(9, 10, 0.90, 0.0)  # exactly at the threshold
     assert not passes(8, 10, 0.90, 0.0)
-    assert passes(8, 10, 0.90, 0.10)              # 0.8 >= 0.9 - 0.1 exactly
+    assert passes(8, 10, 0.90, 0.10)  # 0.8 >= 0.9 - 0.1 exactly
     assert not passes(7, 10, 0.90, 0.10)
     assert not passes(0, 0, 0.5, 0.0)
 
 
 # ----------------------------------------------------------------------------- fake-server runs
 
+
 def _dataset(n_test=20, n_train=5):
-    test = [Example(f"What is {i} plus {i + 1}?", f"{i}+{i + 1}=<<{i}+{i + 1}={2 * i + 1}>>"
-                    f"{2 * i + 1}\n#### {2 * i + 1}") for i in range(n_test)]
+    test = [
+        Example(
+            f"What is {i} plus {i + 1}?",
+            f"{i}+{i + 1}=<<{i}+{i + 1}={2 * i + 1}>>{2 * i + 1}\n#### {2 * i + 1}",
+        )
+        for i in range(n_test)
+    ]
     train = [Example(f"Train question {i}?", f"It is {i}.\n#### {i}") for i in range(n_train)]
     return test, train
 
@@ -312,8 +349,9 @@ def _answers(test, n_correct, style="hash"):
     out = {}
     for i, ex in enumerate(test):
         v = int(extract_reference(ex.answer)) + (0 if i < n_correct else 1)
-        out[ex.question] = (f" So the total is {v:,}.\n#### {v}" if style == "hash"
-                            else f" The answer is {v:,}.")
+        out[ex.question] = (
+            f" So the total is {v:,}.\n#### {v}" if style == "hash" else f" The answer is {v:,}."
+        )
     return out
 
 
@@ -325,7 +363,7 @@ def test_harness_scores_a_fake_server_and_applies_the_floor(tmp_path):
     test, train = _dataset(20, 5)
     data = _write_data(tmp_path, test, train)
     answers = _answers(test, n_correct=15)
-    answers[test[19].question] = " I cannot tell."          # an invalid answer (and wrong)
+    answers[test[19].question] = " I cannot tell."  # an invalid answer (and wrong)
     with FakeOpenAIServer("fake/model", answers, fail_questions=[test[18].question]) as srv:
         cfg = _cfg(num_questions=20, num_fewshot=5, max_concurrency=4)
         samples = tmp_path / "samples.jsonl"
@@ -355,11 +393,21 @@ def test_cli_against_base_url_exit_codes_and_json(tmp_path):
     test, train = _dataset(10, 2)
     data = _write_data(tmp_path, test, train)
     cfg_path = tmp_path / "cfg.yaml"
-    cfg_path.write_text(yaml.safe_dump(good_dict(num_questions=10, num_fewshot=2,
-                                                 accuracy_threshold=0.9)))
+    cfg_path.write_text(
+        yaml.safe_dump(good_dict(num_questions=10, num_fewshot=2, accuracy_threshold=0.9))
+    )
     out = tmp_path / "res.json"
-    common = ["--config", str(cfg_path), "--data-dir", data, "--log-dir", str(tmp_path / "logs"),
-              "--json", str(out), "--quiet"]
+    common = [
+        "--config",
+        str(cfg_path),
+        "--data-dir",
+        data,
+        "--log-dir",
+        str(tmp_path / "logs"),
+        "--json",
+        str(out),
+        "--quiet",
+    ]
     with FakeOpenAIServer("fake/model", _answers(test, 9, style="answer_is")) as srv:
         assert run_gsm8k.main(common + ["--base-url", srv.base_url + "/v1"]) == 0
     doc = json.loads(out.read_text())
@@ -378,16 +426,24 @@ def test_cli_config_errors_exit_2(tmp_path, capsys):
     bad.write_text(yaml.safe_dump(good_dict(max_concurrency="32")))
     assert run_gsm8k.main(["--config", str(bad), "--validate-only"]) == 2
     assert "key 'max_concurrency' must be int" in capsys.readouterr().err
-    assert run_gsm8k.main(["--config-list", os.path.join(CONFIGS, "models-hisparse.txt"),
-                           "--validate-only"]) == 0
+    assert (
+        run_gsm8k.main(
+            ["--config-list", os.path.join(CONFIGS, "models-hisparse.txt"), "--validate-only"]
+        )
+        == 0
+    )
 
 
 def test_wrong_model_name_on_server_is_reported(tmp_path):
     test, train = _dataset(3, 0)
     data = _write_data(tmp_path, test, train)
     with FakeOpenAIServer("other/model") as srv:
-        res = evaluate(_cfg(num_questions=3, num_fewshot=0, startup_max_wait_seconds=0.5),
-                       srv.base_url, data_dir=data, quiet=True)
+        res = evaluate(
+            _cfg(num_questions=3, num_fewshot=0, startup_max_wait_seconds=0.5),
+            srv.base_url,
+            data_dir=data,
+            quiet=True,
+        )
     assert not res.passed and "not ready" in res.error and "other/model" in res.error
 
 
@@ -398,13 +454,23 @@ def test_harness_starts_and_stops_the_server(tmp_path):
     data = _write_data(tmp_path, test, train)
     ans = tmp_path / "answers.json"
     ans.write_text(json.dumps(_answers(test, 8)))
-    cfg = _cfg(num_questions=8, num_fewshot=2, accuracy_threshold=1.0,
-               server_args=f"--ready-after 1.0 --answers {ans} --enforce-eager "
-                           "--kv-transfer-config '{\"kv_connector\":\"HiSparseConnector\"}'")
+    cfg = _cfg(
+        num_questions=8,
+        num_fewshot=2,
+        accuracy_threshold=1.0,
+        server_args=f"--ready-after 1.0 --answers {ans} --enforce-eager "
+        '--kv-transfer-config \'{"kv_connector":"HiSparseConnector"}\'',
+    )
     serve_cmd = f"{sys.executable} {FAKE_SERVER}"
     t0 = time.monotonic()
-    res = run_config(cfg, serve_cmd=serve_cmd, log_dir=str(tmp_path / "logs"),
-                     check_gpus=False, data_dir=data, quiet=True)
+    res = run_config(
+        cfg,
+        serve_cmd=serve_cmd,
+        log_dir=str(tmp_path / "logs"),
+        check_gpus=False,
+        data_dir=data,
+        quiet=True,
+    )
     assert res.error is None, res.error
     assert res.passed and res.correct == 8 and res.startup_s >= 0.9
     assert time.monotonic() - t0 < 30
@@ -431,34 +497,60 @@ def test_server_crash_and_startup_timeout_fail_fast(tmp_path):
     test, train = _dataset(2, 0)
     data = _write_data(tmp_path, test, train)
     serve_cmd = f"{sys.executable} {FAKE_SERVER}"
-    crash = _cfg(num_questions=2, num_fewshot=0, startup_max_wait_seconds=60,
-                 server_args="--ready-after 100 --exit-after 0.5")
+    crash = _cfg(
+        num_questions=2,
+        num_fewshot=0,
+        startup_max_wait_seconds=60,
+        server_args="--ready-after 100 --exit-after 0.5",
+    )
     t0 = time.monotonic()
-    res = run_config(crash, serve_cmd=serve_cmd, log_dir=str(tmp_path / "l1"), check_gpus=False,
-                     data_dir=data, quiet=True)
+    res = run_config(
+        crash,
+        serve_cmd=serve_cmd,
+        log_dir=str(tmp_path / "l1"),
+        check_gpus=False,
+        data_dir=data,
+        quiet=True,
+    )
     assert not res.passed and "exited during startup" in res.error
     assert time.monotonic() - t0 < 20
-    slow = _cfg(num_questions=2, num_fewshot=0, startup_max_wait_seconds=1,
-                server_args="--ready-after 100")
-    res = run_config(slow, serve_cmd=serve_cmd, log_dir=str(tmp_path / "l2"), check_gpus=False,
-                     data_dir=data, quiet=True)
+    slow = _cfg(
+        num_questions=2, num_fewshot=0, startup_max_wait_seconds=1, server_args="--ready-after 100"
+    )
+    res = run_config(
+        slow,
+        serve_cmd=serve_cmd,
+        log_dir=str(tmp_path / "l2"),
+        check_gpus=False,
+        data_dir=data,
+        quiet=True,
+    )
     assert not res.passed and "not ready after 1 s" in res.error and "log tail" in res.error
-    missing = run_config(crash, serve_cmd="/nonexistent/vllm serve", log_dir=str(tmp_path / "l3"),
-                         check_gpus=False, data_dir=data, quiet=True)
+    missing = run_config(
+        crash,
+        serve_cmd="/nonexistent/vllm serve",
+        log_dir=str(tmp_path / "l3"),
+        check_gpus=False,
+        data_dir=data,
+        quiet=True,
+    )
     assert not missing.passed and "cannot start" in missing.error
 
 
 def test_too_few_gpus_refuses_to_start(tmp_path, monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
-    res = run_config(load_config(GLM), serve_cmd="/nonexistent/vllm serve",
-                     log_dir=str(tmp_path), quiet=True)
+    res = run_config(
+        load_config(GLM), serve_cmd="/nonexistent/vllm serve", log_dir=str(tmp_path), quiet=True
+    )
     assert not res.passed and "needs 4 GPUs" in res.error and "2 visible" in res.error
 
 
 def test_dataset_download_pages_and_caches(tmp_path):
     test, train = _dataset(250, 7)
-    rows = {"test": [{"question": e.question, "answer": e.answer} for e in test],
-            "train": [{"question": e.question, "answer": e.answer} for e in train]}
+    rows = {
+        "test": [{"question": e.question, "answer": e.answer} for e in test],
+        "train": [{"question": e.question, "answer": e.answer} for e in train],
+    }
     cache = str(tmp_path / "cache")
     with FakeOpenAIServer("m", rows=rows) as srv:
         got = load_split("test", limit=None, cache_dir=cache, base_url=srv.base_url + "/rows")
@@ -466,7 +558,9 @@ def test_dataset_download_pages_and_caches(tmp_path):
     assert got == test and shots == train[:5]
     assert os.path.isfile(os.path.join(cache, "test.jsonl"))
     # the server is gone: the cache answers
-    assert load_split("test", limit=100, cache_dir=cache, base_url="http://127.0.0.1:9") == test[:100]
+    assert (
+        load_split("test", limit=100, cache_dir=cache, base_url="http://127.0.0.1:9") == test[:100]
+    )
     with pytest.raises(DatasetError, match="failed"):
         load_split("train", limit=50, cache_dir=cache, base_url="http://127.0.0.1:9/rows")
     with pytest.raises(DatasetError, match="not found"):
@@ -493,11 +587,13 @@ def test_hisparse_counters_are_scraped_into_the_result(tmp_path):
     with FakeOpenAIServer("fake/model", _answers(test, 4), metrics_text=_METRICS) as srv:
         res = evaluate(cfg, srv.base_url, data_dir=data, quiet=True)
     assert res.passed
-    assert res.hisparse_metrics == {"vllm:hisparse_cache_hits": 2000.0,
-                                    "vllm:hisparse_cache_misses": 42.0,
-                                    "vllm:hisparse_host_to_device_bytes": 48384.0}
+    assert res.hisparse_metrics == {
+        "vllm:hisparse_cache_hits": 2000.0,
+        "vllm:hisparse_cache_misses": 42.0,
+        "vllm:hisparse_host_to_device_bytes": 48384.0,
+    }
     assert "cache_hits 2000" in res.summary_line()
-    with FakeOpenAIServer("fake/model", _answers(test, 4)) as srv:     # no /metrics route
+    with FakeOpenAIServer("fake/model", _answers(test, 4)) as srv:  # no /metrics route
         res = evaluate(cfg, srv.base_url, data_dir=data, quiet=True)
     assert res.passed and res.hisparse_metrics == {}
     assert "no vllm:hisparse_* metrics exported" in res.summary_line()
@@ -507,8 +603,11 @@ def test_config_naming_vllms_in_tree_connector_for_this_package_is_refused(tmp_p
     """vLLM 0.32 routes the name HiSparseConnector to its own CUDA path even with our module
     path: a nightly config saying so would never load this package."""
     p = tmp_path / "bad.yaml"
-    text = open(DSV).read().replace('"kv_connector":"HiSparseOOTConnector"',
-                                         '"kv_connector":"HiSparseConnector"')
+    text = (
+        open(DSV)
+        .read()
+        .replace('"kv_connector":"HiSparseOOTConnector"', '"kv_connector":"HiSparseConnector"')
+    )
     assert '"HiSparseConnector"' in text
     p.write_text(text)
     with pytest.raises(ConfigError, match="use 'HiSparseOOTConnector'"):

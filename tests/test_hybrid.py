@@ -14,10 +14,25 @@ from hisparse.engine.kvstore import HiSparseKV
 
 # Outputs longer than prompts so that resident requests grow into new pages mid-request; jittered
 # lengths so that some finish early and free pages for spilled ones to come back.
-BASE = dict(num_layers=2, index_share=1, top_k=16, hot_size=16, hidden=32, vocab=128,
-            indexer_dim=16, drift=0.5, recent_window=4, prompt_len=40, output_len=64,
-            length_jitter=0.75, num_requests=10, max_running=4, block_size=8, metrics_interval=4)
-PRESSURE_PAGES = 18   # 4 requests need up to 4 * 13 = 52 pages at max context
+BASE = dict(
+    num_layers=2,
+    index_share=1,
+    top_k=16,
+    hot_size=16,
+    hidden=32,
+    vocab=128,
+    indexer_dim=16,
+    drift=0.5,
+    recent_window=4,
+    prompt_len=40,
+    output_len=64,
+    length_jitter=0.75,
+    num_requests=10,
+    max_running=4,
+    block_size=8,
+    metrics_interval=4,
+)
+PRESSURE_PAGES = 18  # 4 requests need up to 4 * 13 = 52 pages at max context
 
 
 @pytest.fixture(scope="module")
@@ -96,6 +111,7 @@ def test_always_host_switch_keeps_todays_mode(cfg):
 
 # ---- planted faults: each must break parity --------------------------------------------------
 
+
 def _broken(cfg, resident):
     hy = run_workload(hybrid(cfg), mode="hisparse", record_attention=True)
     return compare_runs(resident, hy)
@@ -152,8 +168,13 @@ def test_hybrid_on_cuda_is_bit_identical_to_resident_and_to_cpu(cfg, spilled):
     res = run_workload(cfg, mode="resident", device="cuda", record_attention=True)
     for c in (hybrid(cfg), hybrid(cfg, 14), hybrid(cfg.replace(recent_window=0), 18)):
         hy = run_workload(c, mode="hisparse", device="cuda", record_attention=True)
-        ref = res if c.recent_window == cfg.recent_window else run_workload(
-            c.replace(residency="host"), mode="resident", device="cuda", record_attention=True)
+        ref = (
+            res
+            if c.recent_window == cfg.recent_window
+            else run_workload(
+                c.replace(residency="host"), mode="resident", device="cuda", record_attention=True
+            )
+        )
         assert compare_runs(ref, hy).ok, compare_runs(ref, hy).describe()
         assert hy.stats.mid_request_spills >= 1 and hy.stats.returned_requests >= 1
     assert res.tokens == spilled.tokens
@@ -168,8 +189,11 @@ def test_spill_counters_reach_a_prometheus_scrape(cfg, resident):
 
     exp = HiSparseMetricsExporter()
     hy = run_workload(hybrid(cfg), mode="hisparse", metrics=exp)
-    got = {s.name: s.value for fam in text_string_to_metric_families(exp.render().decode())
-           for s in fam.samples}
+    got = {
+        s.name: s.value
+        for fam in text_string_to_metric_families(exp.render().decode())
+        for s in fam.samples
+    }
     s = hy.stats
     assert got["vllm:hisparse_spilled_requests_total"] == s.spilled_requests > 0
     assert got["vllm:hisparse_spilled_rows_total"] == s.spilled_rows

@@ -7,9 +7,20 @@ import pytest
 from hisparse import cli
 from hisparse.plan import PlanInputs, compute, hybrid_resident
 
-SMALL = dict(layers=4, row_bytes=32, top_k=8, index_share=2, indexer_key_bytes=8,
-             gpu_mem_gib=1 / 1024, host_mem_gib=8 / 1024, context=1000, hot_size=16,
-             miss_rate=0.25, pcie_gbps=1.0, batch=10)
+SMALL = dict(
+    layers=4,
+    row_bytes=32,
+    top_k=8,
+    index_share=2,
+    indexer_key_bytes=8,
+    gpu_mem_gib=1 / 1024,
+    host_mem_gib=8 / 1024,
+    context=1000,
+    hot_size=16,
+    miss_rate=0.25,
+    pcie_gbps=1.0,
+    batch=10,
+)
 
 
 def test_small_case_by_hand():
@@ -17,8 +28,8 @@ def test_small_case_by_hand():
     hy = compute(PlanInputs(**SMALL))["hybrid"]
     # 10 running: (1_048_576 - 10 * 18_048) // (144_000 - 18_048) = 6 stay resident
     assert (hy["resident"], hy["spilled"]) == (6, 4)
-    assert hy["host_pool_bytes"] == 4 * 128_000               # only spilled requests use the pool
-    assert hy["h2d_bytes"] == 4 * 2 * 4 * 32                  # 2 misses/request/group x 4 layers
+    assert hy["host_pool_bytes"] == 4 * 128_000  # only spilled requests use the pool
+    assert hy["h2d_bytes"] == 4 * 2 * 4 * 32  # 2 misses/request/group x 4 layers
     assert hy["h2d_ms"] == pytest.approx(hy["h2d_bytes"] / 1e9 * 1e3)
     assert hy["spills_above"] == 7 and hy["max_concurrency"] == 58
     assert hy["limited_by"].startswith("GPU")
@@ -33,9 +44,22 @@ def test_host_limit_is_looser_than_always_host():
 
 
 def test_deepseek_batch_30_by_hand(capsys):
-    r = compute(PlanInputs(layers=61, row_bytes=656, top_k=2048, index_share=1,
-                           indexer_key_bytes=132, gpu_mem_gib=40, host_mem_gib=256, context=40960,
-                           hot_size=4096, miss_rate=0.05, pcie_gbps=46, batch=30))
+    r = compute(
+        PlanInputs(
+            layers=61,
+            row_bytes=656,
+            top_k=2048,
+            index_share=1,
+            indexer_key_bytes=132,
+            gpu_mem_gib=40,
+            host_mem_gib=256,
+            context=40960,
+            hot_size=4096,
+            miss_rate=0.05,
+            pcie_gbps=46,
+            batch=30,
+        )
+    )
     hy = r["hybrid"]
     # (42_949_672_960 - 30 * 493_715_456) // (1_968_865_280 - 493_715_456) = 19
     assert (hy["resident"], hy["spilled"]) == (19, 11)
@@ -49,4 +73,4 @@ def test_deepseek_batch_30_by_hand(capsys):
 def test_batch_past_the_gpu_budget():
     hy = compute(PlanInputs(**{**SMALL, "batch": 100}))["hybrid"]
     assert hy["resident"] is None and hy["h2d_bytes"] is None
-    assert hybrid_resident(1, 10**9, 10, 10) == 1   # nothing to save: everyone stays resident
+    assert hybrid_resident(1, 10**9, 10, 10) == 1  # nothing to save: everyone stays resident

@@ -35,12 +35,15 @@ def test_limits_and_the_cli_import_without_torch():
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 
 
-@pytest.mark.parametrize("value, message", [
-    (1.5, "n must be an integer, got float 1.5"),
-    (True, "n must be an integer, got bool True"),
-    (-1, "n must be >= 0, got -1"),
-    (9, "n must be <= 8, got 9"),
-])
+@pytest.mark.parametrize(
+    "value, message",
+    [
+        (1.5, "n must be an integer, got float 1.5"),
+        (True, "n must be an integer, got bool True"),
+        (-1, "n must be >= 0, got -1"),
+        (9, "n must be <= 8, got 9"),
+    ],
+)
 def test_check_int_names_the_argument_in_one_line(value, message):
     with pytest.raises(ValueError) as e:
         limits.check_int("n", value, 0, 8)
@@ -57,8 +60,13 @@ def test_empty_residency_is_what_invalidate_leaves():
     slot_keys, lru = empty_residency(3, 5)
     assert slot_keys.dtype == torch.int32 and lru.dtype == torch.int16
     assert slot_keys.tolist() == [[-1] * 5] * 3 and lru.tolist() == [list(range(5))] * 3
-    dirty = lambda: (torch.arange(15, dtype=torch.int32).reshape(3, 5),  # noqa: E731
-                     torch.arange(4, -1, -1, dtype=torch.int16).repeat(3, 1))
+
+    def dirty():
+        return (
+            torch.arange(15, dtype=torch.int32).reshape(3, 5),
+            torch.arange(4, -1, -1, dtype=torch.int16).repeat(3, 1),
+        )
+
     reset = dirty()
     reset_residency(*reset)
     assert torch.equal(reset[0], slot_keys) and torch.equal(reset[1], lru)

@@ -38,8 +38,11 @@ def unknown_names(text: str) -> set:
 
 
 def _docs():
-    files = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")),
-             *sorted((ROOT / "dashboards").glob("*.json"))]
+    files = [
+        ROOT / "README.md",
+        *sorted((ROOT / "docs").glob("*.md")),
+        *sorted((ROOT / "dashboards").glob("*.json")),
+    ]
     return [p for p in files if p.exists()]
 
 
@@ -53,8 +56,10 @@ def test_docs_readme_and_dashboard_name_only_exported_metrics():
 
 
 def test_source_names_only_exported_metrics():
-    src = {str(p.relative_to(ROOT)): sorted(unknown_names(p.read_text()))
-           for p in (ROOT / "hisparse").rglob("*.py")}
+    src = {
+        str(p.relative_to(ROOT)): sorted(unknown_names(p.read_text()))
+        for p in (ROOT / "hisparse").rglob("*.py")
+    }
     assert not {k: v for k, v in src.items() if v}
 
 
@@ -71,12 +76,18 @@ def test_dashboard_counters_are_queried_with_the_total_suffix():
     dash = json.loads((ROOT / "dashboards" / "hisparse.json").read_text())
     exprs = " ".join(t["expr"] for p in dash["panels"] for t in p["targets"])
     for full in _NAME.findall(exprs):
-        if _base(full) in {"vllm:hisparse_cache_hits", "vllm:hisparse_cache_misses",
-                           "vllm:hisparse_host_to_device_bytes"}:
+        if _base(full) in {
+            "vllm:hisparse_cache_hits",
+            "vllm:hisparse_cache_misses",
+            "vllm:hisparse_host_to_device_bytes",
+        }:
             assert full.endswith("_total"), f"counter queried without _total: {full}"
 
 
 def test_the_check_catches_the_upstream_drift():
     # The upstream description's names: the check must flag them.
-    text = "scrape vllm:hisparse_hits and vllm:hisparse_lookups_total and vllm:hisparse_cache_hits_total"
+    text = (
+        "scrape vllm:hisparse_hits and vllm:hisparse_lookups_total and "
+        "vllm:hisparse_cache_hits_total"
+    )
     assert unknown_names(text) == {"vllm:hisparse_hits", "vllm:hisparse_lookups"}

@@ -7,10 +7,10 @@ import urllib.request
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from telemetry_helpers import Workload, make_pair
 
 from hisparse.connector import HiSparseConnector
 from hisparse.metrics import HiSparseMetricsExporter
-from telemetry_helpers import Workload, make_pair
 
 
 def _scrape(port):
@@ -71,7 +71,10 @@ def test_exporter_lifecycle_and_errors():
         blocked.start(port)
     ex.observe(None)
     ex.observe({"hits": [2], "misses": [1], "host_to_device_bytes": [16]}, 3)
-    assert _scrape(port)[("vllm:hisparse_cache_hits_total", (("engine", "3"), ("model_name", "m")))] == 2
+    assert (
+        _scrape(port)[("vllm:hisparse_cache_hits_total", (("engine", "3"), ("model_name", "m")))]
+        == 2
+    )
     ex.stop()
     ex.stop()
     with pytest.raises(OSError):
@@ -81,4 +84,4 @@ def test_exporter_lifecycle_and_errors():
     # Two exporters never collide: each owns its registry.
     a, b = HiSparseMetricsExporter(), HiSparseMetricsExporter()
     a.observe({"hits": [5], "misses": [0], "host_to_device_bytes": [0]})
-    assert b"vllm:hisparse_cache_hits_total{engine=\"0\",model_name=\"hisparse\"} 0.0" in b.render()
+    assert b'vllm:hisparse_cache_hits_total{engine="0",model_name="hisparse"} 0.0' in b.render()

@@ -7,10 +7,10 @@ import json
 import struct
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
 import torch
 
 from hisparse.engine.model import Model
@@ -29,14 +29,17 @@ _DT = {"F32": torch.float32, "F64": torch.float64, "I64": torch.int64}
 def _read_safetensors(path: Path) -> dict:
     raw = path.read_bytes()
     (n,) = struct.unpack("<Q", raw[:8])
-    header = json.loads(raw[8:8 + n])
+    header = json.loads(raw[8 : 8 + n])
     header.pop("__metadata__", None)
-    body = raw[8 + n:]
+    body = raw[8 + n :]
     out = {}
     for name, h in header.items():
         a, b = h["data_offsets"]
-        t = torch.frombuffer(bytearray(body[a:b]), dtype=_DT[h["dtype"]]) if b > a else \
-            torch.empty(0, dtype=_DT[h["dtype"]])
+        t = (
+            torch.frombuffer(bytearray(body[a:b]), dtype=_DT[h["dtype"]])
+            if b > a
+            else torch.empty(0, dtype=_DT[h["dtype"]])
+        )
         out[name] = t.reshape(h["shape"])
     return out
 
@@ -62,17 +65,23 @@ def test_tokenizer_is_one_token_per_byte_plus_end_of_text(tmp_path):
     vocab = tok["model"]["vocab"]
     assert sorted(vocab.values()) == list(range(256)) and tok["model"]["merges"] == []
     assert all(len(c) == 1 and not c.isspace() for c in vocab)
-    assert tok["added_tokens"][0] == {**tok["added_tokens"][0], "id": 256,
-                                      "content": "<|endoftext|>"}
+    assert tok["added_tokens"][0] == {
+        **tok["added_tokens"][0],
+        "id": 256,
+        "content": "<|endoftext|>",
+    }
     cfg = json.loads((d / "tokenizer_config.json").read_text())
     assert cfg["eos_token"] == "<|endoftext|>" and "chat_template" in cfg
 
 
-@pytest.mark.parametrize("kw, msg", [
-    (dict(vocab=100), "vocab must be >= 257"),
-    (dict(top_k=0), "top_k"),
-    (dict(hot=3), "hot is not a model setting"),
-])
+@pytest.mark.parametrize(
+    "kw, msg",
+    [
+        (dict(vocab=100), "vocab must be >= 257"),
+        (dict(top_k=0), "top_k"),
+        (dict(hot=3), "hot is not a model setting"),
+    ],
+)
 def test_bad_model_settings_are_named(kw, msg):
     with pytest.raises(ExportError, match=msg):
         model_config(128, **kw)
@@ -80,18 +89,26 @@ def test_bad_model_settings_are_named(kw, msg):
 
 def test_cli_export_and_its_errors(tmp_path):
     def run(*args):
-        return subprocess.run([sys.executable, "-m", "hisparse", "export-model", *args],
-                              capture_output=True, text=True, cwd=tmp_path, timeout=120)
+        return subprocess.run(
+            [sys.executable, "-m", "hisparse", "export-model", *args],
+            capture_output=True,
+            text=True,
+            cwd=tmp_path,
+            timeout=120,
+        )
 
     ok = run(str(tmp_path / "out"), "--layers", "2", "--top-k", "8", "--max-model-len", "64")
     assert ok.returncode == 0, ok.stderr
     assert (tmp_path / "out" / "model.safetensors").is_file()
-    for args, msg in [(["x", "--index-share", "3", "--layers", "2"], "--index-share (3)"),
-                      (["x", "--vocab", "12"], "--vocab"),
-                      ([str(tmp_path / "out" / "config.json")], "not a directory")]:
+    for args, msg in [
+        (["x", "--index-share", "3", "--layers", "2"], "--index-share (3)"),
+        (["x", "--vocab", "12"], "--vocab"),
+        ([str(tmp_path / "out" / "config.json")], "not a directory"),
+    ]:
         r = run(*args)
-        assert r.returncode == 2 and msg in r.stderr and len(r.stderr.strip().splitlines()) == 1, \
+        assert r.returncode == 2 and msg in r.stderr and len(r.stderr.strip().splitlines()) == 1, (
             r.stderr
+        )
     assert not (tmp_path / "x").exists()
 
 

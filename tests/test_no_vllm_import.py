@@ -23,8 +23,14 @@ def _run(code: str, tmp_path: Path, fake_vllm: str | None = None, env_extra=None
         paths.insert(0, str(tmp_path / "fake"))
     env["PYTHONPATH"] = os.pathsep.join(paths + [env.get("PYTHONPATH", "")])
     env.update(env_extra or {})
-    r = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, cwd=tmp_path,
-                       capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     return r.stdout
 
@@ -34,17 +40,23 @@ _EXPLODING = "raise RuntimeError('vllm was imported')\n"
 
 
 def test_import_hisparse_never_imports_vllm(tmp_path):
-    out = _run("""
+    out = _run(
+        """
         import sys
         import hisparse, hisparse.config, hisparse.runtime, hisparse.ops
-        assert not any(m == 'vllm' or m.startswith('vllm.') for m in sys.modules), sorted(sys.modules)
+        loaded = [m for m in sys.modules if m == 'vllm' or m.startswith('vllm.')]
+        assert not loaded, sorted(sys.modules)
         print('ok')
-    """, tmp_path, fake_vllm=_EXPLODING)
+    """,
+        tmp_path,
+        fake_vllm=_EXPLODING,
+    )
     assert out.strip() == "ok"
 
 
 def test_broken_vllm_falls_back_to_own_bases(tmp_path):
-    out = _run("""
+    out = _run(
+        """
         from hisparse import _vllm_compat as c
         from hisparse.connector import HiSparseConnector
         from hisparse.stats import HiSparseKVConnectorStats
@@ -53,19 +65,27 @@ def test_broken_vllm_falls_back_to_own_bases(tmp_path):
         assert issubclass(HiSparseKVConnectorStats, c.KVConnectorStats)
         assert HiSparseKVConnectorStats.__mro__[1].__module__ == 'hisparse._vllm_compat'
         print('ok')
-    """, tmp_path, fake_vllm=_EXPLODING)
+    """,
+        tmp_path,
+        fake_vllm=_EXPLODING,
+    )
     assert out.strip() == "ok"
 
 
 def test_no_vllm_env_skips_vllm_entirely(tmp_path):
-    out = _run("""
+    out = _run(
+        """
         import sys
         import hisparse.connector, hisparse.metrics, hisparse.worker
         from hisparse import _vllm_compat as c
         assert not c.HAVE_VLLM and c.VLLM_UNAVAILABLE_REASON == 'HISPARSE_NO_VLLM is set'
         assert 'vllm' not in sys.modules
         print('ok')
-    """, tmp_path, fake_vllm=_EXPLODING, env_extra={"HISPARSE_NO_VLLM": "1"})
+    """,
+        tmp_path,
+        fake_vllm=_EXPLODING,
+        env_extra={"HISPARSE_NO_VLLM": "1"},
+    )
     assert out.strip() == "ok"
 
 
@@ -125,7 +145,8 @@ def test_subclasses_vllm_bases_when_vllm_imports(tmp_path):
     for rel, text in _FAKE_V1.items():
         (pkg / rel).parent.mkdir(parents=True, exist_ok=True)
         (pkg / rel).write_text(text)
-    out = _run("""
+    out = _run(
+        """
         import sys
         import hisparse
         assert 'vllm' not in sys.modules  # still nothing at package import
@@ -140,8 +161,12 @@ def test_subclasses_vllm_bases_when_vllm_imports(tmp_path):
         assert issubclass(HiSparseKVConnectorStats, metrics.KVConnectorStats)
         assert issubclass(HiSparsePromMetrics, metrics.KVConnectorPromMetrics)
         assert issubclass(HiSparseConnectorMetadata, base.KVConnectorMetadata)
-        c1 = HiSparseConnector.from_extra_config({'top_k': 4, 'device_buffer_size': 8}, base.KVConnectorRole.WORKER)
+        c1 = HiSparseConnector.from_extra_config({'top_k': 4, 'device_buffer_size': 8},
+                                                 base.KVConnectorRole.WORKER)
         assert c1.role is base.KVConnectorRole.WORKER and c1.worker is not None
         print('ok')
-    """, tmp_path, fake_vllm="")
+    """,
+        tmp_path,
+        fake_vllm="",
+    )
     assert out.strip() == "ok"

@@ -7,8 +7,8 @@ import sys
 
 import pytest
 import torch
-
 from helpers import new_plan, new_state
+
 from hisparse import _ext, ops  # noqa: F401  (registers the fakes)
 
 
@@ -23,19 +23,34 @@ def _resolve_args():
 def test_schemas_mark_mutated_arguments():
     schema = torch.ops.hisparse.hisparse_resolve_residency.default._schema
     mutated = [a.name for a in schema.arguments if a.alias_info and a.alias_info.is_write]
-    assert mutated == ["slot_keys", "lru", "stats", "out_rows", "miss_src", "miss_dst", "miss_count"]
+    assert mutated == [
+        "slot_keys",
+        "lru",
+        "stats",
+        "out_rows",
+        "miss_src",
+        "miss_dst",
+        "miss_count",
+    ]
     schema = torch.ops.hisparse.hisparse_gather.default._schema
     assert [a.name for a in schema.arguments if a.alias_info and a.alias_info.is_write] == [
-        "hot", "moved_bytes"]
+        "hot",
+        "moved_bytes",
+    ]
     schema = torch.ops.hisparse.hisparse_invalidate.default._schema
     assert [a.name for a in schema.arguments if a.alias_info and a.alias_info.is_write] == [
-        "slot_keys", "lru"]
+        "slot_keys",
+        "lru",
+    ]
 
 
 @pytest.mark.parametrize("test_utils", ["test_schema", "test_faketensor"])
 def test_opcheck_resolve(test_utils):
-    torch.library.opcheck(torch.ops.hisparse.hisparse_resolve_residency.default,
-                          _resolve_args(), test_utils=test_utils)
+    torch.library.opcheck(
+        torch.ops.hisparse.hisparse_resolve_residency.default,
+        _resolve_args(),
+        test_utils=test_utils,
+    )
 
 
 @pytest.mark.parametrize("test_utils", ["test_schema", "test_faketensor"])
@@ -45,16 +60,27 @@ def test_opcheck_gather_and_invalidate(test_utils):
     src = torch.tensor([[1, 2]], dtype=torch.int32)
     dst = torch.tensor([[3, 4]], dtype=torch.int32)
     count = torch.tensor([2], dtype=torch.int32)
-    torch.library.opcheck(torch.ops.hisparse.hisparse_gather.default,
-                          (host, hot, src, dst, count, None), test_utils=test_utils)
+    torch.library.opcheck(
+        torch.ops.hisparse.hisparse_gather.default,
+        (host, hot, src, dst, count, None),
+        test_utils=test_utils,
+    )
     slot_keys, lru, _ = new_state(2, 8)
-    torch.library.opcheck(torch.ops.hisparse.hisparse_invalidate.default,
-                          (slot_keys, lru, torch.tensor([1], dtype=torch.int32),
-                           torch.tensor([3], dtype=torch.int32)), test_utils=test_utils)
+    torch.library.opcheck(
+        torch.ops.hisparse.hisparse_invalidate.default,
+        (
+            slot_keys,
+            lru,
+            torch.tensor([1], dtype=torch.int32),
+            torch.tensor([3], dtype=torch.int32),
+        ),
+        test_utils=test_utils,
+    )
 
 
 def test_resolve_traces_under_fake_tensors():
     from torch._subclasses.fake_tensor import FakeTensorMode
+
     args = _resolve_args()
     with FakeTensorMode() as mode:
         fake = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args]
@@ -76,8 +102,8 @@ def test_import_survives_missing_extension(tmp_path):
         "sys.meta_path.insert(0, Block())\n"
         "import torch, hisparse, hisparse.ops as o\n"
         "try:\n"
-        "    o.invalidate(torch.zeros(1, 1, dtype=torch.int32), torch.zeros(1, 1, dtype=torch.int16),"
-        " torch.zeros(1, dtype=torch.int32))\n"
+        "    o.invalidate(torch.zeros(1, 1, dtype=torch.int32),"
+        " torch.zeros(1, 1, dtype=torch.int16), torch.zeros(1, dtype=torch.int32))\n"
         "except Exception as e:\n"
         "    print(type(e).__name__, e)\n"
     )
@@ -93,6 +119,7 @@ def test_cuda_call_without_cuda_backend_is_explained():
 
 
 def test_info_command_lists_backends():
-    out = subprocess.run([sys.executable, "-m", "hisparse", "info"], capture_output=True,
-                         text=True, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-m", "hisparse", "info"], capture_output=True, text=True, check=True
+    ).stdout
     assert "backends built" in out and "cpu" in out and torch.__version__ in out

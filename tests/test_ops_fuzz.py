@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import random
 
+import oracle
 import pytest
 import torch
 
-import oracle
 from hisparse import ops
 
 CALLS_PER_SEED = 250
@@ -21,12 +21,14 @@ ARG_ERROR = r"argument"
 
 # ---- tensor helpers ---------------------------------------------------------------------------
 
+
 def _i32(rows, shape):
     return torch.tensor(rows, dtype=torch.int32).reshape(shape)
 
 
 def _offset_view(t: torch.Tensor, rng: random.Random) -> torch.Tensor:
-    """The same values in a view that starts inside a larger allocation (legal for index tensors)."""
+    """The same values in a view that starts inside a larger allocation (legal for index
+    tensors)."""
     pad = rng.randint(1, 7)
     buf = torch.full((t.numel() + pad,), -99, dtype=t.dtype)
     v = buf[pad:].view(t.shape)
@@ -46,8 +48,11 @@ def _non_contiguous(t: torch.Tensor) -> torch.Tensor:
 
 
 def _other_dtype(t: torch.Tensor, rng: random.Random) -> torch.Tensor:
-    choices = [d for d in (torch.int32, torch.int64, torch.int16, torch.uint8, torch.float32,
-                           torch.uint64) if d != t.dtype]
+    choices = [
+        d
+        for d in (torch.int32, torch.int64, torch.int16, torch.uint8, torch.float32, torch.uint64)
+        if d != t.dtype
+    ]
     return t.to(rng.choice(choices))
 
 
@@ -88,6 +93,7 @@ def _expect_named_error(op_name, call, args, fragment, where):
 
 # ---- generic malformations ---------------------------------------------------------------------
 
+
 def _break_tensor(t: torch.Tensor, rng: random.Random):
     """One way to make a tensor argument invalid for any op: returns (tensor, how)."""
     how = rng.choice(["dtype", "rank", "shape", "stride", "meta", "none"])
@@ -110,8 +116,18 @@ def _break_tensor(t: torch.Tensor, rng: random.Random):
 
 # ---- resolve -----------------------------------------------------------------------------------
 
-NAMES_RESOLVE = ["top_k", "state_rows", "resident_rows", "slot_keys", "lru", "stats", "out_rows",
-                 "miss_src", "miss_dst", "miss_count"]
+NAMES_RESOLVE = [
+    "top_k",
+    "state_rows",
+    "resident_rows",
+    "slot_keys",
+    "lru",
+    "stats",
+    "out_rows",
+    "miss_src",
+    "miss_dst",
+    "miss_count",
+]
 
 
 def _valid_state(rng, S, H, num_keys):
@@ -144,13 +160,18 @@ def _resolve_case(rng):
 def _resolve_tensors(case):
     S, H, K, B, num_keys, hot_base, slot_keys, lru, top_k, state_rows, resident = case
     return [
-        _i32(top_k, (B, K)), _i32(state_rows, (B,)),
+        _i32(top_k, (B, K)),
+        _i32(state_rows, (B,)),
         None if resident is None else _i32(resident, (B, K)),
-        _i32(slot_keys, (S, H)), torch.tensor(lru, dtype=torch.int16).reshape(S, H),
+        _i32(slot_keys, (S, H)),
+        torch.tensor(lru, dtype=torch.int16).reshape(S, H),
         torch.tensor([5, 7], dtype=torch.uint64),
-        torch.full((B, K), -7, dtype=torch.int32), torch.full((B, K), -7, dtype=torch.int32),
-        torch.full((B, K), -7, dtype=torch.int32), torch.full((B,), -7, dtype=torch.int32),
-        num_keys, hot_base,
+        torch.full((B, K), -7, dtype=torch.int32),
+        torch.full((B, K), -7, dtype=torch.int32),
+        torch.full((B, K), -7, dtype=torch.int32),
+        torch.full((B,), -7, dtype=torch.int32),
+        num_keys,
+        hot_base,
     ]
 
 
@@ -159,20 +180,40 @@ def _check_resolve_against_oracle(case, t, where):
     o_keys = [list(r) for r in slot_keys]
     o_lru = [list(r) for r in lru]
     o_stats = [5, 7]
-    out, src, dst, cnt = oracle.resolve(top_k, state_rows, o_keys, o_lru, o_stats,
-                                        num_keys=num_keys, hot_base=hot_base, resident_rows=resident)
+    out, src, dst, cnt = oracle.resolve(
+        top_k,
+        state_rows,
+        o_keys,
+        o_lru,
+        o_stats,
+        num_keys=num_keys,
+        hot_base=hot_base,
+        resident_rows=resident,
+    )
     assert t[6].tolist() == out, where
     assert t[9].tolist() == cnt, where
     for r in range(B):
-        assert t[7][r, :cnt[r]].tolist() == src[r], where
-        assert t[8][r, :cnt[r]].tolist() == dst[r], where
+        assert t[7][r, : cnt[r]].tolist() == src[r], where
+        assert t[8][r, : cnt[r]].tolist() == dst[r], where
     assert t[3].tolist() == o_keys and t[4].tolist() == o_lru, where
     assert [int(x) for x in t[5].tolist()] == o_stats, where
 
 
 def _call_resolve(t):
-    ops.resolve_residency(t[0], t[1], t[3], t[4], t[5], t[6], t[7], t[8], t[9],
-                          num_keys=t[10], hot_base=t[11], resident_rows=t[2])
+    ops.resolve_residency(
+        t[0],
+        t[1],
+        t[3],
+        t[4],
+        t[5],
+        t[6],
+        t[7],
+        t[8],
+        t[9],
+        num_keys=t[10],
+        hot_base=t[11],
+        resident_rows=t[2],
+    )
 
 
 @pytest.mark.parametrize("seed", SEEDS)
@@ -222,12 +263,15 @@ def test_fuzz_resolve(seed):
             _check_resolve_against_oracle(case, t, where)
             valid += 1
             continue
-        _expect_named_error("hisparse_resolve_residency", lambda: _call_resolve(t), t, expect_name, where)
+        _expect_named_error(
+            "hisparse_resolve_residency", lambda: _call_resolve(t), t, expect_name, where
+        )
         errors += 1
     assert errors > CALLS_PER_SEED // 3 and valid > CALLS_PER_SEED // 4
 
 
 # ---- gather ------------------------------------------------------------------------------------
+
 
 def _row_view(rng, rows, row_bytes, *, fill):
     """A host/hot view: 2-D rows or 3-D blocks, possibly at a 16-aligned offset or strided
@@ -237,13 +281,20 @@ def _row_view(rng, rows, row_bytes, *, fill):
     if rng.random() < 0.5 and rows % 2 == 0:
         blocks, bs = rows // 2, 2
         buf = torch.zeros(pad_rows * stride + blocks * bs * stride, dtype=torch.uint8)
-        v = buf[pad_rows * stride:].as_strided((blocks, bs, row_bytes), (bs * stride, stride, 1))
+        v = buf[pad_rows * stride :].as_strided((blocks, bs, row_bytes), (bs * stride, stride, 1))
     else:
         buf = torch.zeros(pad_rows * stride + rows * stride, dtype=torch.uint8)
-        v = buf[pad_rows * stride:].as_strided((rows, row_bytes), (stride, 1))
+        v = buf[pad_rows * stride :].as_strided((rows, row_bytes), (stride, 1))
     if fill:
-        v.copy_(torch.randint(0, 256, v.shape, dtype=torch.uint8,
-                              generator=torch.Generator().manual_seed(rng.randrange(2**31))))
+        v.copy_(
+            torch.randint(
+                0,
+                256,
+                v.shape,
+                dtype=torch.uint8,
+                generator=torch.Generator().manual_seed(rng.randrange(2**31)),
+            )
+        )
     return v
 
 
@@ -261,12 +312,12 @@ def _gather_case(rng):
     # Destinations are distinct in every plan resolve writes (the contract for gather).
     dsts = list(range(-3, n_hot + 3))
     rng.shuffle(dsts)
-    picks = [d for d in dsts if not 0 <= d < n_hot][:B * K]
+    picks = [d for d in dsts if not 0 <= d < n_hot][: B * K]
     inside = [d for d in dsts if 0 <= d < n_hot]
     pool = inside + picks
     rng.shuffle(pool)
-    flat = (pool + [-1] * (B * K))[:B * K]
-    dst = [flat[r * K:(r + 1) * K] for r in range(B)]
+    flat = (pool + [-1] * (B * K))[: B * K]
+    dst = [flat[r * K : (r + 1) * K] for r in range(B)]
     cnt = [rng.randint(-2, K + 2) for _ in range(B)]
     return host, hot, src, dst, cnt
 
@@ -279,8 +330,14 @@ def test_fuzz_gather(seed):
         where = f"seed {seed} call {n}"
         host, hot, src, dst, cnt = _gather_case(rng)
         B, K = len(src), len(src[0])
-        args = [list(host), list(hot), _i32(src, (B, K)), _i32(dst, (B, K)), _i32(cnt, (B,)),
-                torch.zeros(1, dtype=torch.uint64)]
+        args = [
+            list(host),
+            list(hot),
+            _i32(src, (B, K)),
+            _i32(dst, (B, K)),
+            _i32(cnt, (B,)),
+            torch.zeros(1, dtype=torch.uint64),
+        ]
         if rng.random() < 0.3:
             for i in (2, 3, 4):
                 args[i] = _offset_view(args[i], rng)
@@ -302,7 +359,7 @@ def test_fuzz_gather(seed):
                 side = rng.randrange(2)
                 buf = torch.zeros(8 * rb + 16, dtype=torch.uint8)
                 off = rng.choice([1, 4, 8, 15])
-                args[side][layer] = buf[off:off + 8 * rb].view(8, rb)
+                args[side][layer] = buf[off : off + 8 * rb].view(8, rb)
                 expect = f"{'host' if side == 0 else 'hot'}[{layer}]"
             elif choice == 5:  # row bytes not a multiple of 16, or mismatched host/hot rows
                 if rng.random() < 0.5:
@@ -344,6 +401,7 @@ def test_fuzz_gather(seed):
 
 # ---- invalidate --------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("seed", SEEDS)
 def test_fuzz_invalidate(seed):
     rng = random.Random(seed)
@@ -355,8 +413,12 @@ def test_fuzz_invalidate(seed):
         N = rng.randint(0, 5)
         rows = [rng.randint(-2, S + 1) for _ in range(N)]
         keys = None if rng.random() < 0.4 else [rng.randint(-2, num_keys) for _ in range(N)]
-        args = [_i32(slot_keys, (S, H)), torch.tensor(lru, dtype=torch.int16).reshape(S, H),
-                _i32(rows, (N,)), None if keys is None else _i32(keys, (N,))]
+        args = [
+            _i32(slot_keys, (S, H)),
+            torch.tensor(lru, dtype=torch.int16).reshape(S, H),
+            _i32(rows, (N,)),
+            None if keys is None else _i32(keys, (N,)),
+        ]
         expect = None
         if rng.random() < 0.6:
             choice = rng.randrange(5)
@@ -381,6 +443,8 @@ def test_fuzz_invalidate(seed):
             assert args[0].tolist() == o_keys and args[1].tolist() == o_lru, where
             valid += 1
             continue
-        _expect_named_error("hisparse_invalidate", lambda: ops.invalidate(*args), args, expect, where)
+        _expect_named_error(
+            "hisparse_invalidate", lambda: ops.invalidate(*args), args, expect, where
+        )
         errors += 1
     assert errors > CALLS_PER_SEED // 4 and valid > CALLS_PER_SEED // 4

@@ -5,18 +5,28 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import new_plan, new_state
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from helpers import new_plan, new_state
 from hisparse import ops  # noqa: F401  (registers the fakes)
 
 RESOLVE = torch.ops.hisparse.hisparse_resolve_residency
 GATHER = torch.ops.hisparse.hisparse_gather
 INVALIDATE = torch.ops.hisparse.hisparse_invalidate
 
-RESOLVE_NAMES = ["top_k", "state_rows", "resident_rows", "slot_keys", "lru", "stats", "out_rows",
-                 "miss_src", "miss_dst", "miss_count"]
+RESOLVE_NAMES = [
+    "top_k",
+    "state_rows",
+    "resident_rows",
+    "slot_keys",
+    "lru",
+    "stats",
+    "out_rows",
+    "miss_src",
+    "miss_dst",
+    "miss_count",
+]
 
 
 def _resolve_args():
@@ -40,7 +50,12 @@ def _gather_args():
 def _invalidate_args():
     slot_keys, lru, _ = new_state(2, 8)
     slot_keys[1, 3] = 5
-    return [slot_keys, lru, torch.tensor([1], dtype=torch.int32), torch.tensor([5], dtype=torch.int32)]
+    return [
+        slot_keys,
+        lru,
+        torch.tensor([1], dtype=torch.int32),
+        torch.tensor([5], dtype=torch.int32),
+    ]
 
 
 def _cases():
@@ -61,8 +76,12 @@ CASES = list(_cases())
 
 def _with_meta(build, i, j):
     args = build()
-    snapshot = [[t.clone() for t in a] if isinstance(a, list) else
-                (a.clone() if isinstance(a, torch.Tensor) else a) for a in args]
+    snapshot = [
+        [t.clone() for t in a]
+        if isinstance(a, list)
+        else (a.clone() if isinstance(a, torch.Tensor) else a)
+        for a in args
+    ]
     if j is None:
         args[i] = args[i].to("meta")
     else:
@@ -76,7 +95,9 @@ def _flat(args):
         yield from (a if isinstance(a, list) else [a])
 
 
-@pytest.mark.parametrize("op, build, i, j, name", CASES, ids=[f"{c[0].__name__}-{c[4]}" for c in CASES])
+@pytest.mark.parametrize(
+    "op, build, i, j, name", CASES, ids=[f"{c[0].__name__}-{c[4]}" for c in CASES]
+)
 def test_one_meta_argument_is_a_named_error(op, build, i, j, name):
     args, before = _with_meta(build, i, j)
     with pytest.raises(RuntimeError, match=r"argument '[a-z_\[\]0-9]+' must be on ") as err:
@@ -93,13 +114,20 @@ def test_one_meta_argument_is_a_named_error(op, build, i, j, name):
             assert torch.equal(got, want)
 
 
-@pytest.mark.parametrize("op, build, i, j, name", CASES[:3] + CASES[10:11] + CASES[-2:],
-                         ids=lambda c: getattr(c, "__name__", str(c)))
+@pytest.mark.parametrize(
+    "op, build, i, j, name",
+    CASES[:3] + CASES[10:11] + CASES[-2:],
+    ids=lambda c: getattr(c, "__name__", str(c)),
+)
 def test_meta_argument_is_refused_under_fake_tensor_tracing(op, build, i, j, name):
     args, _ = _with_meta(build, i, j)
     with FakeTensorMode(allow_non_fake_inputs=False) as mode:
-        fake = [[mode.from_tensor(t) for t in a] if isinstance(a, list) else
-                (mode.from_tensor(a) if isinstance(a, torch.Tensor) else a) for a in args]
+        fake = [
+            [mode.from_tensor(t) for t in a]
+            if isinstance(a, list)
+            else (mode.from_tensor(a) if isinstance(a, torch.Tensor) else a)
+            for a in args
+        ]
         with pytest.raises(RuntimeError, match=r"must be on "):
             op(*fake)
 

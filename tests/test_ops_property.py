@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import random
 
+import oracle
 import torch
+from helpers import new_state, run_resolve, stats_list
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import oracle
-from helpers import new_state, run_resolve, stats_list
 from hisparse import ops
 
 
@@ -31,8 +31,13 @@ def workloads(draw):
             top_k = draw(st.lists(st.lists(keys, min_size=K, max_size=K), min_size=B, max_size=B))
             res = None
             if resident:
-                res = draw(st.lists(st.lists(st.sampled_from([-1, -1, -1, 7, 900]),
-                                             min_size=K, max_size=K), min_size=B, max_size=B))
+                res = draw(
+                    st.lists(
+                        st.lists(st.sampled_from([-1, -1, -1, 7, 900]), min_size=K, max_size=K),
+                        min_size=B,
+                        max_size=B,
+                    )
+                )
             steps.append(("resolve", state_rows, top_k, res))
         elif kind == "reset":
             steps.append(("reset", draw(st.lists(st.integers(-1, S), max_size=3)), None, None))
@@ -59,11 +64,25 @@ def check_against_oracle(K, H, S, num_keys, hot_base, steps):
             B = len(rows)
             res_t = _i32(res, (B, K)) if res is not None else None
             out, src, dst, count = run_resolve(
-                _i32(arg, (B, K)), _i32(rows, (B,)), slot_keys, lru, stats,
-                num_keys=num_keys, hot_base=hot_base, resident_rows=res_t)
+                _i32(arg, (B, K)),
+                _i32(rows, (B,)),
+                slot_keys,
+                lru,
+                stats,
+                num_keys=num_keys,
+                hot_base=hot_base,
+                resident_rows=res_t,
+            )
             e_out, e_src, e_dst, e_count = oracle.resolve(
-                arg, rows, o_keys, o_lru, o_stats, num_keys=num_keys, hot_base=hot_base,
-                resident_rows=res)
+                arg,
+                rows,
+                o_keys,
+                o_lru,
+                o_stats,
+                num_keys=num_keys,
+                hot_base=hot_base,
+                resident_rows=res,
+            )
             assert out.tolist() == (e_out if B else [])
             assert count.tolist() == e_count
             for r in range(B):
@@ -115,8 +134,9 @@ def test_hits_after_repeat_and_lru_order_example():
     # misses 10, 11 took slots 0, 1; LRU = unused evictable (2, 3) then filled (0, 1)
     assert slot_keys.tolist() == [[10, 11, -1, -1]]
     assert lru.tolist() == [[2, 3, 0, 1]]
-    out, src, dst, count = run_resolve(_i32([[11, 12, 12]]), _i32([0]), slot_keys, lru, stats,
-                                       num_keys=100)
+    out, src, dst, count = run_resolve(
+        _i32([[11, 12, 12]]), _i32([0]), slot_keys, lru, stats, num_keys=100
+    )
     # 11 hits slot 1; 12 misses into the oldest evictable slot 2; duplicates share it
     assert out.tolist() == [[1, 2, 2]]
     assert count.tolist() == [1] and src[0, :1].tolist() == [12] and dst[0, :1].tolist() == [2]
@@ -134,10 +154,16 @@ def gather_cases(draw):
     B = draw(st.integers(0, 3))
     K = draw(st.integers(1, 5))
     n_host = host_blocks * block_size
-    src = draw(st.lists(st.lists(st.integers(-2, n_host + 1), min_size=K, max_size=K),
-                        min_size=B, max_size=B))
-    dst = draw(st.lists(st.lists(st.integers(-2, hot_rows + 1), min_size=K, max_size=K),
-                        min_size=B, max_size=B))
+    src = draw(
+        st.lists(
+            st.lists(st.integers(-2, n_host + 1), min_size=K, max_size=K), min_size=B, max_size=B
+        )
+    )
+    dst = draw(
+        st.lists(
+            st.lists(st.integers(-2, hot_rows + 1), min_size=K, max_size=K), min_size=B, max_size=B
+        )
+    )
     count = draw(st.lists(st.integers(-1, K + 2), min_size=B, max_size=B))
     return L, row_bytes, block_size, host_blocks, hot_rows, B, K, src, dst, count
 
@@ -147,10 +173,14 @@ def gather_cases(draw):
 def test_gather_group_matches_oracle(case, seed):
     L, row_bytes, block_size, host_blocks, hot_rows, B, K, src, dst, count = case
     g = torch.Generator().manual_seed(seed)
-    hosts = [torch.randint(0, 256, (host_blocks, block_size, row_bytes), dtype=torch.uint8,
-                           generator=g) for _ in range(L)]
-    hots = [torch.randint(0, 256, (hot_rows, row_bytes), dtype=torch.uint8, generator=g)
-            for _ in range(L)]
+    hosts = [
+        torch.randint(0, 256, (host_blocks, block_size, row_bytes), dtype=torch.uint8, generator=g)
+        for _ in range(L)
+    ]
+    hots = [
+        torch.randint(0, 256, (hot_rows, row_bytes), dtype=torch.uint8, generator=g)
+        for _ in range(L)
+    ]
     expected_hot = []
     expected_moved = 0
     for host, hot in zip(hosts, hots):

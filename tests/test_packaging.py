@@ -11,7 +11,6 @@ import sys
 import pytest
 import setuptools
 import torch
-
 from engine_helpers import SMALL_FLAGS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -23,11 +22,20 @@ def setup_py():
     return runpy.run_path(SETUP, run_name="hisparse_setup_under_test")
 
 
-@pytest.mark.parametrize("version, std", [
-    ("2.4.1", "c++17"), ("2.10.0", "c++17"), ("2.13.0+cpu", "c++17"), ("2.13.1", "c++17"),
-    ("2.14.0", "c++20"), ("2.14.1+cu130", "c++20"), ("2.15.0", "c++20"), ("2.16.0a0+git1234", "c++20"),
-    ("3.0.0", "c++20"),
-])
+@pytest.mark.parametrize(
+    "version, std",
+    [
+        ("2.4.1", "c++17"),
+        ("2.10.0", "c++17"),
+        ("2.13.0+cpu", "c++17"),
+        ("2.13.1", "c++17"),
+        ("2.14.0", "c++20"),
+        ("2.14.1+cu130", "c++20"),
+        ("2.15.0", "c++20"),
+        ("2.16.0a0+git1234", "c++20"),
+        ("3.0.0", "c++20"),
+    ],
+)
 def test_cxx_standard_follows_torch(setup_py, version, std):
     assert setup_py["cxx_standard"](version) == std
 
@@ -46,7 +54,9 @@ def test_setup_passes_the_standard_to_the_compiler(monkeypatch, version, std):
     runpy.run_path(SETUP, run_name="__main__")
     (ext,) = captured["ext_modules"]
     assert f"-std={std}" in ext.extra_compile_args["cxx"]
-    assert not any(f.startswith("-std=") and f != f"-std={std}" for f in ext.extra_compile_args["cxx"])
+    assert not any(
+        f.startswith("-std=") and f != f"-std={std}" for f in ext.extra_compile_args["cxx"]
+    )
 
 
 def test_build_folder_persists_per_torch(setup_py):
@@ -70,7 +80,10 @@ def _pyproject():
 
 def test_runtime_dependencies_are_lean():
     p = _pyproject()
-    names = {d.split(">")[0].split("=")[0].split("<")[0].strip().lower() for d in p["project"]["dependencies"]}
+    names = {
+        d.split(">")[0].split("=")[0].split("<")[0].strip().lower()
+        for d in p["project"]["dependencies"]
+    }
     assert names == {"torch", "prometheus_client", "tqdm"}
     extras = p["project"]["optional-dependencies"]
     assert any(d.startswith("matplotlib") for d in extras["plot"])
@@ -93,7 +106,12 @@ def test_demo_needs_none_of_the_extras():
         "from hisparse import cli\n"
         "sys.exit(cli.main(sys.argv[1:]))\n"
     )
-    out = subprocess.run([sys.executable, "-c", code, "demo", *SMALL_FLAGS, "--no-progress"],
-                         capture_output=True, text=True, cwd=ROOT, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-c", code, "demo", *SMALL_FLAGS, "--no-progress"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     assert "parity (tokens + final hidden states)" in out.stdout and "OK" in out.stdout

@@ -19,8 +19,17 @@ if REPO not in sys.path:
 
 from evals.parity import run_parity as cli  # noqa: E402
 from evals.parity.parity import (  # noqa: E402
-    NEGATIVE_CONTROL, NEGATIVE_CONTROL_SCENARIO, SPILL_CONTROL_SCENARIO, ParityReport, Scenario, bit_identical_rows,
-    compare_pair, run_parity, scenarios, token_agreement)
+    NEGATIVE_CONTROL,
+    NEGATIVE_CONTROL_SCENARIO,
+    SPILL_CONTROL_SCENARIO,
+    ParityReport,
+    Scenario,
+    bit_identical_rows,
+    compare_pair,
+    run_parity,
+    scenarios,
+    token_agreement,
+)
 
 engine = pytest.importorskip("hisparse.engine")
 RUN_PARITY = os.path.join(REPO, "evals", "parity", "run_parity.py")
@@ -30,8 +39,13 @@ RUN_PARITY = os.path.join(REPO, "evals", "parity", "run_parity.py")
 def ci_report(tmp_path_factory):
     """The whole CI profile through the CLI, as a user runs it (script mode, JSON out)."""
     out = tmp_path_factory.mktemp("parity") / "parity.json"
-    proc = subprocess.run([sys.executable, RUN_PARITY, "--profile", "ci", "--json", str(out),
-                           "--quiet"], capture_output=True, text=True, timeout=600, cwd="/")
+    proc = subprocess.run(
+        [sys.executable, RUN_PARITY, "--profile", "ci", "--json", str(out), "--quiet"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd="/",
+    )
     return proc, json.loads(out.read_text()) if out.exists() else None
 
 
@@ -43,7 +57,8 @@ def test_ci_profile_passes_with_full_parity(ci_report):
     parity = [p for p in doc["pairs"] if p["kind"] == "parity"]
     assert len(doc["seeds"]) >= 3
     assert {(p["scenario"], p["seed"]) for p in parity} == {
-        (s.name, seed) for s in scenarios("ci") for seed in doc["seeds"]}
+        (s.name, seed) for s in scenarios("ci") for seed in doc["seeds"]
+    }
     for p in parity:
         assert p["identical_tokens"] == p["total_tokens"] > 0, p
         assert p["attention_rows_identical"] == p["attention_rows_total"] > 0, p
@@ -56,13 +71,13 @@ def test_ci_profile_passes_with_full_parity(ci_report):
 def test_ci_profile_covers_the_memory_pressure_cases(ci_report):
     _, doc = ci_report
     cov = [p["coverage"] for p in doc["pairs"] if p["kind"] == "parity"]
-    assert {c["index_share"] for c in cov} >= {1, 4}                      # groups of 1 and 4
-    assert any(c["hot_over_top_k"] == 1.0 for c in cov)                   # hot == top-k
-    assert max(c["context_over_hot"] for c in cov) >= 16                  # long contexts
-    assert all(c["evictions_lower_bound"] > 0 for c in cov)               # eviction everywhere
-    assert all(c["requests"] > c["state_rows"] for c in cov)              # state rows reused
-    assert {c["row_bytes"] for c in cov} == {656, 1152}                   # both row layouts
-    assert all(c["device_kv_ratio"] <= 0.25 for c in cov)                 # memory pressure
+    assert {c["index_share"] for c in cov} >= {1, 4}  # groups of 1 and 4
+    assert any(c["hot_over_top_k"] == 1.0 for c in cov)  # hot == top-k
+    assert max(c["context_over_hot"] for c in cov) >= 16  # long contexts
+    assert all(c["evictions_lower_bound"] > 0 for c in cov)  # eviction everywhere
+    assert all(c["requests"] > c["state_rows"] for c in cov)  # state rows reused
+    assert {c["row_bytes"] for c in cov} == {656, 1152}  # both row layouts
+    assert all(c["device_kv_ratio"] <= 0.25 for c in cov)  # memory pressure
 
 
 def test_negative_control_is_detected(ci_report):
@@ -80,20 +95,22 @@ def test_negative_control_is_detected(ci_report):
 
 # ----------------------------------------------------------------------------- can it fail?
 
+
 def test_bit_comparison_is_on_raw_bits():
     a = torch.tensor([[0.0, 1.0], [2.0, float("nan")]], dtype=torch.float64)
-    assert bit_identical_rows(a, a.clone()) == (2, 2)          # NaN with the same bits: equal
+    assert bit_identical_rows(a, a.clone()) == (2, 2)  # NaN with the same bits: equal
     b = a.clone()
-    b[0, 0] = -0.0                                             # == compares equal, bits differ
+    b[0, 0] = -0.0  # == compares equal, bits differ
     assert bit_identical_rows(a, b) == (1, 2)
     c = a.clone()
-    c[0, 1] = torch.nextafter(torch.tensor(1.0, dtype=torch.float64),
-                              torch.tensor(2.0, dtype=torch.float64))
-    assert bit_identical_rows(a, c) == (1, 2)                  # one ulp
-    assert bit_identical_rows(a, a[:1]) == (0, 2)              # shape mismatch
+    c[0, 1] = torch.nextafter(
+        torch.tensor(1.0, dtype=torch.float64), torch.tensor(2.0, dtype=torch.float64)
+    )
+    assert bit_identical_rows(a, c) == (1, 2)  # one ulp
+    assert bit_identical_rows(a, a[:1]) == (0, 2)  # shape mismatch
     assert bit_identical_rows(a.float(), a.float()) == (2, 2)
     assert token_agreement([[1, 2, 3], [4]], [[1, 2, 3], [4]]) == (4, 4)
-    assert token_agreement([[1, 2, 3], [4]], [[1, 9, 3]]) == (2, 4)   # missing request counts
+    assert token_agreement([[1, 2, 3], [4]], [[1, 9, 3]]) == (2, 4)  # missing request counts
 
 
 @pytest.fixture(scope="module")
@@ -116,10 +133,10 @@ def test_one_flipped_attention_bit_fails_parity(small_pair):
     name = sorted(hs.attention)[-1]
     att = {k: v.clone() for k, v in hs.attention.items()}
     bits = att[name].view(torch.int64)
-    bits[len(bits) // 2, 3] ^= 1                              # least significant mantissa bit
+    bits[len(bits) // 2, 3] ^= 1  # least significant mantissa bit
     bad = dataclasses.replace(hs, attention=att)
     pr = compare_pair(sc, cfg, res, bad, "parity")
-    assert pr.identical_tokens == pr.total_tokens              # tokens alone would not see it
+    assert pr.identical_tokens == pr.total_tokens  # tokens alone would not see it
     assert not pr.parity_ok and pr.verdict == "FAIL"
     assert pr.attention_rows_identical == pr.attention_rows_total - 1
     missing = dataclasses.replace(hs, attention=None)
@@ -144,8 +161,8 @@ def test_an_undetected_negative_control_fails_the_eval(small_pair):
     report = ParityReport(profile="ci", device="cpu", seeds=[7], pairs=[good, blind], wall_s=0)
     assert good.ok and not report.passed and report.negative_control_detected is False
     assert "NOT DETECTED" in report.table() and "overall FAIL" in report.table()
-    assert ParityReport("ci", "cpu", [7], [good], 0).passed          # control skipped: parity only
-    assert not ParityReport("ci", "cpu", [7], [], 0).passed          # nothing ran: not a pass
+    assert ParityReport("ci", "cpu", [7], [good], 0).passed  # control skipped: parity only
+    assert not ParityReport("ci", "cpu", [7], [], 0).passed  # nothing ran: not a pass
 
 
 def test_a_workload_that_stops_exercising_the_spill_path_fails(small_pair):
@@ -170,9 +187,13 @@ def test_a_workload_that_stops_exercising_the_spill_path_fails(small_pair):
 def hybrid_report(tmp_path_factory):
     """The hybrid CI profile through the CLI: spills and returns forced mid-request."""
     out = tmp_path_factory.mktemp("parity") / "hybrid.json"
-    proc = subprocess.run([sys.executable, RUN_PARITY, "--profile", "hybrid-ci", "--json",
-                           str(out), "--quiet"], capture_output=True, text=True, timeout=600,
-                          cwd="/")
+    proc = subprocess.run(
+        [sys.executable, RUN_PARITY, "--profile", "hybrid-ci", "--json", str(out), "--quiet"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd="/",
+    )
     return proc, json.loads(out.read_text()) if out.exists() else None
 
 
@@ -182,7 +203,8 @@ def test_hybrid_profile_passes_through_spills_and_returns(hybrid_report):
     assert doc["passed"] is True and doc["identical_token_pct"] == 100.0
     parity = [p for p in doc["pairs"] if p["kind"] == "parity"]
     assert {(p["scenario"], p["seed"]) for p in parity} == {
-        (s.name, seed) for s in scenarios("hybrid-ci") for seed in doc["seeds"]}
+        (s.name, seed) for s in scenarios("hybrid-ci") for seed in doc["seeds"]
+    }
     for p in parity:
         assert p["attention_rows_identical"] == p["attention_rows_total"] > 0, p
         assert p["hidden_identical"] and p["coverage_problems"] == [], p
@@ -198,7 +220,9 @@ def test_hybrid_profile_negative_controls_are_detected(hybrid_report):
     spill = [c for c in controls if "one row too few" in c["note"]]
     assert len(spill) == len(doc["seeds"])
     for c in controls:
-        assert c["scenario"] == (SPILL_CONTROL_SCENARIO if c in spill else NEGATIVE_CONTROL["hybrid-ci"])
+        assert c["scenario"] == (
+            SPILL_CONTROL_SCENARIO if c in spill else NEGATIVE_CONTROL["hybrid-ci"]
+        )
         assert c["parity_ok"] is False and c["ok"] is True
     assert "hybrid spill off by one): detected" in proc.stdout
 

@@ -17,7 +17,7 @@ def _section(title):
     text = _readme()
     start = text.index(f"## {title}\n")
     end = text.find("\n## ", start + 1)
-    return text[start:end if end >= 0 else None]
+    return text[start : end if end >= 0 else None]
 
 
 def _readme_commands():
@@ -46,10 +46,10 @@ def test_installing_names_the_cpu_index_with_the_same_pin():
     install, _ = _readme_commands()
     pin = re.search(r"torch==([0-9.]+)", install).group(1)
     text = _section("Installing")
-    assert (f"pip install torch=={pin} --index-url https://download.pytorch.org/whl/cpu" in text)
+    assert f"pip install torch=={pin} --index-url https://download.pytorch.org/whl/cpu" in text
     assert f"{pin}+cpu" in text
     # Next to a CUDA torch: build against it, never pin another torch there.
-    cuda_part = text[text.index("Next to a CUDA build"):text.index("**Extras.**")]
+    cuda_part = text[text.index("Next to a CUDA build") : text.index("**Extras.**")]
     assert "--no-build-isolation" in cuda_part and "torch==" not in cuda_part
 
 

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
+import oracle
 import pytest
 import torch
 
-import oracle
 from hisparse.binding import BindingError, PackedLayout, bind_layers
 from hisparse.host_pool import HostPool, HostPoolError, available_host_bytes
 from hisparse.runtime import HiSparseIndexGroup, HiSparseRuntime, StateRowAllocator
@@ -14,21 +14,30 @@ S, H, K, ROWS, RB = 3, 8, 4, 64, 32
 
 
 def make_group(num_layers=4, row_bytes=RB):
-    layout = PackedLayout(tuple(f"layer{i}" for i in range(num_layers)), num_blocks=ROWS // 4,
-                          block_size=4, row_bytes=row_bytes)
-    raw = torch.randint(0, 256, (layout.nbytes(),), dtype=torch.uint8,
-                        generator=torch.Generator().manual_seed(0))
+    layout = PackedLayout(
+        tuple(f"layer{i}" for i in range(num_layers)),
+        num_blocks=ROWS // 4,
+        block_size=4,
+        row_bytes=row_bytes,
+    )
+    raw = torch.randint(
+        0, 256, (layout.nbytes(),), dtype=torch.uint8, generator=torch.Generator().manual_seed(0)
+    )
     hosts = bind_layers(raw, layout)
-    g = HiSparseIndexGroup("g0", num_state_rows=S, hot_size=H, top_k=K, max_batch=4,
-                           num_keys=ROWS, device="cpu")
-    rts = [HiSparseRuntime(name, g, view, torch.zeros(S * H, row_bytes, dtype=torch.uint8))
-           for name, view in hosts.items()]
+    g = HiSparseIndexGroup(
+        "g0", num_state_rows=S, hot_size=H, top_k=K, max_batch=4, num_keys=ROWS, device="cpu"
+    )
+    rts = [
+        HiSparseRuntime(name, g, view, torch.zeros(S * H, row_bytes, dtype=torch.uint8))
+        for name, view in hosts.items()
+    ]
     return g, rts
 
 
 def step(g, rts, top_k, state_rows):
-    out = rts[0].resolve(torch.tensor(top_k, dtype=torch.int32),
-                         torch.tensor(state_rows, dtype=torch.int32))
+    out = rts[0].resolve(
+        torch.tensor(top_k, dtype=torch.int32), torch.tensor(state_rows, dtype=torch.int32)
+    )
     for rt in rts:
         rt.gather()
         rt.wait_ready()
@@ -39,9 +48,11 @@ def test_every_member_serves_its_own_rows_and_bytes_are_exact():
     g, rts = make_group()
     assert rts[0].is_leader and not rts[1].is_leader
     assert g.stats_row_bytes == 4 * RB
-    workload = [([[1, 2, 3, 4], [9, 9, 10, 11]], [0, 2]),
-                ([[2, 3, 4, 5], [9, 10, 11, 12]], [0, 2]),
-                ([[40, 41, 42, 43], [-1, 9, 60, 61]], [0, 2])]
+    workload = [
+        ([[1, 2, 3, 4], [9, 9, 10, 11]], [0, 2]),
+        ([[2, 3, 4, 5], [9, 10, 11, 12]], [0, 2]),
+        ([[40, 41, 42, 43], [-1, 9, 60, 61]], [0, 2]),
+    ]
     true_misses = 0
     for top_k, rows in workload:
         out = step(g, rts, top_k, rows)
@@ -95,8 +106,9 @@ def test_group_matches_oracle():
         top_k = torch.randint(0, 20, (3, K), generator=gen, dtype=torch.int32)
         rows = [0, 1, 2]
         step(g, rts, top_k.tolist(), rows)
-        _, src, dst, cnt = oracle.resolve(top_k.tolist(), rows, o_keys, o_lru, o_stats,
-                                          num_keys=ROWS, hot_base=0)
+        _, src, dst, cnt = oracle.resolve(
+            top_k.tolist(), rows, o_keys, o_lru, o_stats, num_keys=ROWS, hot_base=0
+        )
         for lo, ho in zip(host_o, hot_o):
             oracle.gather(lo, ho, src, dst, cnt)
     for rt, ho in zip(rts, hot_o):
@@ -115,13 +127,16 @@ def test_runtime_rejects_mismatched_views():
         HiSparseRuntime("x", g, host[:10], torch.zeros(S * H, RB, dtype=torch.uint8))
 
 
-@pytest.mark.parametrize("kwargs,match", [
-    (dict(hot_size=2), "top_k <= hot_size"),
-    (dict(hot_size=40000, top_k=4), "top_k <= hot_size"),
-    (dict(max_batch=0), "max_batch"),
-    (dict(num_state_rows=-1), "num_state_rows"),
-    (dict(hot_base=2**31), "hot_base"),
-])
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(hot_size=2), "top_k <= hot_size"),
+        (dict(hot_size=40000, top_k=4), "top_k <= hot_size"),
+        (dict(max_batch=0), "max_batch"),
+        (dict(num_state_rows=-1), "num_state_rows"),
+        (dict(hot_base=2**31), "hot_base"),
+    ],
+)
 def test_group_rejects_bad_config(kwargs, match):
     base = dict(num_state_rows=2, hot_size=8, top_k=4, max_batch=2, num_keys=10, device="cpu")
     base.update(kwargs)

@@ -13,8 +13,10 @@ from hisparse.runtime import HiSparseIndexGroup, HiSparseRuntime
 
 pytestmark = [
     pytest.mark.cuda,
-    pytest.mark.skipif(not torch.cuda.is_available() or "cuda" not in _ext.built_backends(),
-                       reason="needs a CUDA GPU and the CUDA backend"),
+    pytest.mark.skipif(
+        not torch.cuda.is_available() or "cuda" not in _ext.built_backends(),
+        reason="needs a CUDA GPU and the CUDA backend",
+    ),
 ]
 
 S, H, K, B, L, RB, BLOCK = 8, 256, 128, 6, 4, 656, 64
@@ -22,13 +24,26 @@ NUM_KEYS = 4096
 
 
 def build(device, pool_bytes_src):
-    layout = PackedLayout(tuple(f"l{i}" for i in range(L)), num_blocks=NUM_KEYS // BLOCK,
-                          block_size=BLOCK, row_bytes=RB, offset=256)
+    layout = PackedLayout(
+        tuple(f"l{i}" for i in range(L)),
+        num_blocks=NUM_KEYS // BLOCK,
+        block_size=BLOCK,
+        row_bytes=RB,
+        offset=256,
+    )
     pool = HostPool(layout.nbytes(), pin=(device == "cuda"))
     pool.raw.copy_(pool_bytes_src[: layout.nbytes()])
     hosts = bind_layers(pool.raw, layout)
-    g = HiSparseIndexGroup("g", num_state_rows=S, hot_size=H, top_k=K, max_batch=B,
-                           num_keys=NUM_KEYS, device=device, hot_base=BLOCK)
+    g = HiSparseIndexGroup(
+        "g",
+        num_state_rows=S,
+        hot_size=H,
+        top_k=K,
+        max_batch=B,
+        num_keys=NUM_KEYS,
+        device=device,
+        hot_base=BLOCK,
+    )
     hots = torch.zeros(L, BLOCK + S * H, RB, dtype=torch.uint8, device=device)
     rts = [HiSparseRuntime(n, g, v, hots[i]) for i, (n, v) in enumerate(hosts.items())]
     return pool, g, rts, hots
@@ -38,11 +53,12 @@ def workload(steps, seed):
     gen = torch.Generator().manual_seed(seed)
     centers = torch.randint(0, NUM_KEYS - 600, (S,), generator=gen)
     out = []
-    for t in range(steps):
+    for _ in range(steps):
         rows = torch.randperm(S, generator=gen)[:B].to(torch.int32)
         rows[-1] = -1  # a CUDA-graph padding row
         keys = centers[rows.clamp(min=0).long()].unsqueeze(1) + torch.randint(
-            0, 500, (B, K), generator=gen)
+            0, 500, (B, K), generator=gen
+        )
         centers += torch.randint(0, 6, (S,), generator=gen)
         out.append((keys.to(torch.int32), rows))
     return out

@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from telemetry_helpers import Workload, make_pair
 from test_runtime import make_group, step
 
 
 def _totals(stats):
-    return stats.totals() if stats is not None else {"hits": 0, "misses": 0,
-                                                     "host_to_device_bytes": 0}
+    return (
+        stats.totals() if stats is not None else {"hits": 0, "misses": 0, "host_to_device_bytes": 0}
+    )
 
 
 def test_reset_hot_state_keeps_counts_no_snapshot_reported():
@@ -47,16 +47,22 @@ def test_prometheus_totals_survive_resets_at_any_point(seed):
     for k, v in _totals(w.drain_stats()).items():
         reported[k] += v
     assert wl.truth.misses > 0 and wl.truth.hits > 0
-    assert reported == {"hits": wl.truth.hits, "misses": wl.truth.misses,
-                        "host_to_device_bytes": wl.truth.bytes}
+    assert reported == {
+        "hits": wl.truth.hits,
+        "misses": wl.truth.misses,
+        "host_to_device_bytes": wl.truth.bytes,
+    }
 
 
-@pytest.mark.parametrize("key, fragment", [
-    (2**32 + 1, r"keys must lie in \[0, num_keys=64\), got 4294967297 at index 0"),
-    (-5, r"got -5"),
-    (10**12, r"got 1000000000000"),
-    (64, r"got 64"),
-])
+@pytest.mark.parametrize(
+    "key, fragment",
+    [
+        (2**32 + 1, r"keys must lie in \[0, num_keys=64\), got 4294967297 at index 0"),
+        (-5, r"got -5"),
+        (10**12, r"got 1000000000000"),
+        (64, r"got 64"),
+    ],
+)
 def test_invalidate_keys_refuses_keys_outside_the_pool(key, fragment):
     g, rts = make_group(1)
     step(g, rts, [[1, 2, 3, 4]], [0])
@@ -67,13 +73,16 @@ def test_invalidate_keys_refuses_keys_outside_the_pool(key, fragment):
     assert torch.equal(g.slot_keys, held)
 
 
-@pytest.mark.parametrize("keys, fragment", [
-    ([1.5], "keys must hold integers, got float 1.5"),
-    ([True], "keys must hold integers, got bool"),
-    (torch.tensor([1.0]), "keys must hold integers, got torch.float32"),
-    ([2**64], "keys holds 18446744073709551616"),
-    (5, "keys must be a sequence of integers, got int"),
-])
+@pytest.mark.parametrize(
+    "keys, fragment",
+    [
+        ([1.5], "keys must hold integers, got float 1.5"),
+        ([True], "keys must hold integers, got bool"),
+        (torch.tensor([1.0]), "keys must hold integers, got torch.float32"),
+        ([2**64], "keys holds 18446744073709551616"),
+        (5, "keys must be a sequence of integers, got int"),
+    ],
+)
 def test_invalidate_keys_refuses_non_integer_keys(keys, fragment):
     g, _ = make_group(1)
     with pytest.raises(ValueError, match=fragment.replace("(", r"\(").replace(".", r"\.")):

@@ -3,12 +3,12 @@ fake kernel, and (CUDA build on a GPU) the CUDA op against the CPU op bit for bi
 
 from __future__ import annotations
 
+import oracle
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import oracle
 from hisparse import _ext, ops
 
 I32 = torch.int32
@@ -44,10 +44,14 @@ def save_cases(draw):
 def test_save_rows_matches_oracle(case, seed):
     L, row_bytes, block_size, src_blocks, host_blocks, src_rows, host_rows = case
     g = torch.Generator().manual_seed(seed)
-    srcs = [torch.randint(0, 256, (src_blocks, block_size, row_bytes), dtype=torch.uint8,
-                          generator=g) for _ in range(L)]
-    hosts = [torch.randint(0, 256, (host_blocks * block_size, row_bytes), dtype=torch.uint8,
-                           generator=g) for _ in range(L)]
+    srcs = [
+        torch.randint(0, 256, (src_blocks, block_size, row_bytes), dtype=torch.uint8, generator=g)
+        for _ in range(L)
+    ]
+    hosts = [
+        torch.randint(0, 256, (host_blocks * block_size, row_bytes), dtype=torch.uint8, generator=g)
+        for _ in range(L)
+    ]
     expected, expected_moved = [], 0
     for src, host in zip(srcs, hosts):
         s_rows = [bytes(r) for r in src.reshape(-1, row_bytes).tolist()]
@@ -84,8 +88,13 @@ def test_save_rows_many_layers_strided_views():
 def _save_args():
     src = [torch.zeros(8, 32, dtype=torch.uint8)]
     host = [torch.zeros(4, 2, 32, dtype=torch.uint8)]
-    return dict(src=src, host=host, src_rows=_i32([1, 2]), host_rows=_i32([3, 4]),
-                moved_bytes=torch.zeros(1, dtype=torch.uint64))
+    return dict(
+        src=src,
+        host=host,
+        src_rows=_i32([1, 2]),
+        host_rows=_i32([3, 4]),
+        moved_bytes=torch.zeros(1, dtype=torch.uint64),
+    )
 
 
 def _call(a):
@@ -96,24 +105,51 @@ BAD = [
     ("src", lambda a: a.update(src=[]), "argument 'src' must list at least one view"),
     ("host", lambda a: a.update(host=a["host"] * 2), "arguments 'src' and 'host' must have"),
     ("src_rows", lambda a: a.update(src_rows=a["src_rows"].long()), "argument 'src_rows' must be"),
-    ("src_rows", lambda a: a.update(src_rows=a["src_rows"].view(1, 2)),
-     "argument 'src_rows' must be 1-D"),
-    ("host_rows", lambda a: a.update(host_rows=_i32([1, 2, 3])),
-     "argument 'host_rows' must have shape"),
-    ("host_rows", lambda a: a.update(host_rows=a["host_rows"].to(torch.int16)),
-     "argument 'host_rows' must be torch.int32"),
-    ("moved_bytes", lambda a: a.update(moved_bytes=torch.zeros(2, dtype=torch.uint64)),
-     "argument 'moved_bytes' must have shape"),
-    ("moved_bytes", lambda a: a.update(moved_bytes=torch.zeros(1, dtype=torch.int64)),
-     "argument 'moved_bytes' must be torch.uint64"),
-    ("src[0]", lambda a: a.update(src=[torch.zeros(8, 33, dtype=torch.uint8)]),
-     "argument 'src[0]' row size must be a positive multiple of 16"),
-    ("src[0]", lambda a: a.update(src=[torch.zeros(8, 32, dtype=torch.float32)]),
-     "argument 'src[0]' must be torch.uint8"),
-    ("host[0]", lambda a: a.update(host=[torch.zeros(8, 16, dtype=torch.uint8)]),
-     "arguments 'src[0]' and 'host[0]' must have the same row size"),
-    ("host[0]", lambda a: a.update(host=[torch.zeros(8, 2, 64, dtype=torch.uint8)[:, :, ::2]]),
-     "argument 'host[0]' must have last stride 1"),
+    (
+        "src_rows",
+        lambda a: a.update(src_rows=a["src_rows"].view(1, 2)),
+        "argument 'src_rows' must be 1-D",
+    ),
+    (
+        "host_rows",
+        lambda a: a.update(host_rows=_i32([1, 2, 3])),
+        "argument 'host_rows' must have shape",
+    ),
+    (
+        "host_rows",
+        lambda a: a.update(host_rows=a["host_rows"].to(torch.int16)),
+        "argument 'host_rows' must be torch.int32",
+    ),
+    (
+        "moved_bytes",
+        lambda a: a.update(moved_bytes=torch.zeros(2, dtype=torch.uint64)),
+        "argument 'moved_bytes' must have shape",
+    ),
+    (
+        "moved_bytes",
+        lambda a: a.update(moved_bytes=torch.zeros(1, dtype=torch.int64)),
+        "argument 'moved_bytes' must be torch.uint64",
+    ),
+    (
+        "src[0]",
+        lambda a: a.update(src=[torch.zeros(8, 33, dtype=torch.uint8)]),
+        "argument 'src[0]' row size must be a positive multiple of 16",
+    ),
+    (
+        "src[0]",
+        lambda a: a.update(src=[torch.zeros(8, 32, dtype=torch.float32)]),
+        "argument 'src[0]' must be torch.uint8",
+    ),
+    (
+        "host[0]",
+        lambda a: a.update(host=[torch.zeros(8, 16, dtype=torch.uint8)]),
+        "arguments 'src[0]' and 'host[0]' must have the same row size",
+    ),
+    (
+        "host[0]",
+        lambda a: a.update(host=[torch.zeros(8, 2, 64, dtype=torch.uint8)[:, :, ::2]]),
+        "argument 'host[0]' must have last stride 1",
+    ),
 ]
 
 
@@ -134,17 +170,22 @@ def test_save_rows_rejects_bad_argument(i):
 def test_save_rows_schema_and_fake_kernel():
     schema = torch.ops.hisparse.hisparse_save_rows.default._schema
     assert [a.name for a in schema.arguments if a.alias_info and a.alias_info.is_write] == [
-        "host", "moved_bytes"]
+        "host",
+        "moved_bytes",
+    ]
     a = _save_args()
     for utils in ("test_schema", "test_faketensor"):
-        torch.library.opcheck(torch.ops.hisparse.hisparse_save_rows.default,
-                              (a["src"], a["host"], a["src_rows"], a["host_rows"],
-                               a["moved_bytes"]), test_utils=utils)
+        torch.library.opcheck(
+            torch.ops.hisparse.hisparse_save_rows.default,
+            (a["src"], a["host"], a["src_rows"], a["host_rows"], a["moved_bytes"]),
+            test_utils=utils,
+        )
 
 
 # --------------------------------------------------------------------------------------------
 # CUDA against the CPU op
 # --------------------------------------------------------------------------------------------
+
 
 def _cuda_ready() -> bool:
     try:
@@ -158,26 +199,40 @@ needs_cuda = pytest.mark.skipif(not _cuda_ready(), reason="needs a CUDA device a
 
 @pytest.mark.cuda
 @needs_cuda
-@pytest.mark.parametrize("L,row_bytes,block_size,N", [(1, 656, 16, 256), (4, 1152, 64, 300),
-                                                      (61, 656, 1, 256), (3, 48, 2, 5)])
+@pytest.mark.parametrize(
+    "L,row_bytes,block_size,N",
+    [(1, 656, 16, 256), (4, 1152, 64, 300), (61, 656, 1, 256), (3, 48, 2, 5)],
+)
 @pytest.mark.parametrize("host_on_device", [False, True])
 def test_save_rows_cuda_matches_cpu(L, row_bytes, block_size, N, host_on_device):
     g = torch.Generator().manual_seed(L * 7 + N)
     src_blocks, host_rows_n = 64, 4096
-    src_cpu = torch.randint(0, 256, (src_blocks, L, block_size, row_bytes), dtype=torch.uint8,
-                            generator=g)
+    src_cpu = torch.randint(
+        0, 256, (src_blocks, L, block_size, row_bytes), dtype=torch.uint8, generator=g
+    )
     host_cpu = torch.randint(0, 256, (host_rows_n, L, row_bytes), dtype=torch.uint8, generator=g)
     src_gpu = src_cpu.cuda()
     host_other = host_cpu.cuda() if host_on_device else host_cpu.clone().pin_memory()
-    src_rows = torch.randint(-2, src_blocks * block_size + 2, (N,), generator=g,
-                             dtype=torch.int64).to(I32)
+    src_rows = torch.randint(
+        -2, src_blocks * block_size + 2, (N,), generator=g, dtype=torch.int64
+    ).to(I32)
     host_rows = (torch.randperm(host_rows_n + 4, generator=g)[:N] - 2).to(I32)
     moved_cpu = torch.zeros(1, dtype=torch.uint64)
     moved_gpu = torch.zeros(1, dtype=torch.uint64, device="cuda")
-    ops.save_rows([src_cpu[:, l] for l in range(L)], [host_cpu[:, l] for l in range(L)],
-                  src_rows, host_rows, moved_cpu)
-    ops.save_rows([src_gpu[:, l] for l in range(L)], [host_other[:, l] for l in range(L)],
-                  src_rows.cuda(), host_rows.cuda(), moved_gpu)
+    ops.save_rows(
+        [src_cpu[:, l] for l in range(L)],
+        [host_cpu[:, l] for l in range(L)],
+        src_rows,
+        host_rows,
+        moved_cpu,
+    )
+    ops.save_rows(
+        [src_gpu[:, l] for l in range(L)],
+        [host_other[:, l] for l in range(L)],
+        src_rows.cuda(),
+        host_rows.cuda(),
+        moved_gpu,
+    )
     torch.cuda.synchronize()
     assert torch.equal(host_other.cpu(), host_cpu)
     assert moved_gpu.cpu().tolist() == moved_cpu.tolist()
@@ -208,4 +263,3 @@ def test_save_rows_cuda_rejects_unpinned_host_and_graph_captures():
     torch.cuda.synchronize()
     assert torch.equal(host[0][100:108], src[0][:8].cpu())
     assert moved.cpu().tolist() == [(8 + 8) * 656]
-

@@ -5,9 +5,9 @@ from __future__ import annotations
 import functools
 import json
 import pickle
+from types import SimpleNamespace
 
 import pytest
-from types import SimpleNamespace
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from hisparse.connector import HiSparseConnector
@@ -91,7 +91,9 @@ def _prom(engines=(0, 1)):
     reg = CollectorRegistry()
     types = {c: functools.partial(c, registry=reg) for c in (Gauge, Counter, Histogram)}
     labelvalues = {i: ["m", str(i)] for i in engines}
-    return reg, HiSparseConnector.build_prom_metrics(None, types, ["model_name", "engine"], labelvalues)
+    return reg, HiSparseConnector.build_prom_metrics(
+        None, types, ["model_name", "engine"], labelvalues
+    )
 
 
 def test_prom_observe_increments_per_engine_once_per_delta():
@@ -128,8 +130,13 @@ def test_counter_names_are_the_contract():
     )
 
 
-_SPILL = dict(spilled_requests=2, spilled_rows=64, spilled_bytes=64 * 656, returned_requests=1,
-              returned_rows=40)
+_SPILL = dict(
+    spilled_requests=2,
+    spilled_rows=64,
+    spilled_bytes=64 * 656,
+    returned_requests=1,
+    returned_rows=40,
+)
 
 
 def test_spill_counters_travel_and_reach_prometheus():
@@ -146,8 +153,9 @@ def test_spill_counters_travel_and_reach_prometheus():
     assert agg.spill_totals()["returned_rows"] == 80
     reg = CollectorRegistry()
     types = {c: functools.partial(c, registry=reg) for c in (Gauge, Counter, Histogram)}
-    prom = HiSparsePromMetrics(SimpleNamespace(kv_transfer_config=None), types,
-                               ["model_name", "engine"], {0: ["m", "0"]})
+    prom = HiSparsePromMetrics(
+        SimpleNamespace(kv_transfer_config=None), types, ["model_name", "engine"], {0: ["m", "0"]}
+    )
     prom.observe(agg.data, 0)
     val = lambda n: reg.get_sample_value(n, {"model_name": "m", "engine": "0"})  # noqa: E731
     assert val("vllm:hisparse_spilled_requests_total") == 4

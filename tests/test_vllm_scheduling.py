@@ -24,19 +24,27 @@ def _new(rid, nc, blocks):
 
 def _out(sched, new=(), cached=(), finished=(), preempted=None, resumed=()):
     """A vLLM SchedulerOutput's shape: cached = [(rid, num_computed, new_blocks or None)]."""
-    c = SimpleNamespace(req_ids=[r for r, _, _ in cached],
-                        num_computed_tokens=[n for _, n, _ in cached],
-                        new_block_ids=[None if b is None else (list(b),) for _, _, b in cached],
-                        resumed_req_ids=set(resumed))
-    return SimpleNamespace(num_scheduled_tokens=dict(sched), scheduled_new_reqs=list(new),
-                           scheduled_cached_reqs=c, finished_req_ids=set(finished),
-                           preempted_req_ids=preempted, has_sync_kv_loads=False)
+    c = SimpleNamespace(
+        req_ids=[r for r, _, _ in cached],
+        num_computed_tokens=[n for _, n, _ in cached],
+        new_block_ids=[None if b is None else (list(b),) for _, _, b in cached],
+        resumed_req_ids=set(resumed),
+    )
+    return SimpleNamespace(
+        num_scheduled_tokens=dict(sched),
+        scheduled_new_reqs=list(new),
+        scheduled_cached_reqs=c,
+        finished_req_ids=set(finished),
+        preempted_req_ids=preempted,
+        has_sync_kv_loads=False,
+    )
 
 
 def _sched(max_num_seqs=4):
     return HiSparseConnector.from_extra_config(
         {"top_k": 2, "device_buffer_size": 4, "max_num_seqs": max_num_seqs, "block_size": BS},
-        role="scheduler")
+        role="scheduler",
+    )
 
 
 def test_anchor_is_the_key_of_each_requests_last_scheduled_token():
@@ -77,9 +85,13 @@ def test_a_failing_step_changes_nothing():
     state = s._scheduler
     before = (dict(state.tokens), dict(state.blocks), state.rows.in_use)
     with pytest.raises(RuntimeError, match="max_num_seqs"):
-        s.build_connector_meta(_out({"b": 2, "c": 2, "a": 1},
-                                    new=[_new("b", 0, [2]), _new("c", 0, [3])],
-                                    cached=[("a", 3, None)]))
+        s.build_connector_meta(
+            _out(
+                {"b": 2, "c": 2, "a": 1},
+                new=[_new("b", 0, [2]), _new("c", 0, [3])],
+                cached=[("a", 3, None)],
+            )
+        )
     assert (dict(state.tokens), dict(state.blocks), state.rows.in_use) == before
     with pytest.raises(ValueError, match="past its 1 blocks"):
         s.build_connector_meta(_out({"a": 9}, cached=[("a", 3, None)]))
@@ -99,8 +111,9 @@ def test_scheduler_gauges_follow_live_requests_and_read_zero_when_idle():
 
 
 def _worker(S=2, H=4, K=2, rb=16, layers=("l0", "l1")):
-    w = HiSparseConnectorWorker(HiSparseConfig(top_k=K, device_buffer_size=H, max_num_seqs=S,
-                                               block_size=BS, index_share=1))
+    w = HiSparseConnectorWorker(
+        HiSparseConfig(top_k=K, device_buffer_size=H, max_num_seqs=S, block_size=BS, index_share=1)
+    )
     hot = {n: torch.zeros(S * H, rb, dtype=torch.uint8) for n in layers}
     w.register_kv_caches(hot, host_rows=40, groups=[list(layers)])
     return w
@@ -109,8 +122,12 @@ def _worker(S=2, H=4, K=2, rb=16, layers=("l0", "l1")):
 def _meta(req_ids, rows, anchors, resets=()):
     from hisparse.worker import HiSparseConnectorMetadata
 
-    return HiSparseConnectorMetadata(req_ids=tuple(req_ids), state_rows=tuple(rows),
-                                     reset_rows=tuple(resets), anchors=tuple(anchors))
+    return HiSparseConnectorMetadata(
+        req_ids=tuple(req_ids),
+        state_rows=tuple(rows),
+        reset_rows=tuple(resets),
+        anchors=tuple(anchors),
+    )
 
 
 def test_explicit_groups_and_host_rows():
@@ -118,9 +135,11 @@ def test_explicit_groups_and_host_rows():
     assert w.host_rows == 40 and len(w.groups) == 1
     assert [m.layer_name for m in w.groups[0].members] == ["l0", "l1"]
     with pytest.raises(ValueError, match="every registered layer exactly once"):
-        HiSparseConnectorWorker(HiSparseConfig(top_k=2, device_buffer_size=4, max_num_seqs=2)) \
-            .register_kv_caches({"x": torch.zeros(8, 16, dtype=torch.uint8)}, host_rows=8,
-                                groups=[["x", "x"]])
+        HiSparseConnectorWorker(
+            HiSparseConfig(top_k=2, device_buffer_size=4, max_num_seqs=2)
+        ).register_kv_caches(
+            {"x": torch.zeros(8, 16, dtype=torch.uint8)}, host_rows=8, groups=[["x", "x"]]
+        )
 
 
 def test_batch_state_rows_follow_anchors_in_any_batch_order():
@@ -173,8 +192,10 @@ def test_a_member_that_skipped_its_gather_is_detected_and_nothing_stale_survives
 def _ctx(layers):
     return SimpleNamespace(
         compilation_config=SimpleNamespace(static_forward_context=layers),
-        model_config=SimpleNamespace(architectures=["LlamaForCausalLM"],
-                                     hf_config=SimpleNamespace(hisparse={"top_k": 2})))
+        model_config=SimpleNamespace(
+            architectures=["LlamaForCausalLM"], hf_config=SimpleNamespace(hisparse={"top_k": 2})
+        ),
+    )
 
 
 def test_stock_model_is_refused_with_one_line_naming_the_architecture():
@@ -194,9 +215,13 @@ def test_model_layers_give_groups_host_rows_and_a_pool_check():
     got = find_model_layers(ctx, SimpleNamespace(num_blocks=10), cfg, {}, layers)
     assert got.groups == [["l0", "l1"], ["l2"]] and got.host_rows == 40 and got.top_k == 2
     with pytest.raises(Exception, match=r"\['host_pool_gib'\].*--num-gpu-blocks-override"):
-        find_model_layers(ctx, SimpleNamespace(num_blocks=10**7),
-                          HiSparseConfig(block_size=BS, host_pool_gib=0.001),
-                          {"host_pool_gib": 0.001}, layers)
+        find_model_layers(
+            ctx,
+            SimpleNamespace(num_blocks=10**7),
+            HiSparseConfig(block_size=BS, host_pool_gib=0.001),
+            {"host_pool_gib": 0.001},
+            layers,
+        )
     with pytest.raises(Exception, match=r"\['top_k'\] = 5 differs from the model's top-k"):
         find_model_layers(ctx, SimpleNamespace(num_blocks=10), cfg, {"top_k": 5}, layers)
 
@@ -206,8 +231,9 @@ def test_a_rewritten_position_is_never_served_from_its_stale_hot_copy():
     the key's hot copy, so the next resolve misses and gathers the new bytes. Without the
     invalidation the old bytes would be a hit."""
     sched = _sched()
-    w = HiSparseConnectorWorker(HiSparseConfig(top_k=2, device_buffer_size=4, max_num_seqs=4,
-                                               block_size=BS))
+    w = HiSparseConnectorWorker(
+        HiSparseConfig(top_k=2, device_buffer_size=4, max_num_seqs=4, block_size=BS)
+    )
     w.register_kv_caches({"l0": torch.zeros(16, 16, dtype=torch.uint8)}, host_rows=40)
     host = w.host_view("l0")
 
@@ -216,8 +242,11 @@ def test_a_rewritten_position_is_never_served_from_its_stale_hot_copy():
         w.start_step(meta)
         key = meta.anchors[0]
         w.save_kv_layer("l0", torch.full((1, 16), value, dtype=torch.uint8), [key])
-        where = w.resolve("l0", torch.tensor([[key - 1, key]], dtype=torch.int32),
-                          state_rows=w.batch_state_rows(torch.tensor([key])))
+        where = w.resolve(
+            "l0",
+            torch.tensor([[key - 1, key]], dtype=torch.int32),
+            state_rows=w.batch_state_rows(torch.tensor([key])),
+        )
         return w.hot_view("l0")[where.long()][0, :, 0].tolist()
 
     host[8] = 7  # position 0 of block 2
@@ -259,8 +288,9 @@ def test_requests_sharing_an_anchor_get_distinct_rows_in_turn():
 def test_host_rows_in_use_count_shared_prefix_blocks_once():
     s = _sched()
     s._scheduler.host_rows = 40
-    m = s.build_connector_meta(_out({"a": 8, "b": 1}, new=[_new("a", 0, [3, 4]),
-                                                          _new("b", 7, [3, 4])]))
+    m = s.build_connector_meta(
+        _out({"a": 8, "b": 1}, new=[_new("a", 0, [3, 4]), _new("b", 7, [3, 4])])
+    )
     assert m.host_rows_in_use == 2 * BS  # b's prompt is a's: both blocks are shared
     m = s.build_connector_meta(_out({"b": 1}, cached=[("b", 8, [9])]))
     assert m.host_rows_in_use == 3 * BS

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from telemetry_helpers import Workload, make_pair
 
 from hisparse.binding import BindingError
-from hisparse.connector import StepSchedule
 from hisparse.config import HiSparseConfig, HiSparseConfigError
+from hisparse.connector import StepSchedule
 from hisparse.worker import HiSparseConnectorMetadata, HiSparseConnectorWorker
-from telemetry_helpers import Workload, make_pair
 
 
 def _u64(t):
@@ -39,8 +39,9 @@ class SpyStream:
 
     def wait_stream(self, other):
         g = self.group
-        self.log.append((f"{self.name}.wait_stream({other.name})",
-                         _u64(g.counters), _u64(g.counters_host)))
+        self.log.append(
+            (f"{self.name}.wait_stream({other.name})", _u64(g.counters), _u64(g.counters_host))
+        )
 
     def synchronize(self):
         pass
@@ -92,7 +93,7 @@ def test_first_call_returns_none_and_arms_with_ordering_both_ways():
     first = w.groups[0]
     assert log[0][1] == before[0] and log[0][2] != before[0]
     # ... then every copy stream waits for compute (after the copy and the zeroing) ...
-    assert names[n:2 * n] == [f"copy[{g.name}].wait_stream(compute)" for g in w.groups]
+    assert names[n : 2 * n] == [f"copy[{g.name}].wait_stream(compute)" for g in w.groups]
     assert log[n][1] == [0, 0, 0] and log[n][2] == _u64(first.counters_host)
     # ... and the event is recorded last, on the compute stream.
     assert names[-1] == "event.record" and log[-1][1].name == "compute"
@@ -102,8 +103,11 @@ def test_first_call_returns_none_and_arms_with_ordering_both_ways():
     assert stats.data["hits"] == [sum(b[0] for b in before)]
     assert stats.data["misses"] == [sum(b[1] for b in before)]
     assert stats.data["host_to_device_bytes"] == [sum(b[2] for b in before)]
-    assert stats.totals() == {"hits": wl.truth.hits, "misses": wl.truth.misses,
-                              "host_to_device_bytes": wl.truth.bytes}
+    assert stats.totals() == {
+        "hits": wl.truth.hits,
+        "misses": wl.truth.misses,
+        "host_to_device_bytes": wl.truth.bytes,
+    }
 
 
 def test_later_call_returns_exact_counts_and_nothing_happened_is_none():
@@ -190,14 +194,18 @@ def test_count_advances_without_forward_passes():
     assert w.get_kv_connector_stats() is None  # 5th call arms
     assert w._metrics_calls == 5 and w._metrics_pending
     s = w.get_kv_connector_stats()
-    assert s.totals() == {"hits": wl.truth.hits, "misses": wl.truth.misses,
-                          "host_to_device_bytes": wl.truth.bytes}
+    assert s.totals() == {
+        "hits": wl.truth.hits,
+        "misses": wl.truth.misses,
+        "host_to_device_bytes": wl.truth.bytes,
+    }
 
 
 def test_bytes_are_exact_per_member_row_bytes_not_an_estimate():
     # A group whose members have different row sizes: bytes = rows copied x each layer's bytes.
-    sched, work, caches = make_pair({"index_share": 3, "metrics_interval": 1000},
-                                    row_bytes=(16, 96, 48))
+    sched, work, caches = make_pair(
+        {"index_share": 3, "metrics_interval": 1000}, row_bytes=(16, 96, 48)
+    )
     w = work.worker
     assert len(w.groups) == 1 and w.groups[0].stats_row_bytes == 160
     wl = Workload(sched, work, caches, seed=8)
@@ -231,12 +239,17 @@ def test_register_checks_name_the_problem():
     with pytest.raises(BindingError, match="contiguous"):
         w.register_kv_caches({"l0": torch.zeros(32, 16, dtype=torch.uint8).t()})
     with pytest.raises(BindingError, match="same number of rows"):
-        w.register_kv_caches({"a": torch.zeros(16, 32, dtype=torch.uint8),
-                              "b": torch.zeros(20, 32, dtype=torch.uint8)})
+        w.register_kv_caches(
+            {
+                "a": torch.zeros(16, 32, dtype=torch.uint8),
+                "b": torch.zeros(20, 32, dtype=torch.uint8),
+            }
+        )
     with pytest.raises(ValueError, match="non-empty"):
         w.register_kv_caches({})
-    tiny = HiSparseConnectorWorker(HiSparseConfig(top_k=4, device_buffer_size=8, max_num_seqs=2,
-                                                  host_pool_gib=1e-7))
+    tiny = HiSparseConnectorWorker(
+        HiSparseConfig(top_k=4, device_buffer_size=8, max_num_seqs=2, host_pool_gib=1e-7)
+    )
     with pytest.raises(HiSparseConfigError, match=r"\['host_pool_gib'\]"):
         tiny.register_kv_caches({"l0": torch.zeros(16, 32, dtype=torch.uint8)})
     # bf16 caches are viewed as bytes: [rows, 16] bf16 = 32-byte rows; extra rows = resident tier.
@@ -257,7 +270,9 @@ def test_step_api_errors():
         unregistered.start_step(HiSparseConnectorMetadata())
     assert unregistered.get_kv_connector_stats() is None
     with pytest.raises(ValueError, match="exceeds max_num_seqs"):
-        w.start_step(HiSparseConnectorMetadata(req_ids=("a", "b", "c", "d"), state_rows=(0, 1, 2, 0)))
+        w.start_step(
+            HiSparseConnectorMetadata(req_ids=("a", "b", "c", "d"), state_rows=(0, 1, 2, 0))
+        )
     with pytest.raises(ValueError, match="equal lengths"):
         HiSparseConnectorMetadata(req_ids=("a",), state_rows=())
     w.start_step(HiSparseConnectorMetadata(req_ids=("a",), state_rows=(0,)))
@@ -267,7 +282,11 @@ def test_step_api_errors():
     out = w.resolve(names[0], top).clone()
     assert torch.equal(w.resolve(names[1], top), out)
     with pytest.raises(ValueError, match="must be on the CPU or on the rows. device"):
-        w.save_kv_layer(names[0], torch.zeros(1, 32, dtype=torch.uint8), torch.zeros(1, dtype=torch.int32, device="meta"))
+        w.save_kv_layer(
+            names[0],
+            torch.zeros(1, 32, dtype=torch.uint8),
+            torch.zeros(1, dtype=torch.int32, device="meta"),
+        )
     with pytest.raises(ValueError, match="slot_mapping has"):
         w.save_kv_layer(names[0], torch.zeros(2, 32, dtype=torch.uint8), [1])
     with pytest.raises(ValueError, match="outside the host pool"):
@@ -302,10 +321,15 @@ def test_shutdown_drains_pending_releases_and_is_idempotent():
     # A snapshot may be pending and counts accumulated after it: none may be dropped.
     work.shutdown()
     final = w.final_stats
-    total = {k: sum(d[k] for d in wl.truth.deltas) + (final.totals()[k] if final else 0)
-             for k in ("hits", "misses", "host_to_device_bytes")}
-    assert total == {"hits": wl.truth.hits, "misses": wl.truth.misses,
-                     "host_to_device_bytes": wl.truth.bytes}
+    total = {
+        k: sum(d[k] for d in wl.truth.deltas) + (final.totals()[k] if final else 0)
+        for k in ("hits", "misses", "host_to_device_bytes")
+    }
+    assert total == {
+        "hits": wl.truth.hits,
+        "misses": wl.truth.misses,
+        "host_to_device_bytes": wl.truth.bytes,
+    }
     assert pool.released and w.host_pool is None and w.runtimes == {} and w.groups == []
     assert w.is_shut_down
     work.shutdown()  # harmless
@@ -327,8 +351,14 @@ def test_follower_gathers_after_its_own_save_in_per_layer_order():
     before its own save, or it caches an unwritten host row as a hit (index_share 2)."""
     from hisparse.connector import HiSparseConnector, StepSchedule
 
-    extra = {"top_k": 4, "device_buffer_size": 8, "max_num_seqs": 1, "block_size": 4,
-             "host_pool_gib": 16 * 64 * 2 / 2**30, "index_share": 2}
+    extra = {
+        "top_k": 4,
+        "device_buffer_size": 8,
+        "max_num_seqs": 1,
+        "block_size": 4,
+        "host_pool_gib": 16 * 64 * 2 / 2**30,
+        "index_share": 2,
+    }
     worker = HiSparseConnector.from_extra_config(extra, role="worker")
     sched = HiSparseConnector.from_extra_config(extra, role="scheduler")
     bufs = {n: torch.zeros(8, 64, dtype=torch.uint8) for n in ("L0", "L1")}
@@ -340,8 +370,9 @@ def test_follower_gathers_after_its_own_save_in_per_layer_order():
         sel = list(range(pos + 1))
         top_k = torch.tensor([sel + [-1] * (4 - len(sel))], dtype=torch.int32)
         for name, base in (("L0", 10), ("L1", 20)):
-            worker.save_kv_layer(name, torch.full((1, 64), base + pos, dtype=torch.uint8), None,
-                                 slot_mapping=[pos])
+            worker.save_kv_layer(
+                name, torch.full((1, 64), base + pos, dtype=torch.uint8), None, slot_mapping=[pos]
+            )
             out = worker.resolve(name, top_k)
             if name == "L1":
                 worker.resolve(name, top_k)  # a follower's repeat neither copies nor counts
@@ -360,8 +391,13 @@ def test_register_refuses_overlapping_caches_and_misfit_pinning():
     from hisparse.config import HiSparseConfigError
     from hisparse.connector import HiSparseConnector
 
-    extra = {"top_k": 4, "device_buffer_size": 8, "max_num_seqs": 1, "block_size": 4,
-             "host_pool_gib": 16 * 64 * 2 / 2**30}
+    extra = {
+        "top_k": 4,
+        "device_buffer_size": 8,
+        "max_num_seqs": 1,
+        "block_size": 4,
+        "host_pool_gib": 16 * 64 * 2 / 2**30,
+    }
     shared = torch.zeros(8, 64, dtype=torch.uint8)
     w = HiSparseConnector.from_extra_config(extra, role="worker")
     with pytest.raises(BindingError, match="overlap"):

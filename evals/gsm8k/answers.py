@@ -20,7 +20,8 @@ _NUM_RE = re.compile(_NUM)
 _HASH_RE = re.compile(r"####\s*(" + _NUM + r")")
 _ANSWER_IS_RE = re.compile(
     r"answer\s*(?:is|=|:)\s*(?:\*\*)?\s*(?:approximately\s+|about\s+)?(" + _NUM + r")",
-    re.IGNORECASE)
+    re.IGNORECASE,
+)
 
 
 def normalize_number(text: str) -> Optional[str]:

@@ -18,7 +18,7 @@ class ServerError(RuntimeError):
 
 @dataclass
 class Completion:
-    text: Optional[str]         # None when the request failed
+    text: Optional[str]  # None when the request failed
     error: Optional[str] = None
     latency_s: float = 0.0
     completion_tokens: int = 0
@@ -26,8 +26,9 @@ class Completion:
 
 def _post_json(url: str, body: dict, timeout: float) -> dict:
     data = json.dumps(body).encode("utf-8")
-    req = urllib.request.Request(url, data=data, method="POST",
-                                 headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        url, data=data, method="POST", headers={"Content-Type": "application/json"}
+    )
     with urllib.request.urlopen(req, timeout=timeout) as resp:
         return json.loads(resp.read().decode("utf-8"))
 
@@ -72,8 +73,9 @@ class OpenAIClient:
                 continue
         return out
 
-    def wait_ready(self, max_wait_s: float, poll_s: float = 2.0,
-                   alive: Optional[Callable[[], bool]] = None) -> float:
+    def wait_ready(
+        self, max_wait_s: float, poll_s: float = 2.0, alive: Optional[Callable[[], bool]] = None
+    ) -> float:
         """Poll /health then /v1/models until the model is listed; returns seconds waited.
         `alive` (if given) is checked each poll, so a crashed server fails fast."""
         start = time.monotonic()
@@ -95,13 +97,20 @@ class OpenAIClient:
                 last = str(getattr(e, "reason", e))
             if waited >= max_wait_s:
                 raise ServerError(
-                    f"server at {self.base_url} not ready after {max_wait_s:.0f} s ({last})")
+                    f"server at {self.base_url} not ready after {max_wait_s:.0f} s ({last})"
+                )
             time.sleep(min(poll_s, max(0.05, max_wait_s - waited)))
 
-    def complete(self, prompt: str, *, max_tokens: int, temperature: float,
-                 stop: Sequence[str]) -> Completion:
-        body = {"model": self.model, "prompt": prompt, "max_tokens": max_tokens,
-                "temperature": temperature, "stop": list(stop)}
+    def complete(
+        self, prompt: str, *, max_tokens: int, temperature: float, stop: Sequence[str]
+    ) -> Completion:
+        body = {
+            "model": self.model,
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": temperature,
+            "stop": list(stop),
+        }
         if temperature == 0.0:
             body["seed"] = 0
         t0 = time.monotonic()
@@ -119,9 +128,16 @@ class OpenAIClient:
             err = f"{type(e).__name__}: {getattr(e, 'reason', e)}"
         return Completion(text=None, error=err, latency_s=time.monotonic() - t0)
 
-    def complete_many(self, prompts: Sequence[str], *, max_concurrency: int, max_tokens: int,
-                      temperature: float, stop: Sequence[str],
-                      progress: Optional[Callable[[int, int], None]] = None) -> List[Completion]:
+    def complete_many(
+        self,
+        prompts: Sequence[str],
+        *,
+        max_concurrency: int,
+        max_tokens: int,
+        temperature: float,
+        stop: Sequence[str],
+        progress: Optional[Callable[[int, int], None]] = None,
+    ) -> List[Completion]:
         """Complete every prompt with at most `max_concurrency` requests in flight; results are
         in prompt order."""
         results: List[Optional[Completion]] = [None] * len(prompts)
@@ -129,8 +145,9 @@ class OpenAIClient:
         lock = threading.Lock()
 
         def one(i: int) -> None:
-            results[i] = self.complete(prompts[i], max_tokens=max_tokens,
-                                       temperature=temperature, stop=stop)
+            results[i] = self.complete(
+                prompts[i], max_tokens=max_tokens, temperature=temperature, stop=stop
+            )
             with lock:
                 done[0] += 1
                 if progress is not None:

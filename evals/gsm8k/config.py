@@ -72,7 +72,8 @@ class EvalConfig:
         return shlex.split(self.server_args)
 
     def server_option(self, name: str) -> Optional[str]:
-        """Value of `--name VALUE` or `--name=VALUE` in server_args; '' for a bare flag; None if absent."""
+        """Value of `--name VALUE` or `--name=VALUE` in server_args; '' for a bare flag; None if
+        absent."""
         argv = self.server_argv()
         for i, tok in enumerate(argv):
             if tok == name:
@@ -80,7 +81,7 @@ class EvalConfig:
                     return argv[i + 1]
                 return ""
             if tok.startswith(name + "="):
-                return tok[len(name) + 1:]
+                return tok[len(name) + 1 :]
         return None
 
     def kv_transfer_config(self) -> Optional[Dict[str, Any]]:
@@ -101,7 +102,8 @@ def _check_type(where: str, key: str, value: Any, types: tuple) -> None:
     if isinstance(value, bool) or not isinstance(value, types):
         raise ConfigError(
             f"{where}: key '{key}' must be {_type_name(types)}, got {type(value).__name__} "
-            f"({value!r})")
+            f"({value!r})"
+        )
 
 
 def validate(data: Any, where: str = "<dict>") -> EvalConfig:
@@ -112,12 +114,14 @@ def validate(data: Any, where: str = "<dict>") -> EvalConfig:
     if unknown:
         raise ConfigError(
             f"{where}: unknown key(s) {', '.join(repr(k) for k in unknown)}; "
-            f"allowed keys: {', '.join(SCHEMA)}")
+            f"allowed keys: {', '.join(SCHEMA)}"
+        )
     missing = [k for k, (_, req, _) in SCHEMA.items() if req and k not in data]
     if missing:
         raise ConfigError(
             f"{where}: missing required key(s) "
-            + ", ".join(f"'{k}' ({SCHEMA[k][2]})" for k in missing))
+            + ", ".join(f"'{k}' ({SCHEMA[k][2]})" for k in missing)
+        )
     for key, value in data.items():
         _check_type(where, key, value, SCHEMA[key][0])
 
@@ -147,7 +151,8 @@ def validate(data: Any, where: str = "<dict>") -> EvalConfig:
         if not isinstance(k, str) or not isinstance(v, str):
             raise ConfigError(
                 f"{where}: key 'env' must map strings to strings; entry {k!r}: {v!r} is "
-                f"{type(k).__name__} -> {type(v).__name__} (quote numbers in YAML)")
+                f"{type(k).__name__} -> {type(v).__name__} (quote numbers in YAML)"
+            )
 
     try:
         argv = shlex.split(data["server_args"])
@@ -156,7 +161,8 @@ def validate(data: Any, where: str = "<dict>") -> EvalConfig:
     if argv and not argv[0].startswith("-"):
         raise ConfigError(
             f"{where}: key 'server_args' must start with an option; the model comes from "
-            f"'model_name', got {argv[0]!r} first")
+            f"'model_name', got {argv[0]!r} first"
+        )
     cfg = EvalConfig(
         model_name=data["model_name"],
         accuracy_threshold=float(data["accuracy_threshold"]),
@@ -172,12 +178,19 @@ def validate(data: Any, where: str = "<dict>") -> EvalConfig:
         temperature=float(data.get("temperature", 0.0)),
         source=where,
     )
-    for opt in ("--tensor-parallel-size", "--pipeline-parallel-size", "--data-parallel-size",
-                "--max-model-len", "--max-num-seqs", "--max-num-batched-tokens"):
+    for opt in (
+        "--tensor-parallel-size",
+        "--pipeline-parallel-size",
+        "--data-parallel-size",
+        "--max-model-len",
+        "--max-num-seqs",
+        "--max-num-batched-tokens",
+    ):
         v = cfg.server_option(opt)
         if v is not None and not (v.isdigit() and int(v) >= 1):
             raise ConfigError(
-                f"{where}: key 'server_args': {opt} needs a positive integer, got {v!r}")
+                f"{where}: key 'server_args': {opt} needs a positive integer, got {v!r}"
+            )
     if cfg.server_option("--model") is not None:
         raise ConfigError(f"{where}: key 'server_args' must not set --model; use 'model_name'")
     kv = cfg.server_option("--kv-transfer-config")
@@ -187,18 +200,23 @@ def validate(data: Any, where: str = "<dict>") -> EvalConfig:
         except json.JSONDecodeError as e:
             raise ConfigError(
                 f"{where}: key 'server_args': --kv-transfer-config is not valid JSON ({e}); "
-                f"quote it with single quotes in the YAML") from None
+                f"quote it with single quotes in the YAML"
+            ) from None
         if not isinstance(parsed, dict) or "kv_connector" not in parsed:
             raise ConfigError(
                 f"{where}: key 'server_args': --kv-transfer-config must be a JSON object with "
-                f"a 'kv_connector' entry, got {kv!r}")
-        if (parsed.get("kv_connector_module_path") == "hisparse.connector"
-                and parsed["kv_connector"] == "HiSparseConnector"):
+                f"a 'kv_connector' entry, got {kv!r}"
+            )
+        if (
+            parsed.get("kv_connector_module_path") == "hisparse.connector"
+            and parsed["kv_connector"] == "HiSparseConnector"
+        ):
             # vLLM >= 0.32 keys its own CUDA-only HiSparse path on this name, whatever module
             # path is given: the run would not exercise this package.
             raise ConfigError(
                 f"{where}: key 'server_args': kv_connector 'HiSparseConnector' selects vLLM's "
-                "in-tree HiSparse; use 'HiSparseOOTConnector' to load hisparse.connector")
+                "in-tree HiSparse; use 'HiSparseOOTConnector' to load hisparse.connector"
+            )
     return cfg
 
 

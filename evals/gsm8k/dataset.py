@@ -23,7 +23,9 @@ HF_CONFIG = "main"
 PAGE = 100
 DEFAULT_CACHE = os.path.join(
     os.environ.get("XDG_CACHE_HOME", os.path.join(os.path.expanduser("~"), ".cache")),
-    "hisparse", "gsm8k")
+    "hisparse",
+    "gsm8k",
+)
 
 
 @dataclass(frozen=True)
@@ -60,8 +62,9 @@ def _write_jsonl(path: str, rows: List[Example]) -> None:
     os.replace(tmp, path)
 
 
-def download_split(split: str, limit: Optional[int] = None, *, base_url: str = HF_ROWS_URL,
-                   timeout: float = 60.0) -> List[Example]:
+def download_split(
+    split: str, limit: Optional[int] = None, *, base_url: str = HF_ROWS_URL, timeout: float = 60.0
+) -> List[Example]:
     """Fetch up to `limit` rows (all if None) of a split from the HF rows API."""
     out: List[Example] = []
     offset = 0
@@ -70,8 +73,15 @@ def download_split(split: str, limit: Optional[int] = None, *, base_url: str = H
         want = PAGE if limit is None else min(PAGE, limit - len(out))
         if want <= 0 or (total is not None and offset >= total):
             break
-        query = urllib.parse.urlencode({"dataset": HF_DATASET, "config": HF_CONFIG,
-                                        "split": split, "offset": offset, "length": want})
+        query = urllib.parse.urlencode(
+            {
+                "dataset": HF_DATASET,
+                "config": HF_CONFIG,
+                "split": split,
+                "offset": offset,
+                "length": want,
+            }
+        )
         url = f"{base_url}?{query}"
         try:
             with urllib.request.urlopen(url, timeout=timeout) as resp:
@@ -91,8 +101,14 @@ def download_split(split: str, limit: Optional[int] = None, *, base_url: str = H
     return out
 
 
-def load_split(split: str, *, data_dir: Optional[str] = None, limit: Optional[int] = None,
-               cache_dir: str = DEFAULT_CACHE, base_url: str = HF_ROWS_URL) -> List[Example]:
+def load_split(
+    split: str,
+    *,
+    data_dir: Optional[str] = None,
+    limit: Optional[int] = None,
+    cache_dir: str = DEFAULT_CACHE,
+    base_url: str = HF_ROWS_URL,
+) -> List[Example]:
     """Return the first `limit` examples of `split` ('test' or 'train').
 
     With `data_dir`, read ``<data_dir>/<split>.jsonl`` (an error if it is missing). Otherwise use
@@ -108,12 +124,19 @@ def load_split(split: str, *, data_dir: Optional[str] = None, limit: Optional[in
     else:
         path = os.path.join(cache_dir, f"{split}.jsonl")
         rows = _parse_jsonl(path) if os.path.isfile(path) else []
-        if not rows or (limit is not None and len(rows) < limit) or (limit is None and split == "test" and len(rows) < 1319):
-            rows = download_split(split, limit=None if limit is None else max(limit, len(rows)),
-                                  base_url=base_url)
+        if (
+            not rows
+            or (limit is not None and len(rows) < limit)
+            or (limit is None and split == "test" and len(rows) < 1319)
+        ):
+            rows = download_split(
+                split, limit=None if limit is None else max(limit, len(rows)), base_url=base_url
+            )
             _write_jsonl(path, rows)
     if limit is not None:
         if len(rows) < limit:
-            raise DatasetError(f"GSM8K {split}: asked for {limit} examples, found {len(rows)} in {path}")
+            raise DatasetError(
+                f"GSM8K {split}: asked for {limit} examples, found {len(rows)} in {path}"
+            )
         rows = rows[:limit]
     return rows

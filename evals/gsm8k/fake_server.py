@@ -22,6 +22,7 @@ import urllib.parse
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Dict, List, Optional, Sequence
 
+
 def last_question(prompt: str) -> str:
     """The question the prompt ends with (after the last 'Question: ', before 'Answer:')."""
     tail = prompt.rsplit("Question: ", 1)[-1]
@@ -29,10 +30,19 @@ def last_question(prompt: str) -> str:
 
 
 class FakeOpenAIServer:
-    def __init__(self, model: str, answers: Optional[Dict[str, str]] = None,
-                 default: str = "I do not know.", *, ready_after_s: float = 0.0,
-                 fail_questions: Sequence[str] = (), rows: Optional[Dict[str, List[dict]]] = None,
-                 metrics_text: Optional[str] = None, host: str = "127.0.0.1", port: int = 0):
+    def __init__(
+        self,
+        model: str,
+        answers: Optional[Dict[str, str]] = None,
+        default: str = "I do not know.",
+        *,
+        ready_after_s: float = 0.0,
+        fail_questions: Sequence[str] = (),
+        rows: Optional[Dict[str, List[dict]]] = None,
+        metrics_text: Optional[str] = None,
+        host: str = "127.0.0.1",
+        port: int = 0,
+    ):
         self.model = model
         self.answers = dict(answers or {})
         self.default = default
@@ -69,8 +79,10 @@ class FakeOpenAIServer:
                     if time.monotonic() < outer.ready_at:
                         self._send(503, {"error": "loading"})
                     else:
-                        self._send(200, {"object": "list",
-                                         "data": [{"id": outer.model, "object": "model"}]})
+                        self._send(
+                            200,
+                            {"object": "list", "data": [{"id": outer.model, "object": "model"}]},
+                        )
                 elif url.path == "/metrics" and outer.metrics_text is not None:
                     body = outer.metrics_text.encode("utf-8")
                     self.send_response(200)
@@ -83,8 +95,10 @@ class FakeOpenAIServer:
                     split = q["split"][0]
                     off, length = int(q["offset"][0]), int(q["length"][0])
                     all_rows = outer.rows.get(split, [])
-                    page = [{"row_idx": i, "row": r}
-                            for i, r in enumerate(all_rows[off:off + length], off)]
+                    page = [
+                        {"row_idx": i, "row": r}
+                        for i, r in enumerate(all_rows[off : off + length], off)
+                    ]
                     self._send(200, {"rows": page, "num_rows_total": len(all_rows)})
                 else:
                     self._send(404, {"error": f"no route {url.path}"})
@@ -109,10 +123,15 @@ class FakeOpenAIServer:
                         self._send(500, {"error": "injected failure"})
                         return
                     text = outer.answers.get(question, outer.default)
-                    self._send(200, {"object": "text_completion", "model": outer.model,
-                                     "choices": [{"index": 0, "text": text,
-                                                  "finish_reason": "stop"}],
-                                     "usage": {"completion_tokens": len(text.split())}})
+                    self._send(
+                        200,
+                        {
+                            "object": "text_completion",
+                            "model": outer.model,
+                            "choices": [{"index": 0, "text": text, "finish_reason": "stop"}],
+                            "usage": {"completion_tokens": len(text.split())},
+                        },
+                    )
                 finally:
                     with outer._lock:
                         outer._in_flight -= 1
@@ -146,15 +165,20 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--answers", help="JSON file: question -> completion text")
     p.add_argument("--ready-after", type=float, default=0.0)
-    p.add_argument("--exit-after", type=float, default=None,
-                   help="exit with status 3 after this many seconds (simulates a crash)")
+    p.add_argument(
+        "--exit-after",
+        type=float,
+        default=None,
+        help="exit with status 3 after this many seconds (simulates a crash)",
+    )
     args, _ignored = p.parse_known_args(argv)
     answers = {}
     if args.answers:
         with open(args.answers, encoding="utf-8") as f:
             answers = json.load(f)
-    srv = FakeOpenAIServer(args.model, answers, ready_after_s=args.ready_after,
-                           host=args.host, port=args.port)
+    srv = FakeOpenAIServer(
+        args.model, answers, ready_after_s=args.ready_after, host=args.host, port=args.port
+    )
     srv.start()
     print(f"fake server for {args.model} on {srv.base_url}", flush=True)
     try:

@@ -11,12 +11,12 @@ from decimal import Decimal
 from fractions import Fraction
 from typing import Any, Dict, List, Optional
 
+from evals.gsm8k import server as server_mod
 from evals.gsm8k.answers import extract_answer, extract_reference, is_correct
 from evals.gsm8k.client import OpenAIClient, ServerError
 from evals.gsm8k.config import EvalConfig
-from evals.gsm8k.dataset import HF_ROWS_URL, DEFAULT_CACHE, load_split
+from evals.gsm8k.dataset import DEFAULT_CACHE, HF_ROWS_URL, load_split
 from evals.gsm8k.prompts import STOP, build_prompt
-from evals.gsm8k import server as server_mod
 
 
 def passes(correct: int, total: int, threshold: float, tolerance: float) -> bool:
@@ -34,8 +34,8 @@ class EvalResult:
     model: str
     num_questions: int
     correct: int = 0
-    invalid: int = 0           # completions with no number in them
-    request_errors: int = 0    # HTTP / timeout failures (scored as wrong)
+    invalid: int = 0  # completions with no number in them
+    request_errors: int = 0  # HTTP / timeout failures (scored as wrong)
     accuracy: float = 0.0
     threshold: float = 0.0
     tolerance: float = 0.0
@@ -56,28 +56,45 @@ class EvalResult:
         floor = self.threshold - self.tolerance
         m = self.hisparse_metrics
         if m:
-            hs = ("hisparse counters: " + ", ".join(
-                f"{k.replace('vllm:hisparse_', '')} {v:.0f}" for k, v in sorted(m.items())))
+            hs = "hisparse counters: " + ", ".join(
+                f"{k.replace('vllm:hisparse_', '')} {v:.0f}" for k, v in sorted(m.items())
+            )
         else:
             hs = "no vllm:hisparse_* metrics exported (was the connector loaded?)"
-        return (f"{verdict} {self.model}: accuracy {self.accuracy:.4f} "
-                f"({self.correct}/{self.num_questions}) vs floor {floor:.4f} "
-                f"(threshold {self.threshold} - tolerance {self.tolerance}); "
-                f"invalid {self.invalid}, request errors {self.request_errors}, "
-                f"{self.eval_s:.1f} s; {hs}")
+        return (
+            f"{verdict} {self.model}: accuracy {self.accuracy:.4f} "
+            f"({self.correct}/{self.num_questions}) vs floor {floor:.4f} "
+            f"(threshold {self.threshold} - tolerance {self.tolerance}); "
+            f"invalid {self.invalid}, request errors {self.request_errors}, "
+            f"{self.eval_s:.1f} s; {hs}"
+        )
 
     def to_dict(self) -> Dict[str, Any]:
         return asdict(self)
 
 
-def evaluate(cfg: EvalConfig, base_url: str, *, data_dir: Optional[str] = None,
-             num_questions: Optional[int] = None, cache_dir: str = DEFAULT_CACHE,
-             dataset_url: str = HF_ROWS_URL, samples_path: Optional[str] = None,
-             wait_ready: bool = True, alive=None, quiet: bool = False) -> EvalResult:
+def evaluate(
+    cfg: EvalConfig,
+    base_url: str,
+    *,
+    data_dir: Optional[str] = None,
+    num_questions: Optional[int] = None,
+    cache_dir: str = DEFAULT_CACHE,
+    dataset_url: str = HF_ROWS_URL,
+    samples_path: Optional[str] = None,
+    wait_ready: bool = True,
+    alive=None,
+    quiet: bool = False,
+) -> EvalResult:
     """Evaluate against a running server at `base_url`."""
     n = num_questions if num_questions is not None else cfg.num_questions
-    res = EvalResult(config=cfg.source, model=cfg.model_name, num_questions=n,
-                     threshold=cfg.accuracy_threshold, tolerance=cfg.tolerance)
+    res = EvalResult(
+        config=cfg.source,
+        model=cfg.model_name,
+        num_questions=n,
+        threshold=cfg.accuracy_threshold,
+        tolerance=cfg.tolerance,
+    )
     client = OpenAIClient(base_url, cfg.model_name, timeout=cfg.request_timeout_seconds)
     if wait_ready:
         try:
@@ -85,10 +102,20 @@ def evaluate(cfg: EvalConfig, base_url: str, *, data_dir: Optional[str] = None,
         except ServerError as e:
             res.error = str(e)
             return res
-    tests = load_split("test", data_dir=data_dir, limit=n, cache_dir=cache_dir,
-                       base_url=dataset_url)
-    shots = load_split("train", data_dir=data_dir, limit=cfg.num_fewshot, cache_dir=cache_dir,
-                       base_url=dataset_url) if cfg.num_fewshot else []
+    tests = load_split(
+        "test", data_dir=data_dir, limit=n, cache_dir=cache_dir, base_url=dataset_url
+    )
+    shots = (
+        load_split(
+            "train",
+            data_dir=data_dir,
+            limit=cfg.num_fewshot,
+            cache_dir=cache_dir,
+            base_url=dataset_url,
+        )
+        if cfg.num_fewshot
+        else []
+    )
     prompts = [build_prompt(shots, q) for q in tests]
 
     def progress(done: int, total: int) -> None:
@@ -96,9 +123,14 @@ def evaluate(cfg: EvalConfig, base_url: str, *, data_dir: Optional[str] = None,
             print(f"  {done}/{total} answered", file=sys.stderr, flush=True)
 
     t0 = time.monotonic()
-    outs = client.complete_many(prompts, max_concurrency=cfg.max_concurrency,
-                                max_tokens=cfg.max_tokens, temperature=cfg.temperature,
-                                stop=STOP, progress=progress)
+    outs = client.complete_many(
+        prompts,
+        max_concurrency=cfg.max_concurrency,
+        max_tokens=cfg.max_tokens,
+        temperature=cfg.temperature,
+        stop=STOP,
+        progress=progress,
+    )
     res.eval_s = time.monotonic() - t0
     samples = []
     for i, (q, out) in enumerate(zip(tests, outs)):
@@ -113,8 +145,16 @@ def evaluate(cfg: EvalConfig, base_url: str, *, data_dir: Optional[str] = None,
                 res.first_errors.append(f"question {i}: {out.error}")
         elif pred is None:
             res.invalid += 1
-        samples.append({"index": i, "reference": ref, "predicted": pred, "correct": ok,
-                        "completion": out.text, "error": out.error})
+        samples.append(
+            {
+                "index": i,
+                "reference": ref,
+                "predicted": pred,
+                "correct": ok,
+                "completion": out.text,
+                "error": out.error,
+            }
+        )
     res.accuracy = res.correct / n
     res.hisparse_metrics = client.scrape_metrics()
     res.passed = passes(res.correct, n, cfg.accuracy_threshold, cfg.tolerance)
@@ -126,21 +166,33 @@ def evaluate(cfg: EvalConfig, base_url: str, *, data_dir: Optional[str] = None,
     return res
 
 
-def run_config(cfg: EvalConfig, *, base_url: Optional[str] = None,
-               serve_cmd: str = server_mod.DEFAULT_SERVE_CMD, port: Optional[int] = None,
-               log_dir: str = "gsm8k-logs", check_gpus: bool = True,
-               **kwargs) -> EvalResult:
+def run_config(
+    cfg: EvalConfig,
+    *,
+    base_url: Optional[str] = None,
+    serve_cmd: str = server_mod.DEFAULT_SERVE_CMD,
+    port: Optional[int] = None,
+    log_dir: str = "gsm8k-logs",
+    check_gpus: bool = True,
+    **kwargs,
+) -> EvalResult:
     """Evaluate `cfg`: against `base_url` if given, else start a server for it first."""
     if base_url is not None:
         return evaluate(cfg, base_url, **kwargs)
     if check_gpus:
         need, have = cfg.gpus_needed(), server_mod.visible_gpu_count()
         if have < need:
-            res = EvalResult(config=cfg.source, model=cfg.model_name,
-                             num_questions=kwargs.get("num_questions") or cfg.num_questions,
-                             threshold=cfg.accuracy_threshold, tolerance=cfg.tolerance)
-            res.error = (f"needs {need} GPUs (tensor x pipeline x data parallel in server_args), "
-                         f"{have} visible; not starting the server")
+            res = EvalResult(
+                config=cfg.source,
+                model=cfg.model_name,
+                num_questions=kwargs.get("num_questions") or cfg.num_questions,
+                threshold=cfg.accuracy_threshold,
+                tolerance=cfg.tolerance,
+            )
+            res.error = (
+                f"needs {need} GPUs (tensor x pipeline x data parallel in server_args), "
+                f"{have} visible; not starting the server"
+            )
             return res
     port = port or server_mod.free_port()
     stem = os.path.splitext(os.path.basename(cfg.source))[0] or "server"
@@ -149,9 +201,14 @@ def run_config(cfg: EvalConfig, *, base_url: Optional[str] = None,
     try:
         srv.start()
     except RuntimeError as e:
-        res = EvalResult(config=cfg.source, model=cfg.model_name,
-                         num_questions=kwargs.get("num_questions") or cfg.num_questions,
-                         threshold=cfg.accuracy_threshold, tolerance=cfg.tolerance, error=str(e))
+        res = EvalResult(
+            config=cfg.source,
+            model=cfg.model_name,
+            num_questions=kwargs.get("num_questions") or cfg.num_questions,
+            threshold=cfg.accuracy_threshold,
+            tolerance=cfg.tolerance,
+            error=str(e),
+        )
         return res
     try:
         res = evaluate(cfg, f"http://127.0.0.1:{port}", alive=srv.alive, **kwargs)

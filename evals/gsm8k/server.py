@@ -38,15 +38,23 @@ def visible_gpu_count() -> int:
 
 
 def serve_argv(cfg: EvalConfig, port: int, serve_cmd: str = DEFAULT_SERVE_CMD) -> List[str]:
-    return [*shlex.split(serve_cmd), cfg.model_name, "--host", "127.0.0.1",
-            "--port", str(port), *cfg.server_argv()]
+    return [
+        *shlex.split(serve_cmd),
+        cfg.model_name,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        *cfg.server_argv(),
+    ]
 
 
 class ServerProcess:
     """`vllm serve` in its own process group, output to a log file; a context manager."""
 
-    def __init__(self, cfg: EvalConfig, port: int, log_path: str,
-                 serve_cmd: str = DEFAULT_SERVE_CMD):
+    def __init__(
+        self, cfg: EvalConfig, port: int, log_path: str, serve_cmd: str = DEFAULT_SERVE_CMD
+    ):
         self.argv = serve_argv(cfg, port, serve_cmd)
         self.env = {**os.environ, **cfg.env}
         self.log_path = log_path
@@ -57,8 +65,13 @@ class ServerProcess:
         os.makedirs(os.path.dirname(os.path.abspath(self.log_path)), exist_ok=True)
         self._log = open(self.log_path, "wb")
         try:
-            self.proc = subprocess.Popen(self.argv, env=self.env, stdout=self._log,
-                                         stderr=subprocess.STDOUT, start_new_session=True)
+            self.proc = subprocess.Popen(
+                self.argv,
+                env=self.env,
+                stdout=self._log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
         except OSError as e:
             self._log.close()
             raise RuntimeError(f"cannot start {self.argv[0]!r}: {e}") from None

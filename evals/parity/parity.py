@@ -34,12 +34,12 @@ import torch
 class Scenario:
     name: str
     description: str
-    engine: Dict[str, object]        # EngineConfig keyword arguments (seed added per run)
-    expect_eviction: bool = True     # misses must exceed what empty slots can absorb
-    expect_reuse: bool = True        # more requests than state rows
+    engine: Dict[str, object]  # EngineConfig keyword arguments (seed added per run)
+    expect_eviction: bool = True  # misses must exceed what empty slots can absorb
+    expect_reuse: bool = True  # more requests than state rows
     min_context_over_hot: float = 2.0  # longest context / hot_size
-    max_device_kv_ratio: float = 0.5   # HiSparse device KV bytes / resident device KV bytes
-    expect_spills: bool = False      # hybrid: mid-request spills and returns must both happen
+    max_device_kv_ratio: float = 0.5  # HiSparse device KV bytes / resident device KV bytes
+    expect_spills: bool = False  # hybrid: mid-request spills and returns must both happen
 
 
 # Two profiles of the same scenarios: "full" (the CLI default, minutes) and "ci" (seconds).
@@ -48,43 +48,131 @@ class Scenario:
 _SCENARIOS: Dict[str, Dict[str, Dict[str, object]]] = {
     "hot-eq-topk-g1": {
         "description": "hot buffer == top-k, index groups of 1, fast-drifting indexer: every "
-                       "miss evicts",
-        "full": dict(num_layers=4, index_share=1, top_k=64, hot_size=64, drift=0.5,
-                     recent_window=8, prompt_len=512, output_len=48, num_requests=12,
-                     max_running=4),
-        "ci": dict(num_layers=2, index_share=1, top_k=16, hot_size=16, hidden=32, vocab=128,
-                   indexer_dim=16, drift=0.5, recent_window=4, prompt_len=160, output_len=20,
-                   num_requests=6, max_running=2),
+        "miss evicts",
+        "full": dict(
+            num_layers=4,
+            index_share=1,
+            top_k=64,
+            hot_size=64,
+            drift=0.5,
+            recent_window=8,
+            prompt_len=512,
+            output_len=48,
+            num_requests=12,
+            max_running=4,
+        ),
+        "ci": dict(
+            num_layers=2,
+            index_share=1,
+            top_k=16,
+            hot_size=16,
+            hidden=32,
+            vocab=128,
+            indexer_dim=16,
+            drift=0.5,
+            recent_window=4,
+            prompt_len=160,
+            output_len=20,
+            num_requests=6,
+            max_running=2,
+        ),
     },
     "hot-eq-topk-g4": {
         "description": "hot buffer == top-k, index groups of 4 (leader resolves, 3 followers "
-                       "gather the same plan), fast drift",
-        "full": dict(num_layers=8, index_share=4, top_k=64, hot_size=64, drift=0.5,
-                     recent_window=8, prompt_len=512, output_len=48, num_requests=12,
-                     max_running=4),
-        "ci": dict(num_layers=4, index_share=4, top_k=16, hot_size=16, hidden=32, vocab=128,
-                   indexer_dim=16, drift=0.5, recent_window=4, prompt_len=160, output_len=20,
-                   num_requests=6, max_running=2),
+        "gather the same plan), fast drift",
+        "full": dict(
+            num_layers=8,
+            index_share=4,
+            top_k=64,
+            hot_size=64,
+            drift=0.5,
+            recent_window=8,
+            prompt_len=512,
+            output_len=48,
+            num_requests=12,
+            max_running=4,
+        ),
+        "ci": dict(
+            num_layers=4,
+            index_share=4,
+            top_k=16,
+            hot_size=16,
+            hidden=32,
+            vocab=128,
+            indexer_dim=16,
+            drift=0.5,
+            recent_window=4,
+            prompt_len=160,
+            output_len=20,
+            num_requests=6,
+            max_running=2,
+        ),
     },
     "long-context-bf16-g4": {
         "description": "long contexts (16x the hot buffer), BF16 1152-byte rows, groups of 4, "
-                       "realistic locality",
-        "full": dict(num_layers=8, index_share=4, row_layout="bf16", top_k=64, hot_size=128,
-                     drift=0.05, recent_window=8, prompt_len=2048, output_len=64,
-                     num_requests=6, max_running=3),
-        "ci": dict(num_layers=4, index_share=4, row_layout="bf16", top_k=16, hot_size=24,
-                   hidden=32, vocab=128, indexer_dim=16, drift=0.2, recent_window=4,
-                   prompt_len=384, output_len=24, num_requests=4, max_running=2),
+        "realistic locality",
+        "full": dict(
+            num_layers=8,
+            index_share=4,
+            row_layout="bf16",
+            top_k=64,
+            hot_size=128,
+            drift=0.05,
+            recent_window=8,
+            prompt_len=2048,
+            output_len=64,
+            num_requests=6,
+            max_running=3,
+        ),
+        "ci": dict(
+            num_layers=4,
+            index_share=4,
+            row_layout="bf16",
+            top_k=16,
+            hot_size=24,
+            hidden=32,
+            vocab=128,
+            indexer_dim=16,
+            drift=0.2,
+            recent_window=4,
+            prompt_len=384,
+            output_len=24,
+            num_requests=4,
+            max_running=2,
+        ),
     },
     "state-row-reuse": {
         "description": "many short requests through few state rows: requests finish and their "
-                       "state rows (and hot buffers) are handed to new requests",
-        "full": dict(num_layers=4, index_share=2, top_k=32, hot_size=32, drift=0.5,
-                     recent_window=4, prompt_len=192, output_len=24, length_jitter=0.75,
-                     num_requests=32, max_running=3),
-        "ci": dict(num_layers=2, index_share=2, top_k=16, hot_size=16, hidden=32, vocab=128,
-                   indexer_dim=16, drift=0.5, recent_window=4, prompt_len=96, output_len=16,
-                   length_jitter=0.75, num_requests=12, max_running=2),
+        "state rows (and hot buffers) are handed to new requests",
+        "full": dict(
+            num_layers=4,
+            index_share=2,
+            top_k=32,
+            hot_size=32,
+            drift=0.5,
+            recent_window=4,
+            prompt_len=192,
+            output_len=24,
+            length_jitter=0.75,
+            num_requests=32,
+            max_running=3,
+        ),
+        "ci": dict(
+            num_layers=2,
+            index_share=2,
+            top_k=16,
+            hot_size=16,
+            hidden=32,
+            vocab=128,
+            indexer_dim=16,
+            drift=0.5,
+            recent_window=4,
+            prompt_len=96,
+            output_len=16,
+            length_jitter=0.75,
+            num_requests=12,
+            max_running=2,
+        ),
     },
 }
 
@@ -92,41 +180,105 @@ _SCENARIOS: Dict[str, Dict[str, Dict[str, object]]] = {
 # context: outputs longer than prompts (resident requests outgrow their pages mid-request) and
 # jittered lengths (early finishers free pages, spilled requests come back).
 _HYBRID = dict(residency="hybrid", length_jitter=0.75)
-_SCENARIOS.update({
-    "hybrid-spill-return-g1": {
-        "description": "hybrid residency, groups of 1, fast drift, hot buffer == top-k: requests "
-                       "spill mid-request, are served from hot buffers, and come back",
-        "hybrid": dict(_HYBRID, num_layers=4, index_share=1, top_k=64, hot_size=64, drift=0.5,
-                       recent_window=8, prompt_len=160, output_len=256, num_requests=12,
-                       max_running=4, block_size=16, device_pages=48),
-        "hybrid-ci": dict(_HYBRID, num_layers=2, index_share=1, top_k=16, hot_size=16, hidden=32,
-                          vocab=128, indexer_dim=16, drift=0.5, recent_window=4, prompt_len=40,
-                          output_len=64, num_requests=10, max_running=4, block_size=8,
-                          device_pages=18),
-    },
-    "hybrid-g4-bf16-nowindow": {
-        "description": "hybrid residency, groups of 4, BF16 rows, no forced recent tokens (a "
-                       "one-row device window: host writes land the very next step)",
-        "hybrid": dict(_HYBRID, num_layers=8, index_share=4, row_layout="bf16", top_k=64,
-                       hot_size=96, drift=0.1, recent_window=0, prompt_len=192, output_len=288,
-                       num_requests=10, max_running=3, block_size=16, device_pages=40),
-        "hybrid-ci": dict(_HYBRID, num_layers=4, index_share=4, row_layout="bf16", top_k=16,
-                          hot_size=24, hidden=32, vocab=128, indexer_dim=16, drift=0.2,
-                          recent_window=0, prompt_len=48, output_len=72, num_requests=8,
-                          max_running=3, block_size=8, device_pages=20),
-    },
-})
+_SCENARIOS.update(
+    {
+        "hybrid-spill-return-g1": {
+            "description": "hybrid residency, groups of 1, fast drift, hot buffer == top-k: "
+            "requests spill mid-request, are served from hot buffers, and come back",
+            "hybrid": dict(
+                _HYBRID,
+                num_layers=4,
+                index_share=1,
+                top_k=64,
+                hot_size=64,
+                drift=0.5,
+                recent_window=8,
+                prompt_len=160,
+                output_len=256,
+                num_requests=12,
+                max_running=4,
+                block_size=16,
+                device_pages=48,
+            ),
+            "hybrid-ci": dict(
+                _HYBRID,
+                num_layers=2,
+                index_share=1,
+                top_k=16,
+                hot_size=16,
+                hidden=32,
+                vocab=128,
+                indexer_dim=16,
+                drift=0.5,
+                recent_window=4,
+                prompt_len=40,
+                output_len=64,
+                num_requests=10,
+                max_running=4,
+                block_size=8,
+                device_pages=18,
+            ),
+        },
+        "hybrid-g4-bf16-nowindow": {
+            "description": "hybrid residency, groups of 4, BF16 rows, no forced recent tokens (a "
+            "one-row device window: host writes land the very next step)",
+            "hybrid": dict(
+                _HYBRID,
+                num_layers=8,
+                index_share=4,
+                row_layout="bf16",
+                top_k=64,
+                hot_size=96,
+                drift=0.1,
+                recent_window=0,
+                prompt_len=192,
+                output_len=288,
+                num_requests=10,
+                max_running=3,
+                block_size=16,
+                device_pages=40,
+            ),
+            "hybrid-ci": dict(
+                _HYBRID,
+                num_layers=4,
+                index_share=4,
+                row_layout="bf16",
+                top_k=16,
+                hot_size=24,
+                hidden=32,
+                vocab=128,
+                indexer_dim=16,
+                drift=0.2,
+                recent_window=0,
+                prompt_len=48,
+                output_len=72,
+                num_requests=8,
+                max_running=3,
+                block_size=8,
+                device_pages=20,
+            ),
+        },
+    }
+)
 _SCENARIO_CHECKS = {
     # hybrid: the device holds pages + small hot buffers, so the ratio is looser; evictions are
     # not the point (few requests are spilled at once), spills and returns are
-    "hybrid-spill-return-g1": dict(expect_spills=True, expect_eviction=False, max_device_kv_ratio=0.75),
-    "hybrid-g4-bf16-nowindow": dict(expect_spills=True, expect_eviction=False, max_device_kv_ratio=0.75),
+    "hybrid-spill-return-g1": dict(
+        expect_spills=True, expect_eviction=False, max_device_kv_ratio=0.75
+    ),
+    "hybrid-g4-bf16-nowindow": dict(
+        expect_spills=True, expect_eviction=False, max_device_kv_ratio=0.75
+    ),
 }
 
 # The negative control runs on the scenario where the bug is subtlest to see (groups of 4:
 # followers share the leader's plan, so only the row bytes differ between layers).
-NEGATIVE_CONTROL = {"full": "hot-eq-topk-g4", "ci": "hot-eq-topk-g4",
-                    "hybrid": "hybrid-g4-bf16-nowindow", "hybrid-ci": "hybrid-g4-bf16-nowindow"}
+NEGATIVE_CONTROL = {
+    "full": "hot-eq-topk-g4",
+    "ci": "hot-eq-topk-g4",
+    "hybrid": "hybrid-g4-bf16-nowindow",
+    "hybrid-ci": "hybrid-g4-bf16-nowindow",
+}
 NEGATIVE_CONTROL_SCENARIO = NEGATIVE_CONTROL["full"]
 # The spill-path control needs a scenario whose spilled rows are read back from the pool often
 # (a 4-row window, fast drift): there the missing row is always selected after it left the window.
@@ -147,14 +299,23 @@ def scenarios(profile: str = "full", names: Optional[Sequence[str]] = None) -> L
             raise ValueError(f"unknown scenario {n!r}; known: {', '.join(_SCENARIOS)}")
         s = _SCENARIOS[n]
         if profile not in s:
-            raise ValueError(f"scenario {n!r} is not in profile {profile!r} (its scenarios: "
-                             f"{', '.join(in_profile)})")
-        out.append(Scenario(name=n, description=str(s["description"]), engine=dict(s[profile]),
-                            **_SCENARIO_CHECKS.get(n, {})))
+            raise ValueError(
+                f"scenario {n!r} is not in profile {profile!r} (its scenarios: "
+                f"{', '.join(in_profile)})"
+            )
+        out.append(
+            Scenario(
+                name=n,
+                description=str(s["description"]),
+                engine=dict(s[profile]),
+                **_SCENARIO_CHECKS.get(n, {}),
+            )
+        )
     return out
 
 
 # ----------------------------------------------------------------------------- comparison
+
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
     t = t.detach().to("cpu").contiguous()
@@ -192,7 +353,7 @@ def token_agreement(a: List[List[int]], b: List[List[int]]) -> tuple:
 class PairResult:
     scenario: str
     seed: int
-    kind: str                        # "parity" or "negative-control"
+    kind: str  # "parity" or "negative-control"
     identical_tokens: int
     total_tokens: int
     attention_rows_identical: int
@@ -201,7 +362,7 @@ class PairResult:
     attention_layers_total: int
     hidden_identical: bool
     first_mismatch: Optional[tuple]
-    parity_ok: bool                  # tokens, hidden states and attention all identical
+    parity_ok: bool  # tokens, hidden states and attention all identical
     coverage: Dict[str, object] = field(default_factory=dict)
     coverage_problems: List[str] = field(default_factory=list)
     note: str = ""
@@ -224,7 +385,7 @@ class PairResult:
     @property
     def ok(self) -> bool:
         if self.kind == "negative-control":
-            return not self.parity_ok   # the broken binding must be caught
+            return not self.parity_ok  # the broken binding must be caught
         return self.verdict == "PASS"
 
     def to_dict(self) -> Dict[str, object]:
@@ -252,9 +413,11 @@ def _coverage(sc: Scenario, cfg, stats, resident_stats=None) -> tuple:
         "misses": int(stats.misses),
     }
     if getattr(cfg, "residency", "host") == "hybrid":
-        cov.update(spilled_requests=int(stats.spilled_requests),
-                   mid_request_spills=int(stats.mid_request_spills),
-                   returned_requests=int(stats.returned_requests))
+        cov.update(
+            spilled_requests=int(stats.spilled_requests),
+            mid_request_spills=int(stats.mid_request_spills),
+            returned_requests=int(stats.returned_requests),
+        )
     problems = []
     if sc.expect_spills and int(getattr(stats, "mid_request_spills", 0)) <= 0:
         problems.append("no mid-request spill: every request stayed where it was admitted")
@@ -264,13 +427,16 @@ def _coverage(sc: Scenario, cfg, stats, resident_stats=None) -> tuple:
         ratio = int(stats.device_kv_bytes) / int(resident_stats.device_kv_bytes)
         cov["device_kv_ratio"] = ratio
         if ratio > sc.max_device_kv_ratio:
-            problems.append(f"no memory pressure: HiSparse device KV is {ratio:.2f}x the "
-                            f"resident run's (limit {sc.max_device_kv_ratio})")
+            problems.append(
+                f"no memory pressure: HiSparse device KV is {ratio:.2f}x the "
+                f"resident run's (limit {sc.max_device_kv_ratio})"
+            )
     if int(stats.misses) <= 0:
         problems.append("no misses: the host-pool path never ran")
     if sc.expect_eviction and evictions_lb <= 0:
-        problems.append(f"no evictions proven ({int(stats.misses)} misses <= {empty_fills} "
-                        f"empty-slot fills)")
+        problems.append(
+            f"no evictions proven ({int(stats.misses)} misses <= {empty_fills} empty-slot fills)"
+        )
     if sc.expect_reuse and cfg.num_requests <= cfg.max_running:
         problems.append("no state-row reuse (requests <= state rows)")
     if longest / cfg.hot_size < sc.min_context_over_hot:
@@ -304,23 +470,42 @@ def compare_pair(sc: Scenario, cfg, resident, hisparse, kind: str) -> PairResult
     st = hisparse.stats
     cov, problems = _coverage(sc, cfg, st, resident.stats)
     return PairResult(
-        scenario=sc.name, seed=cfg.seed, kind=kind, identical_tokens=same, total_tokens=total,
-        attention_rows_identical=rows_same, attention_rows_total=rows_total,
-        attention_layers_identical=layers_same, attention_layers_total=layers_total,
-        hidden_identical=hidden_ok, first_mismatch=first, parity_ok=parity_ok,
-        coverage=cov, coverage_problems=problems if kind == "parity" else [],
-        hits=int(st.hits), misses=int(st.misses), hit_rate=float(st.hit_rate),
-        host_to_device_bytes=int(st.host_to_device_bytes))
+        scenario=sc.name,
+        seed=cfg.seed,
+        kind=kind,
+        identical_tokens=same,
+        total_tokens=total,
+        attention_rows_identical=rows_same,
+        attention_rows_total=rows_total,
+        attention_layers_identical=layers_same,
+        attention_layers_total=layers_total,
+        hidden_identical=hidden_ok,
+        first_mismatch=first,
+        parity_ok=parity_ok,
+        coverage=cov,
+        coverage_problems=problems if kind == "parity" else [],
+        hits=int(st.hits),
+        misses=int(st.misses),
+        hit_rate=float(st.hit_rate),
+        host_to_device_bytes=int(st.host_to_device_bytes),
+    )
 
 
 # ----------------------------------------------------------------------------- driver
 
+
 def _git_commit() -> Optional[str]:
     import os
     import subprocess
+
     try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                             text=True, timeout=10, cwd=os.path.dirname(os.path.abspath(__file__)))
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            cwd=os.path.dirname(os.path.abspath(__file__)),
+        )
     except (OSError, subprocess.TimeoutExpired):
         return None
     return out.stdout.strip() or None
@@ -360,18 +545,24 @@ class ParityReport:
 
     def to_dict(self) -> Dict[str, object]:
         return {
-            "passed": self.passed, "profile": self.profile, "device": self.device,
-            "git_commit": _git_commit(), "torch": torch.__version__,
-            "seeds": self.seeds, "wall_s": self.wall_s,
+            "passed": self.passed,
+            "profile": self.profile,
+            "device": self.device,
+            "git_commit": _git_commit(),
+            "torch": torch.__version__,
+            "seeds": self.seeds,
+            "wall_s": self.wall_s,
             "identical_token_pct": self.identical_token_pct(),
             "negative_control_detected": self.negative_control_detected,
             "pairs": [p.to_dict() for p in self.pairs],
         }
 
     def table(self) -> str:
-        head = (f"{'kind':<17} {'scenario':<22} {'seed':>4} {'tokens identical':>20} "
-                f"{'attn rows identical':>22} {'hidden':>6} {'hit rate':>8} {'evict>=':>8} "
-                f"{'devKV':>6} {'verdict':>7}")
+        head = (
+            f"{'kind':<17} {'scenario':<22} {'seed':>4} {'tokens identical':>20} "
+            f"{'attn rows identical':>22} {'hidden':>6} {'hit rate':>8} {'evict>=':>8} "
+            f"{'devKV':>6} {'verdict':>7}"
+        )
         lines = [head, "-" * len(head)]
         for p in self.pairs:
             tok = f"{p.identical_tokens}/{p.total_tokens} ({p.token_pct:.1f}%)"
@@ -383,7 +574,8 @@ class ParityReport:
                 f"{p.kind:<17} {p.scenario:<22} {p.seed:>4} {tok:>20} {att:>22} "
                 f"{'same' if p.hidden_identical else 'DIFF':>6} {p.hit_rate:>8.3f} "
                 f"{p.coverage.get('evictions_lower_bound', 0):>8} "
-                f"{p.coverage.get('device_kv_ratio', float('nan')):>6.3f} {verdict}")
+                f"{p.coverage.get('device_kv_ratio', float('nan')):>6.3f} {verdict}"
+            )
             for prob in p.coverage_problems:
                 lines.append(f"{'':<17} coverage: {prob}")
         det = self.negative_control_detected
@@ -393,7 +585,8 @@ class ParityReport:
             f"{len(self.parity_pairs)} pairs; negative control (base-offset binding"
             f"{', hybrid spill off by one' if self.profile in HYBRID_PROFILES else ''}): "
             f"{'not run' if det is None else ('detected' if det else 'NOT DETECTED')}; "
-            f"overall {'PASS' if self.passed else 'FAIL'} ({self.wall_s:.1f} s)")
+            f"overall {'PASS' if self.passed else 'FAIL'} ({self.wall_s:.1f} s)"
+        )
         return "\n".join(lines)
 
 
@@ -408,19 +601,31 @@ def _negative_control(run_workload, sc: Scenario, cfg, resident, device) -> Pair
     t = time.monotonic()
     note = None
     try:
-        bad = run_workload(cfg, mode="hisparse", device=device, record_attention=True,
-                           binding_fault="base_offset")
+        bad = run_workload(
+            cfg, mode="hisparse", device=device, record_attention=True, binding_fault="base_offset"
+        )
     except BindingError as e:
         note = f"HiSparse run refused at bind time ({e}); faulty resident run compared instead"
-        bad = run_workload(cfg, mode="resident", device=device, record_attention=True,
-                           binding_fault="base_offset")
+        bad = run_workload(
+            cfg, mode="resident", device=device, record_attention=True, binding_fault="base_offset"
+        )
     except Exception as e:  # noqa: BLE001 - any failure of the faulty run is a detection
         return PairResult(
-            scenario=sc.name, seed=cfg.seed, kind="negative-control", identical_tokens=0,
-            total_tokens=sum(len(t) for t in resident.tokens), attention_rows_identical=0,
-            attention_rows_total=0, attention_layers_identical=0, attention_layers_total=0,
-            hidden_identical=False, first_mismatch=None, parity_ok=False,
-            note=f"faulty run raised {type(e).__name__}: {e}", wall_s=time.monotonic() - t)
+            scenario=sc.name,
+            seed=cfg.seed,
+            kind="negative-control",
+            identical_tokens=0,
+            total_tokens=sum(len(t) for t in resident.tokens),
+            attention_rows_identical=0,
+            attention_rows_total=0,
+            attention_layers_identical=0,
+            attention_layers_total=0,
+            hidden_identical=False,
+            first_mismatch=None,
+            parity_ok=False,
+            note=f"faulty run raised {type(e).__name__}: {e}",
+            wall_s=time.monotonic() - t,
+        )
     nc = compare_pair(sc, cfg, resident, bad, "negative-control")
     if note is not None:
         nc.note = note if not nc.note else f"{note}; {nc.note}"
@@ -431,8 +636,9 @@ def _negative_control(run_workload, sc: Scenario, cfg, resident, device) -> Pair
 def _spill_control(run_workload, sc: Scenario, cfg, resident, device) -> PairResult:
     """Hybrid profiles: a spill that copies one row too few to the host pool must be caught."""
     t = time.monotonic()
-    bad = run_workload(cfg, mode="hisparse", device=device, record_attention=True,
-                       spill_fault="off_by_one")
+    bad = run_workload(
+        cfg, mode="hisparse", device=device, record_attention=True, spill_fault="off_by_one"
+    )
     nc = compare_pair(sc, cfg, resident, bad, "negative-control")
     nc.note = "hybrid spill copies one row too few to the host pool"
     nc.wall_s = time.monotonic() - t
@@ -455,10 +661,15 @@ def _controls(run_workload, profile: str, sc: Scenario, cfg, resident, device) -
     return out
 
 
-def run_parity(profile: str = "full", seeds: Optional[Sequence[int]] = None,
-               names: Optional[Sequence[str]] = None, device: str = "cpu",
-               negative_control: bool = True, threads: Optional[int] = 1,
-               log: Optional[Callable[[str], None]] = None) -> ParityReport:
+def run_parity(
+    profile: str = "full",
+    seeds: Optional[Sequence[int]] = None,
+    names: Optional[Sequence[str]] = None,
+    device: str = "cpu",
+    negative_control: bool = True,
+    threads: Optional[int] = 1,
+    log: Optional[Callable[[str], None]] = None,
+) -> ParityReport:
     """Run every (scenario, seed) pair and the negative control. `threads` caps torch's CPU
     threads for the duration (default 1: the engine's ops are tiny, and on a loaded 2-core
     machine extra threads make them 10-30x slower; None leaves torch's setting alone)."""
@@ -490,14 +701,18 @@ def _run_parity(profile, seeds, names, device, negative_control, log) -> ParityR
             pr.wall_s = time.monotonic() - t
             pairs.append(pr)
             if log:
-                log(f"{sc.name} seed {seed}: {pr.verdict} ({pr.token_pct:.1f}% tokens, "
-                    f"{pr.wall_s:.1f} s)")
+                log(
+                    f"{sc.name} seed {seed}: {pr.verdict} ({pr.token_pct:.1f}% tokens, "
+                    f"{pr.wall_s:.1f} s)"
+                )
             if negative_control:
                 for nc in _controls(run_workload, profile, sc, cfg, res, device):
                     pairs.append(nc)
                     if log:
-                        log(f"{sc.name} seed {seed} negative control: "
-                            f"{'detected' if nc.ok else 'NOT DETECTED'}")
+                        log(
+                            f"{sc.name} seed {seed} negative control: "
+                            f"{'detected' if nc.ok else 'NOT DETECTED'}"
+                        )
     missing = [n for n in _control_scenarios(profile) if n not in [s.name for s in chosen]]
     for name in missing if negative_control else []:
         # the controls always run, even when the scenario filter left their scenario out
@@ -508,5 +723,6 @@ def _run_parity(profile, seeds, names, device, negative_control, log) -> ParityR
             pairs.append(nc)
             if log:
                 log(f"negative control: {'detected' if nc.ok else 'NOT DETECTED'}")
-    return ParityReport(profile=profile, device=str(device), seeds=seeds, pairs=pairs,
-                        wall_s=time.monotonic() - t0)
+    return ParityReport(
+        profile=profile, device=str(device), seeds=seeds, pairs=pairs, wall_s=time.monotonic() - t0
+    )

@@ -28,24 +28,51 @@ if __package__ in (None, ""):  # run as a script: make `evals` importable from t
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from evals.parity.parity import (  # noqa: E402
-    _SCENARIOS, DEFAULT_SEEDS, PROFILES, run_parity, scenarios)
+    _SCENARIOS,
+    DEFAULT_SEEDS,
+    PROFILES,
+    run_parity,
+    scenarios,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="run_parity.py", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--profile", choices=PROFILES, default="full",
-                   help="full (default, minutes on a CPU) or ci (seconds): always-host "
-                        "HiSparse; hybrid / hybrid-ci: hybrid residency with forced spills")
-    p.add_argument("--seeds", type=int, nargs="+",
-                   help=f"seeds (default: {DEFAULT_SEEDS['full']} full, {DEFAULT_SEEDS['ci']} ci)")
-    p.add_argument("--scenario", action="append", choices=list(_SCENARIOS),
-                   help="run only this scenario (repeatable; default: all)")
+    p = argparse.ArgumentParser(
+        prog="run_parity.py",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--profile",
+        choices=PROFILES,
+        default="full",
+        help="full (default, minutes on a CPU) or ci (seconds): always-host "
+        "HiSparse; hybrid / hybrid-ci: hybrid residency with forced spills",
+    )
+    p.add_argument(
+        "--seeds",
+        type=int,
+        nargs="+",
+        help=f"seeds (default: {DEFAULT_SEEDS['full']} full, {DEFAULT_SEEDS['ci']} ci)",
+    )
+    p.add_argument(
+        "--scenario",
+        action="append",
+        choices=list(_SCENARIOS),
+        help="run only this scenario (repeatable; default: all)",
+    )
     p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
-    p.add_argument("--no-negative-control", action="store_true",
-                   help="skip the broken-binding control (the verdict then only covers parity)")
-    p.add_argument("--threads", type=int, default=1,
-                   help="torch CPU threads while running (default 1; 0 = leave torch's default)")
+    p.add_argument(
+        "--no-negative-control",
+        action="store_true",
+        help="skip the broken-binding control (the verdict then only covers parity)",
+    )
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch CPU threads while running (default 1; 0 = leave torch's default)",
+    )
     p.add_argument("--json", dest="json_path", help="write the full report as JSON here")
     p.add_argument("--list", action="store_true", help="list the scenarios and exit")
     p.add_argument("--quiet", action="store_true")
@@ -65,13 +92,20 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         parser.error("--threads must be >= 0")
     if args.device.startswith("cuda"):
         import torch
+
         if not torch.cuda.is_available():
             print("error: --device cuda but no CUDA device is visible", file=sys.stderr)
             return 2
     log = None if args.quiet else (lambda m: print(m, file=sys.stderr, flush=True))
-    report = run_parity(profile=args.profile, seeds=args.seeds, names=args.scenario,
-                        device=args.device, negative_control=not args.no_negative_control,
-                        threads=args.threads or None, log=log)
+    report = run_parity(
+        profile=args.profile,
+        seeds=args.seeds,
+        names=args.scenario,
+        device=args.device,
+        negative_control=not args.no_negative_control,
+        threads=args.threads or None,
+        log=log,
+    )
     print(report.table())
     if args.json_path:
         with open(args.json_path, "w", encoding="utf-8") as f:

@@ -5,5 +5,14 @@ from hisparse.engine.config import EngineConfig, request_lengths
 from hisparse.engine.kvformat import ROW_LAYOUTS
 from hisparse.engine.run import MODES, Parity, RunResult, RunStats, compare_runs, run_workload
 
-__all__ = ["EngineConfig", "MODES", "Parity", "ROW_LAYOUTS", "RunResult", "RunStats",
-           "compare_runs", "request_lengths", "run_workload"]
+__all__ = [
+    "EngineConfig",
+    "MODES",
+    "Parity",
+    "ROW_LAYOUTS",
+    "RunResult",
+    "RunStats",
+    "compare_runs",
+    "request_lengths",
+    "run_workload",
+]

@@ -26,14 +26,14 @@ def to_device(values, device: torch.device, dtype=torch.int64) -> torch.Tensor:
 class StepBatch:
     decode: List[Request]
     prefill: List[Request]
-    slots: Optional[torch.Tensor]       # decode requests' state rows, on the device
-    positions: Optional[torch.Tensor]   # decode requests' current positions, on the device
-    context_len: int                    # longest decode context this step (max position + 1)
+    slots: Optional[torch.Tensor]  # decode requests' state rows, on the device
+    positions: Optional[torch.Tensor]  # decode requests' current positions, on the device
+    context_len: int  # longest decode context this step (max position + 1)
     prompt_positions: List[torch.Tensor]  # each prompt's positions 0..P-1, on the device
-    keys: torch.Tensor                  # every new row's key, batch order, on the device
-    keys_cpu: torch.Tensor              # the same on the CPU (the connector's slot mapping)
-    window_rows: torch.Tensor           # device-window rows the new rows are written to
-    window_src: torch.Tensor            # which new row goes to each of them
+    keys: torch.Tensor  # every new row's key, batch order, on the device
+    keys_cpu: torch.Tensor  # the same on the CPU (the connector's slot mapping)
+    window_rows: torch.Tensor  # device-window rows the new rows are written to
+    window_src: torch.Tensor  # which new row goes to each of them
 
     @property
     def num_decode(self) -> int:
@@ -48,8 +48,14 @@ class StepBatch:
         return StepRows(encoded, self.keys, self.keys_cpu, self.window_rows, self.window_src)
 
     @classmethod
-    def build(cls, decode: Sequence[Request], prefill: Sequence[Request], max_context: int,
-              window: int, device: torch.device) -> "StepBatch":
+    def build(
+        cls,
+        decode: Sequence[Request],
+        prefill: Sequence[Request],
+        max_context: int,
+        window: int,
+        device: torch.device,
+    ) -> "StepBatch":
         """``window``: the store's device-window rows per request (each request's newest
         ``window`` tokens sit at ``slot * window + pos % window``)."""
         C, dev = max_context, device
@@ -61,8 +67,9 @@ class StepBatch:
             pos_list = [r.pos for r in decode]
             slots = to_device(slot_list, dev)
             positions = to_device(pos_list, dev)
-            dkeys = torch.tensor([s * C + p for s, p in zip(slot_list, pos_list)],
-                                 dtype=torch.int64)
+            dkeys = torch.tensor(
+                [s * C + p for s, p in zip(slot_list, pos_list)], dtype=torch.int64
+            )
             keys_cpu.append(dkeys)
             keys.append(to_device(dkeys.tolist(), dev))
             context_len = max(pos_list) + 1
@@ -81,5 +88,15 @@ class StepBatch:
             win_rows.append((r.slot * window + newest.remainder(window)).to(dev))
             win_src.append((first + newest).to(dev))
             first += P
-        return cls(list(decode), list(prefill), slots, positions, context_len, prompt_positions,
-                   torch.cat(keys), torch.cat(keys_cpu), torch.cat(win_rows), torch.cat(win_src))
+        return cls(
+            list(decode),
+            list(prefill),
+            slots,
+            positions,
+            context_len,
+            prompt_positions,
+            torch.cat(keys),
+            torch.cat(keys_cpu),
+            torch.cat(win_rows),
+            torch.cat(win_src),
+        )

@@ -17,37 +17,37 @@ RESIDENCIES = ("host", "hybrid")
 @dataclass(frozen=True)
 class EngineConfig:
     # model
-    num_layers: int = 4            # decoder layers
-    index_share: int = 2           # layers per index group (1 leader + index_share-1 followers)
-    hidden: int = 64               # residual width
+    num_layers: int = 4  # decoder layers
+    index_share: int = 2  # layers per index group (1 leader + index_share-1 followers)
+    hidden: int = 64  # residual width
     vocab: int = 512
-    indexer_dim: int = 32          # indexer key/query width (keys stay on the device)
-    row_layout: str = "fp8"        # "fp8" (656-B rows) or "bf16" (1152-B rows)
-    dtype: str = "float64"         # compute dtype (float64: CPU and CUDA agree token for token)
+    indexer_dim: int = 32  # indexer key/query width (keys stay on the device)
+    row_layout: str = "fp8"  # "fp8" (656-B rows) or "bf16" (1152-B rows)
+    dtype: str = "float64"  # compute dtype (float64: CPU and CUDA agree token for token)
     seed: int = 0
     # sparse attention / HiSparse
     top_k: int = 64
-    hot_size: int = 128            # hot-buffer rows per request per layer (>= top_k)
-    block_size: int = 16           # rows per block of the packed KV allocations
+    hot_size: int = 128  # hot-buffer rows per request per layer (>= top_k)
+    block_size: int = 16  # rows per block of the packed KV allocations
     # workload
     num_requests: int = 24
-    max_running: int = 8           # state rows = max concurrently running requests
+    max_running: int = 8  # state rows = max concurrently running requests
     prompt_len: int = 320
     output_len: int = 64
-    length_jitter: float = 0.25    # request i's lengths are scaled by a seeded factor in [1-j, 1]
+    length_jitter: float = 0.25  # request i's lengths are scaled by a seeded factor in [1-j, 1]
     # locality
-    drift: float = 0.05            # indexer query EMA rate per token: 0 = frozen, 1 = no memory
-    recent_window: int = 8         # the newest tokens are always selected (0 = none)
+    drift: float = 0.05  # indexer query EMA rate per token: 0 = frozen, 1 = no memory
+    recent_window: int = 8  # the newest tokens are always selected (0 = none)
     # telemetry
-    metrics_interval: int = 16     # engine steps between counter snapshots
+    metrics_interval: int = 16  # engine steps between counter snapshots
     # residency of HiSparse runs (mode="hisparse"): "host" = every row in the host pool, hot
     # buffers for every request (always-host); "hybrid" = rows stay in device KV pages while they
     # fit, whole requests spill to the host pool under pressure and may come back (docs/engine.md)
     residency: str = "host"
-    device_pages: int = 0          # hybrid: device KV pages of block_size rows (0 = every state
-                                   # row at max context, i.e. nothing ever spills)
-    hot_slots: int = -1            # hybrid: requests that can be spilled at once (hot buffers
-                                   # allocated); -1 = max_running, 0 = none (no host pool)
+    device_pages: int = 0  # hybrid: device KV pages of block_size rows (0 = every state
+    # row at max context, i.e. nothing ever spills)
+    hot_slots: int = -1  # hybrid: requests that can be spilled at once (hot buffers
+    # allocated); -1 = max_running, 0 = none (no host pool)
 
     def __post_init__(self) -> None:
         check_int("num_layers", self.num_layers, 1, 1024)
@@ -70,16 +70,25 @@ class EngineConfig:
         if self.residency not in RESIDENCIES:
             raise ValueError(f"residency must be one of {RESIDENCIES}, got {self.residency!r}")
         if self.row_layout not in ROW_LAYOUTS:
-            raise ValueError(f"row_layout must be one of {sorted(ROW_LAYOUTS)}, got {self.row_layout!r}")
+            raise ValueError(
+                f"row_layout must be one of {sorted(ROW_LAYOUTS)}, got {self.row_layout!r}"
+            )
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.hot_size < self.top_k:
             raise ValueError(f"hot_size ({self.hot_size}) must be >= top_k ({self.top_k})")
         if self.recent_window > self.top_k:
-            raise ValueError(f"recent_window ({self.recent_window}) must be <= top_k ({self.top_k})")
+            raise ValueError(
+                f"recent_window ({self.recent_window}) must be <= top_k ({self.top_k})"
+            )
         for name in ("drift", "length_jitter"):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0.0 <= v <= 1.0 or v != v:
+            if (
+                isinstance(v, bool)
+                or not isinstance(v, (int, float))
+                or not 0.0 <= v <= 1.0
+                or v != v
+            ):
                 raise ValueError(f"{name} must be a number in [0, 1], got {v!r}")
         if self.length_jitter >= 1.0:
             raise ValueError(f"length_jitter must be < 1, got {self.length_jitter!r}")

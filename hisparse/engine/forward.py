@@ -11,8 +11,7 @@ from hisparse.engine.batch import StepBatch, to_device
 from hisparse.engine.config import EngineConfig
 from hisparse.engine.hybrid import HybridKV
 from hisparse.engine.indexer import Indexer
-from hisparse.engine.kvstore import (BINDING_FAULTS, SPILL_FAULTS, HiSparseKV, KVStore,
-                                     ResidentKV)
+from hisparse.engine.kvstore import BINDING_FAULTS, SPILL_FAULTS, HiSparseKV, KVStore, ResidentKV
 from hisparse.engine.layer import LayerPass
 from hisparse.engine.model import Model
 from hisparse.engine.requests import Request
@@ -31,8 +30,9 @@ def _check(cfg: EngineConfig, mode: str, binding_fault, spill_fault) -> None:
         raise ValueError("spill_fault needs mode='hisparse' with residency='hybrid'")
 
 
-def make_kv_store(cfg: EngineConfig, mode: str, device: torch.device, binding_fault, on_stats,
-                  spill_fault) -> KVStore:
+def make_kv_store(
+    cfg: EngineConfig, mode: str, device: torch.device, binding_fault, on_stats, spill_fault
+) -> KVStore:
     if mode == "resident":
         return ResidentKV(cfg, device, binding_fault)
     if cfg.residency == "hybrid":
@@ -43,9 +43,17 @@ def make_kv_store(cfg: EngineConfig, mode: str, device: torch.device, binding_fa
 class Engine:
     """One run of the reference workload. Use ``run_workload``."""
 
-    def __init__(self, cfg: EngineConfig, mode: str, device: torch.device, *,
-                 record_attention: bool = False, binding_fault: Optional[str] = None,
-                 on_stats: Optional[Callable] = None, spill_fault: Optional[str] = None) -> None:
+    def __init__(
+        self,
+        cfg: EngineConfig,
+        mode: str,
+        device: torch.device,
+        *,
+        record_attention: bool = False,
+        binding_fault: Optional[str] = None,
+        on_stats: Optional[Callable] = None,
+        spill_fault: Optional[str] = None,
+    ) -> None:
         _check(cfg, mode, binding_fault, spill_fault)
         self.cfg, self.mode, self.device = cfg, mode, device
         self.model = Model(cfg, device)
@@ -57,8 +65,13 @@ class Engine:
         self.attn: List[List[torch.Tensor]] = [[] for _ in range(cfg.num_layers)]
         self.layers = LayerPass(cfg, self.model, self.kv, self.attn if record_attention else None)
 
-    def forward(self, dec: List[Request], new: List[Request], out_tokens: torch.Tensor,
-                final_hidden: torch.Tensor) -> None:
+    def forward(
+        self,
+        dec: List[Request],
+        new: List[Request],
+        out_tokens: torch.Tensor,
+        final_hidden: torch.Tensor,
+    ) -> None:
         cfg, m = self.cfg, self.model
         batch = StepBatch.build(dec, new, cfg.max_context, self.kv.window, self.device)
         x = m.embed(self.cur_tok[batch.slots]) if dec else None
@@ -68,8 +81,9 @@ class Engine:
             proj = self.layers.project(layer, batch, x, xp)
             self.kv.store(layer, batch.rows(proj.rows))
             if cfg.is_leader(layer):
-                sel, prompt_sel = self.indexer.select(cfg.group_of(layer), batch, proj.decode_h,
-                                                      proj.prompt_h)
+                sel, prompt_sel = self.indexer.select(
+                    cfg.group_of(layer), batch, proj.decode_h, proj.prompt_h
+                )
             if dec:
                 x = self.layers.attend_decode(layer, batch, x, proj, sel)
             xp = self.layers.attend_prompts(layer, xp, proj, prompt_sel)
@@ -77,8 +91,13 @@ class Engine:
             self._emit_decode(batch, x, out_tokens, final_hidden)
         self._emit_prompts(new, xp, out_tokens, final_hidden)
 
-    def _emit_decode(self, batch: StepBatch, x: torch.Tensor, out_tokens: torch.Tensor,
-                     final_hidden: torch.Tensor) -> None:
+    def _emit_decode(
+        self,
+        batch: StepBatch,
+        x: torch.Tensor,
+        out_tokens: torch.Tensor,
+        final_hidden: torch.Tensor,
+    ) -> None:
         """Greedy next tokens of the decode rows; a request's last one also leaves its hidden
         state."""
         dec, dev = batch.decode, self.device
@@ -92,8 +111,13 @@ class Engine:
             li = to_device(last, dev)
             final_hidden[ridx[li]] = x[li]
 
-    def _emit_prompts(self, new: List[Request], xp: List[torch.Tensor], out_tokens: torch.Tensor,
-                      final_hidden: torch.Tensor) -> None:
+    def _emit_prompts(
+        self,
+        new: List[Request],
+        xp: List[torch.Tensor],
+        out_tokens: torch.Tensor,
+        final_hidden: torch.Tensor,
+    ) -> None:
         """A prompt's first generated token comes from its last position."""
         for r, x_prompt in zip(new, xp):
             xl = x_prompt[-1:]

@@ -42,8 +42,14 @@ class HybridKV(ResidencyMoves):
 
     mode = "hybrid"
 
-    def __init__(self, cfg: EngineConfig, device: torch.device, binding_fault: Optional[str],
-                 on_stats=None, spill_fault: Optional[str] = None) -> None:
+    def __init__(
+        self,
+        cfg: EngineConfig,
+        device: torch.device,
+        binding_fault: Optional[str],
+        on_stats=None,
+        spill_fault: Optional[str] = None,
+    ) -> None:
         if spill_fault not in SPILL_FAULTS:
             raise ValueError(f"spill_fault must be one of {SPILL_FAULTS}, got {spill_fault!r}")
         self.spill_fault = spill_fault
@@ -65,7 +71,8 @@ class HybridKV(ResidencyMoves):
         self.host_pool_bytes = 0
         if self.hot_slots:
             self.sched, self.worker = open_connector(
-                cfg, self.hot_slots, self.flat, self.win_base + self.hot_slots * self.window)
+                cfg, self.hot_slots, self.flat, self.win_base + self.hot_slots * self.window
+            )
             w = self.worker.worker
             self.host = [w.host_view(n) for n in self.names]
             self.host_pool_bytes = int(w.host_rows) * cfg.row_bytes * cfg.num_layers
@@ -76,16 +83,17 @@ class HybridKV(ResidencyMoves):
         # engine slots; the connector's own rows are hot slots (it only sees spilled requests)
         self.rows = StateRows(cfg.num_state_rows)
         self.free_pages: List[int] = list(range(self.num_pages - 1, -1, -1))  # pop() = lowest
-        self.pages: Dict[int, List[int]] = {}      # engine slot -> device pages (resident)
-        self.hot: Dict[int, int] = {}              # engine slot -> hot slot (spilled)
+        self.pages: Dict[int, List[int]] = {}  # engine slot -> device pages (resident)
+        self.hot: Dict[int, int] = {}  # engine slot -> hot slot (spilled)
         self.free_hot: List[int] = list(range(self.hot_slots - 1, -1, -1))
-        self.admitted: Dict[int, int] = {}         # engine slot -> admission order
-        self.spill_order: List[int] = []           # spilled slots, oldest spill first
+        self.admitted: Dict[int, int] = {}  # engine slot -> admission order
+        self.spill_order: List[int] = []  # spilled slots, oldest spill first
         self.rid: Dict[int, str] = {}
-        self.fresh: set = set()                    # spilled slots not yet seen by the connector
+        self.fresh: set = set()  # spilled slots not yet seen by the connector
         self.conn_finished: List[str] = []
-        self.pt = torch.zeros(cfg.num_state_rows, cfg.pages_per_request, dtype=torch.int64,
-                              device=self.device)  # page table: slot -> its pages
+        self.pt = torch.zeros(
+            cfg.num_state_rows, cfg.pages_per_request, dtype=torch.int64, device=self.device
+        )  # page table: slot -> its pages
         self._staged: deque = deque()
         self._step = 0
         self._seq = 0
@@ -93,11 +101,16 @@ class HybridKV(ResidencyMoves):
         self._conn_step = False
         self._pos: Dict[int, int] = {}
         self._pt_updates: List[tuple] = []
-        self.counts = dict(spilled_requests=0, spilled_rows=0, spilled_bytes=0,
-                           returned_requests=0, returned_rows=0)
+        self.counts = dict(
+            spilled_requests=0,
+            spilled_rows=0,
+            spilled_bytes=0,
+            returned_requests=0,
+            returned_rows=0,
+        )
         self._reported = dict(self.counts)
         self.peak_spilled = 0
-        self.mid_request_spills = 0   # spills of running requests (admissions to host excluded)
+        self.mid_request_spills = 0  # spills of running requests (admissions to host excluded)
         self.closed = False
 
     # ---- policy, each step before the forward ------------------------------------------------
@@ -167,7 +180,8 @@ class HybridKV(ResidencyMoves):
         if not self.free_hot:
             raise RuntimeError(
                 "hybrid residency: no device pages and no hot slot for a new request "
-                f"(hot_slots={self.hot_slots}, device_pages={self.num_pages})")
+                f"(hot_slots={self.hot_slots}, device_pages={self.num_pages})"
+            )
         self.hot[s] = self.free_hot.pop()
         self.spill_order.append(s)
         self.fresh.add(s)
@@ -199,11 +213,18 @@ class HybridKV(ResidencyMoves):
         if pl.num_staged:
             torch.index_select(rows, 0, pl.stage_src, out=pl.stage[layer])
         for k0, off, P in pl.prefill_host:
-            src = rows[off:off + P]
-            self.host[layer][k0:k0 + P].copy_(src, non_blocking=True)
+            src = rows[off : off + P]
+            self.host[layer][k0 : k0 + P].copy_(src, non_blocking=True)
 
-    def read(self, layer: int, sel_keys: torch.Tensor, sel_pos: torch.Tensor, cur_pos: torch.Tensor,
-             slots: torch.Tensor, num_prefill: int) -> torch.Tensor:
+    def read(
+        self,
+        layer: int,
+        sel_keys: torch.Tensor,
+        sel_pos: torch.Tensor,
+        cur_pos: torch.Tensor,
+        slots: torch.Tensor,
+        num_prefill: int,
+    ) -> torch.Tensor:
         pl = self._plan
         if self.cfg.is_leader(layer):
             self._phys_res = self._page_rows(pl, sel_pos, slots) if pl.num_resident else None
@@ -233,8 +254,9 @@ class HybridKV(ResidencyMoves):
         spc = sp.clamp(min=0)
         return self.pt[sl.unsqueeze(1), spc // bs] * bs + spc % bs
 
-    def _connector_query(self, pl: StepPlan, sel_keys: torch.Tensor, sel_pos: torch.Tensor,
-                         cur_pos: torch.Tensor) -> None:
+    def _connector_query(
+        self, pl: StepPlan, sel_keys: torch.Tensor, sel_pos: torch.Tensor, cur_pos: torch.Tensor
+    ) -> None:
         """The spilled decode requests' top-k keys and, for the ones still in their device
         window, the window rows (the op's resident tier)."""
         win = self.window
@@ -242,8 +264,11 @@ class HybridKV(ResidencyMoves):
             keys, sp, cp = sel_keys, sel_pos, cur_pos
         else:
             idx = pl.spilled_idx
-            keys, sp, cp = (sel_keys.index_select(0, idx), sel_pos.index_select(0, idx),
-                            cur_pos.index_select(0, idx))
+            keys, sp, cp = (
+                sel_keys.index_select(0, idx),
+                sel_pos.index_select(0, idx),
+                cur_pos.index_select(0, idx),
+            )
         in_win = (sp >= 0) & (sp > (cp - win).unsqueeze(1))
         win_row = self.win_base + pl.spilled_hot.unsqueeze(1) * win + sp.remainder(win)
         self._top_k = keys.to(torch.int32)

@@ -25,6 +25,7 @@ def _window_range(n: int, window: int) -> tuple:
 
 class _Staged:
     """One step's decode rows of spilled requests, on their way to the host pool."""
+
     __slots__ = ("step", "buf", "keys", "event")
 
     def __init__(self, step: int, buf: torch.Tensor, keys: torch.Tensor, event) -> None:
@@ -47,7 +48,7 @@ class ResidencyMoves:
             t = t.pin_memory().to(self.device, non_blocking=True)
         out, o = [], 0
         for l in lists:
-            out.append(t[o:o + len(l)])
+            out.append(t[o : o + len(l)])
             o += len(l)
         return out
 
@@ -102,7 +103,8 @@ class ResidencyMoves:
         if not self.free_hot:
             raise RuntimeError(
                 "hybrid residency: device pages are exhausted and every hot slot is taken "
-                f"(hot_slots={self.hot_slots}, device_pages={self.num_pages}); raise either")
+                f"(hot_slots={self.hot_slots}, device_pages={self.num_pages}); raise either"
+            )
         pages = self.pages.pop(slot)
         h = self.free_hot.pop()
         src_lo, src_hi = _spill_range(n)
@@ -116,7 +118,7 @@ class ResidencyMoves:
         for l, f in enumerate(self.flat):
             if rows:
                 moved = f.index_select(0, src)
-                self.host[l][k0 + src_lo:k0 + src_hi].copy_(moved, non_blocking=True)
+                self.host[l][k0 + src_lo : k0 + src_hi].copy_(moved, non_blocking=True)
             if wrows:
                 f.index_copy_(0, wdst, f.index_select(0, wsrc))
         self.free_pages.extend(reversed(pages))
@@ -136,7 +138,7 @@ class ResidencyMoves:
         (dst,) = self._upload([rows])
         k0 = self._key0(slot)
         for l, f in enumerate(self.flat):
-            src = self.host[l][k0:k0 + n]
+            src = self.host[l][k0 : k0 + n]
             f.index_copy_(0, dst, src.to(self.device, non_blocking=True) if self.on_cuda else src)
         self._set_pages(slot, pages, 0)
         self._free_hot_slot(slot)

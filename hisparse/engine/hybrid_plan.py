@@ -12,16 +12,16 @@ import torch
 
 @dataclass
 class StepPlan:
-    dev_dst: torch.Tensor             # device rows every new row (or ``dev_src``'s) goes to
-    dev_src: Optional[torch.Tensor]   # which new rows, None = all of them in batch order
-    stage_src: torch.Tensor           # spilled decode rows (batch index) to stage
-    stage_keys: torch.Tensor          # their keys (CPU), where the pool takes them later
-    resident_idx: torch.Tensor        # batch index of resident decode requests
-    spilled_idx: torch.Tensor         # batch index of spilled decode requests
-    spilled_hot: torch.Tensor         # their hot slots
-    all_spilled: bool                 # every decode request is spilled
+    dev_dst: torch.Tensor  # device rows every new row (or ``dev_src``'s) goes to
+    dev_src: Optional[torch.Tensor]  # which new rows, None = all of them in batch order
+    stage_src: torch.Tensor  # spilled decode rows (batch index) to stage
+    stage_keys: torch.Tensor  # their keys (CPU), where the pool takes them later
+    resident_idx: torch.Tensor  # batch index of resident decode requests
+    spilled_idx: torch.Tensor  # batch index of spilled decode requests
+    spilled_hot: torch.Tensor  # their hot slots
+    all_spilled: bool  # every decode request is spilled
     prefill_host: List[Tuple[int, int, int]]  # spilled prompts: (first key, first row, length)
-    stage: Optional[torch.Tensor]     # [layers, staged rows, row_bytes] on the device
+    stage: Optional[torch.Tensor]  # [layers, staged rows, row_bytes] on the device
     num_staged: int = 0
     num_resident: int = 0
     num_spilled: int = 0
@@ -79,16 +79,38 @@ def build_plan(kv, dec: Sequence, new: Sequence, pt_updates: Sequence[tuple]) ->
     pt_i = [u[1] for u in pt_updates]
     pt_v = [u[2] for u in pt_updates]
     (t_dst, t_src, t_stage, t_rs, t_sp, t_hot, t_ps, t_pi, t_pv) = kv._upload(
-        [rt.dev_dst, rt.dev_src if not rt.all_dev else [], rt.stage_src, rt.resident_idx,
-         rt.spilled_idx, rt.spilled_hot, pt_s, pt_i, pt_v])
+        [
+            rt.dev_dst,
+            rt.dev_src if not rt.all_dev else [],
+            rt.stage_src,
+            rt.resident_idx,
+            rt.spilled_idx,
+            rt.spilled_hot,
+            pt_s,
+            pt_i,
+            pt_v,
+        ]
+    )
     if pt_s:
         kv.pt[t_ps, t_pi] = t_pv
     num_staged = len(rt.stage_src)
-    stage = (torch.empty(cfg.num_layers, num_staged, cfg.row_bytes, dtype=torch.uint8,
-                         device=kv.device) if num_staged else None)
+    stage = (
+        torch.empty(cfg.num_layers, num_staged, cfg.row_bytes, dtype=torch.uint8, device=kv.device)
+        if num_staged
+        else None
+    )
     return StepPlan(
-        dev_dst=t_dst, dev_src=None if rt.all_dev else t_src, stage_src=t_stage,
-        stage_keys=torch.tensor(rt.stage_keys, dtype=torch.int64), resident_idx=t_rs,
-        spilled_idx=t_sp, spilled_hot=t_hot, all_spilled=len(rt.spilled_idx) == len(dec),
-        prefill_host=rt.prefill_host, stage=stage, num_staged=num_staged,
-        num_resident=len(rt.resident_idx), num_spilled=len(rt.spilled_idx))
+        dev_dst=t_dst,
+        dev_src=None if rt.all_dev else t_src,
+        stage_src=t_stage,
+        stage_keys=torch.tensor(rt.stage_keys, dtype=torch.int64),
+        resident_idx=t_rs,
+        spilled_idx=t_sp,
+        spilled_hot=t_hot,
+        all_spilled=len(rt.spilled_idx) == len(dec),
+        prefill_host=rt.prefill_host,
+        stage=stage,
+        num_staged=num_staged,
+        num_resident=len(rt.resident_idx),
+        num_spilled=len(rt.spilled_idx),
+    )

@@ -19,10 +19,14 @@ class Indexer:
         self.cfg, self.model, self.device = cfg, model, device
         dtype = model.dtype
         S, C = cfg.num_state_rows, cfg.max_context
-        self.keys = [torch.zeros(S, C, cfg.indexer_dim, dtype=dtype, device=device)
-                     for _ in range(cfg.num_groups)]
-        self.query = [torch.zeros(S, cfg.indexer_dim, dtype=dtype, device=device)
-                      for _ in range(cfg.num_groups)]
+        self.keys = [
+            torch.zeros(S, C, cfg.indexer_dim, dtype=dtype, device=device)
+            for _ in range(cfg.num_groups)
+        ]
+        self.query = [
+            torch.zeros(S, cfg.indexer_dim, dtype=dtype, device=device)
+            for _ in range(cfg.num_groups)
+        ]
         self.nbytes = sum(t.numel() * t.element_size() for t in self.keys)
         # previous step's selection of each state row as a bitmap (column C absorbs padding)
         self.prev_sel = torch.zeros(S, C + 1, dtype=torch.bool, device=device)
@@ -31,13 +35,20 @@ class Indexer:
         self.overlap_cnt = torch.zeros((), dtype=torch.float64, device=device)
         self._ema_cache: dict = {}
 
-    def select(self, group: int, batch: StepBatch, decode_h: Optional[torch.Tensor],
-               prompt_h: List[torch.Tensor]) -> Tuple[Optional[torch.Tensor], List[torch.Tensor]]:
+    def select(
+        self,
+        group: int,
+        batch: StepBatch,
+        decode_h: Optional[torch.Tensor],
+        prompt_h: List[torch.Tensor],
+    ) -> Tuple[Optional[torch.Tensor], List[torch.Tensor]]:
         """The group's selection of every decode row [B, top_k] (None without decode rows) and
         of every prompt position ([P, top_k] per prompt); positions, -1 = padding."""
         sel = self._select_decode(group, batch, decode_h) if batch.num_decode else None
-        prompt_sel = [self._select_prompt(group, r, h, pos) for r, h, pos
-                      in zip(batch.prefill, prompt_h, batch.prompt_positions)]
+        prompt_sel = [
+            self._select_prompt(group, r, h, pos)
+            for r, h, pos in zip(batch.prefill, prompt_h, batch.prompt_positions)
+        ]
         return sel, prompt_sel
 
     def topk_overlap(self) -> float:
@@ -51,7 +62,7 @@ class Indexer:
         a = cfg.drift
         qs = (1.0 - a) * self.query[g][slots] + a * m.index_query(h, g)
         self.query[g][slots] = qs
-        scores = torch.einsum("bd,btd->bt", qs, self.keys[g][slots, :batch.context_len])
+        scores = torch.einsum("bd,btd->bt", qs, self.keys[g][slots, : batch.context_len])
         sel = select_top_k(scores, pos + 1, cfg.top_k, cfg.recent_window)
         if g == 0:
             self._overlap(slots, sel)
@@ -60,10 +71,11 @@ class Indexer:
     def _select_prompt(self, g: int, r, h: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         cfg, m = self.cfg, self.model
         ik = m.index_key(h, g, pos)
-        self.keys[g][r.slot, :r.prompt_len] = ik
+        self.keys[g][r.slot, : r.prompt_len] = ik
         u = m.index_query(h, g)
-        sel, q_last = prefill.select_over_prompt(u, ik, pos, self._ema_weights, cfg.top_k,
-                                                 cfg.recent_window)
+        sel, q_last = prefill.select_over_prompt(
+            u, ik, pos, self._ema_weights, cfg.top_k, cfg.recent_window
+        )
         self.query[g][r.slot] = q_last
         if g == 0:
             self._remember(r.slot, sel[-1])
@@ -101,4 +113,3 @@ class Indexer:
         fresh.scatter_(1, idx, True)  # only True is written: duplicates at C cannot race
         fresh[:, C] = False
         self.prev_sel[slots] = fresh
-

@@ -57,7 +57,12 @@ def encode_rows(kv: torch.Tensor, layout: str) -> torch.Tensor:
     latent = kv[..., :LATENT_DIM].reshape(*lead, LATENT_DIM // FP8_TILE, FP8_TILE)
     amax = latent.abs().amax(dim=-1, keepdim=True)
     scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax)).to(torch.float32)
-    q = (latent / scale.to(latent.dtype)).clamp(-FP8_MAX, FP8_MAX).to(torch.float32).to(torch.float8_e4m3fn)
+    q = (
+        (latent / scale.to(latent.dtype))
+        .clamp(-FP8_MAX, FP8_MAX)
+        .to(torch.float32)
+        .to(torch.float8_e4m3fn)
+    )
     parts = [
         _bytes_of(q.reshape(*lead, LATENT_DIM)),
         _bytes_of(scale.reshape(*lead, LATENT_DIM // FP8_TILE)),
@@ -76,7 +81,9 @@ def decode_rows(rows: torch.Tensor, layout: str, dtype: torch.dtype) -> torch.Te
     lead = rows.shape[:-1]
     n_tiles = LATENT_DIM // FP8_TILE
     q = rows[..., :LATENT_DIM].contiguous().view(torch.float8_e4m3fn).to(dtype)
-    scale = rows[..., LATENT_DIM:LATENT_DIM + 4 * n_tiles].contiguous().view(torch.float32).to(dtype)
-    rope = rows[..., LATENT_DIM + 4 * n_tiles:].contiguous().view(torch.bfloat16).to(dtype)
+    scale = (
+        rows[..., LATENT_DIM : LATENT_DIM + 4 * n_tiles].contiguous().view(torch.float32).to(dtype)
+    )
+    rope = rows[..., LATENT_DIM + 4 * n_tiles :].contiguous().view(torch.bfloat16).to(dtype)
     latent = (q.reshape(*lead, n_tiles, FP8_TILE) * scale.unsqueeze(-1)).reshape(*lead, LATENT_DIM)
     return torch.cat([latent, rope], dim=-1)

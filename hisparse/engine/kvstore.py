@@ -27,11 +27,12 @@ SPILL_FAULTS = (None, "off_by_one")
 @dataclass
 class StepRows:
     """The rows a forward step writes into one layer."""
-    rows: torch.Tensor          # uint8 [n, row_bytes] on the device
-    keys: torch.Tensor          # int64 [n] on the device
-    keys_cpu: torch.Tensor      # int64 [n] on the CPU (the slot mapping)
-    window_rows: torch.Tensor   # int64 [w] device: device-window rows to write (hisparse)
-    window_src: torch.Tensor    # int64 [w] device: which of ``rows`` goes there
+
+    rows: torch.Tensor  # uint8 [n, row_bytes] on the device
+    keys: torch.Tensor  # int64 [n] on the device
+    keys_cpu: torch.Tensor  # int64 [n] on the CPU (the slot mapping)
+    window_rows: torch.Tensor  # int64 [w] device: device-window rows to write (hisparse)
+    window_src: torch.Tensor  # int64 [w] device: which of ``rows`` goes there
 
 
 @runtime_checkable
@@ -45,10 +46,10 @@ class KVStore(Protocol):
     request (``HiSparseKV``) the rows are the connector's own; elsewhere a ``StateRows``."""
 
     mode: str
-    window: int              # device-window rows per state row (1 where there is no window)
-    device_kv_bytes: int     # device memory the store allocated for KV rows
+    window: int  # device-window rows per state row (1 where there is no window)
+    device_kv_bytes: int  # device memory the store allocated for KV rows
     host_pool_bytes: int
-    peak_spilled: int        # most requests spilled at once (hybrid; 0 otherwise)
+    peak_spilled: int  # most requests spilled at once (hybrid; 0 otherwise)
     mid_request_spills: int  # spills of running requests (hybrid; 0 otherwise)
 
     def begin_step(self, dec: Sequence, new: Sequence, finished: Sequence[str]) -> None:
@@ -58,8 +59,15 @@ class KVStore(Protocol):
 
     def store(self, layer: int, new: StepRows) -> None: ...
 
-    def read(self, layer: int, sel_keys: torch.Tensor, sel_pos: torch.Tensor,
-             cur_pos: torch.Tensor, slots: torch.Tensor, num_prefill: int) -> torch.Tensor:
+    def read(
+        self,
+        layer: int,
+        sel_keys: torch.Tensor,
+        sel_pos: torch.Tensor,
+        cur_pos: torch.Tensor,
+        slots: torch.Tensor,
+        num_prefill: int,
+    ) -> torch.Tensor:
         """The selected rows' bytes [B, top_k, row_bytes]; -1 entries of ``sel_keys`` are
         padding (any row may come back for them: attention masks them)."""
         ...
@@ -86,8 +94,9 @@ class StateRows:
         self.free.sort()
 
 
-def packed_views(raw: torch.Tensor, layout: PackedLayout,
-                 binding_fault: Optional[str]) -> Dict[str, torch.Tensor]:
+def packed_views(
+    raw: torch.Tensor, layout: PackedLayout, binding_fault: Optional[str]
+) -> Dict[str, torch.Tensor]:
     """Per-layer views of one packed allocation; ``base_offset`` reproduces the upstream bug
     (every layer bound at the allocation's base offset, so later layers overwrite earlier ones)."""
     if binding_fault is None:
@@ -97,13 +106,22 @@ def packed_views(raw: torch.Tensor, layout: PackedLayout,
     raise ValueError(f"binding_fault must be one of {BINDING_FAULTS}, got {binding_fault!r}")
 
 
-def packed_rows(cfg: EngineConfig, rows_per_layer: int, block_size: int, device: torch.device,
-                binding_fault: Optional[str]) -> Tuple[torch.Tensor, List[torch.Tensor]]:
+def packed_rows(
+    cfg: EngineConfig,
+    rows_per_layer: int,
+    block_size: int,
+    device: torch.device,
+    binding_fault: Optional[str],
+) -> Tuple[torch.Tensor, List[torch.Tensor]]:
     """One packed device allocation for every layer and each layer's rows as a [rows, row_bytes]
     view of it."""
     names = cfg.layer_names()
-    layout = PackedLayout(names, num_blocks=rows_per_layer // block_size, block_size=block_size,
-                          row_bytes=cfg.row_bytes)
+    layout = PackedLayout(
+        names,
+        num_blocks=rows_per_layer // block_size,
+        block_size=block_size,
+        row_bytes=cfg.row_bytes,
+    )
     raw = torch.zeros(layout.nbytes(), dtype=torch.uint8, device=device)
     views = packed_views(raw, layout, binding_fault)
     return raw, [views[n].reshape(-1, views[n].shape[-1]) for n in names]
@@ -131,7 +149,8 @@ def open_connector(cfg: EngineConfig, state_rows: int, flat: List[torch.Tensor],
     w = worker.worker
     if w is None or w.hot_base != hot_base:
         raise RuntimeError(
-            f"connector hot_base {getattr(w, 'hot_base', None)} != engine's {hot_base}")
+            f"connector hot_base {getattr(w, 'hot_base', None)} != engine's {hot_base}"
+        )
     return sched, worker
 
 
@@ -144,8 +163,9 @@ class ResidentKV:
     peak_spilled = 0
     mid_request_spills = 0
 
-    def __init__(self, cfg: EngineConfig, device: torch.device,
-                 binding_fault: Optional[str]) -> None:
+    def __init__(
+        self, cfg: EngineConfig, device: torch.device, binding_fault: Optional[str]
+    ) -> None:
         self.cfg = cfg
         self.raw, self.flat = packed_rows(cfg, cfg.num_keys, cfg.block_size, device, binding_fault)
         self.device_kv_bytes = self.raw.numel()
@@ -158,8 +178,15 @@ class ResidentKV:
     def store(self, layer: int, new: StepRows) -> None:
         self.flat[layer].index_copy_(0, new.keys, new.rows)
 
-    def read(self, layer: int, sel_keys: torch.Tensor, sel_pos: torch.Tensor, cur_pos: torch.Tensor,
-             slots: torch.Tensor, num_prefill: int) -> torch.Tensor:
+    def read(
+        self,
+        layer: int,
+        sel_keys: torch.Tensor,
+        sel_pos: torch.Tensor,
+        cur_pos: torch.Tensor,
+        slots: torch.Tensor,
+        num_prefill: int,
+    ) -> torch.Tensor:
         return self.flat[layer][sel_keys.clamp(min=0)]
 
     def end_step(self):
@@ -193,15 +220,17 @@ class HiSparseKV:
     peak_spilled = 0
     mid_request_spills = 0
 
-    def __init__(self, cfg: EngineConfig, device: torch.device, binding_fault: Optional[str],
-                 on_stats=None) -> None:
+    def __init__(
+        self, cfg: EngineConfig, device: torch.device, binding_fault: Optional[str], on_stats=None
+    ) -> None:
         self.cfg = cfg
         self.window = max(1, cfg.recent_window)
         S = cfg.num_state_rows
         self.names = cfg.layer_names()
         self.hot_base = S * self.window
-        self.raw, self.flat = packed_rows(cfg, S * self.window + S * cfg.hot_size, 1, device,
-                                          binding_fault)
+        self.raw, self.flat = packed_rows(
+            cfg, S * self.window + S * cfg.hot_size, 1, device, binding_fault
+        )
         self.sched, self.worker = open_connector(cfg, S, self.flat, self.hot_base)
         self.host_pool_bytes = int(self.worker.worker.host_rows) * cfg.row_bytes * cfg.num_layers
         self.device_kv_bytes = self.raw.numel()
@@ -218,19 +247,27 @@ class HiSparseKV:
         meta = self.sched.build_connector_meta(out)
         # The connector's state row of a request is its slot: one allocator, and the engine's
         # device window and keys line up with the connector's hot buffers row for row.
-        for r, row in zip(new, meta.state_rows[len(dec):]):
+        for r, row in zip(new, meta.state_rows[len(dec) :]):
             r.slot = row
         self.worker.bind_connector_metadata(meta)
         self.worker.start_load_kv(None)
 
     def store(self, layer: int, new: StepRows) -> None:
         if new.window_rows.numel():
-            self.flat[layer].index_copy_(0, new.window_rows,
-                                         new.rows.index_select(0, new.window_src))
+            self.flat[layer].index_copy_(
+                0, new.window_rows, new.rows.index_select(0, new.window_src)
+            )
         self.worker.save_kv_layer(self.names[layer], new.rows, _AttnMeta(new.keys_cpu))
 
-    def read(self, layer: int, sel_keys: torch.Tensor, sel_pos: torch.Tensor, cur_pos: torch.Tensor,
-             slots: torch.Tensor, num_prefill: int) -> torch.Tensor:
+    def read(
+        self,
+        layer: int,
+        sel_keys: torch.Tensor,
+        sel_pos: torch.Tensor,
+        cur_pos: torch.Tensor,
+        slots: torch.Tensor,
+        num_prefill: int,
+    ) -> torch.Tensor:
         name = self.names[layer]
         B, K = sel_keys.shape
         if self.cfg.is_leader(layer):

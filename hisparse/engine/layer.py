@@ -20,22 +20,29 @@ from hisparse.engine.model import Model
 @dataclass
 class Projection:
     """One layer's projections of the step's tokens."""
-    rows: torch.Tensor                  # every new row, encoded, batch order
-    decode_h: Optional[torch.Tensor]    # decode rows' normalised input (None without any)
+
+    rows: torch.Tensor  # every new row, encoded, batch order
+    decode_h: Optional[torch.Tensor]  # decode rows' normalised input (None without any)
     decode_q: Optional[torch.Tensor]
     prompt_h: List[torch.Tensor]
     prompt_q: List[torch.Tensor]
-    prompt_rows: List[torch.Tensor]     # each prompt's encoded rows (a slice of ``rows``' bytes)
+    prompt_rows: List[torch.Tensor]  # each prompt's encoded rows (a slice of ``rows``' bytes)
 
 
 class LayerPass:
-    def __init__(self, cfg: EngineConfig, model: Model, kv: KVStore,
-                 attention_log: Optional[List[List[torch.Tensor]]]) -> None:
+    def __init__(
+        self,
+        cfg: EngineConfig,
+        model: Model,
+        kv: KVStore,
+        attention_log: Optional[List[List[torch.Tensor]]],
+    ) -> None:
         self.cfg, self.model, self.kv = cfg, model, kv
         self.attention_log = attention_log  # layer -> decode attention outputs, when recorded
 
-    def project(self, layer: int, batch: StepBatch, x: Optional[torch.Tensor],
-                xp: List[torch.Tensor]) -> Projection:
+    def project(
+        self, layer: int, batch: StepBatch, x: Optional[torch.Tensor], xp: List[torch.Tensor]
+    ) -> Projection:
         m, layout = self.model, self.cfg.row_layout
         parts, prompt_h, prompt_q, prompt_rows = [], [], [], []
         h = q = None
@@ -51,8 +58,9 @@ class LayerPass:
             prompt_q.append(qp)
         return Projection(torch.cat(parts), h, q, prompt_h, prompt_q, prompt_rows)
 
-    def attend_decode(self, layer: int, batch: StepBatch, x: torch.Tensor, proj: Projection,
-                      sel: torch.Tensor) -> torch.Tensor:
+    def attend_decode(
+        self, layer: int, batch: StepBatch, x: torch.Tensor, proj: Projection, sel: torch.Tensor
+    ) -> torch.Tensor:
         """Attention of the decode rows over their selection, read from the KV store as bytes
         (the only place where the modes differ: the bytes must be the same)."""
         cfg, m = self.cfg, self.model
@@ -65,12 +73,14 @@ class LayerPass:
             self.attention_log[layer].append(o)
         return m.finish_layer(x, o, layer)
 
-    def attend_prompts(self, layer: int, xp: List[torch.Tensor], proj: Projection,
-                       prompt_sel: List[torch.Tensor]) -> List[torch.Tensor]:
+    def attend_prompts(
+        self, layer: int, xp: List[torch.Tensor], proj: Projection, prompt_sel: List[torch.Tensor]
+    ) -> List[torch.Tensor]:
         m, layout = self.model, self.cfg.row_layout
         out = []
         for x_prompt, q, rows, sel in zip(xp, proj.prompt_q, proj.prompt_rows, prompt_sel):
             vals = decode_rows(rows, layout, m.dtype)
-            out.append(m.finish_layer(x_prompt, prefill.attend_over_prompt(q, vals, sel, m.scale),
-                                      layer))
+            out.append(
+                m.finish_layer(x_prompt, prefill.attend_over_prompt(q, vals, sel, m.scale), layer)
+            )
         return out

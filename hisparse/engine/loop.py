@@ -48,14 +48,19 @@ class LoopTotals:
     tokens_done: int = 0
     steps: int = 0
     peak_running: int = 0
-    peak_host_rows: int = 0   # most KV rows held by running requests at once (per layer)
+    peak_host_rows: int = 0  # most KV rows held by running requests at once (per layer)
     wall_s: float = 0.0
     decode_tokens: int = 0
     decode_wall_s: float = 0.0
 
 
-def run_steps(eng, reqs: List[Request], out_tokens: torch.Tensor, final_hidden: torch.Tensor,
-              progress: Optional[Callable[[int], None]]) -> LoopTotals:
+def run_steps(
+    eng,
+    reqs: List[Request],
+    out_tokens: torch.Tensor,
+    final_hidden: torch.Tensor,
+    progress: Optional[Callable[[int], None]],
+) -> LoopTotals:
     """Every request to completion; closes the engine's KV store whatever happens."""
     dev, tot = eng.device, LoopTotals()
     waiting, running = deque(reqs), []
@@ -88,8 +93,9 @@ def run_steps(eng, reqs: List[Request], out_tokens: torch.Tensor, final_hidden: 
     return tot
 
 
-def _advance(running: List[Request], dec: List[Request], new: List[Request],
-             tot: LoopTotals) -> List[Request]:
+def _advance(
+    running: List[Request], dec: List[Request], new: List[Request], tot: LoopTotals
+) -> List[Request]:
     for r in dec:
         r.generated += 1
     for r in new:

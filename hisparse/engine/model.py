@@ -38,21 +38,25 @@ class Model:
         self.emb = w(cfg.vocab, d, scale=1.0)
         self.layers: List[dict] = []
         for _ in range(cfg.num_layers):
-            self.layers.append(dict(
-                w_dkv=w(d, LATENT_DIM, scale=1.0 / math.sqrt(d)),
-                w_kr=w(d, ROPE_DIM, scale=1.0 / math.sqrt(d)),
-                w_uq=w(d, LATENT_DIM, scale=1.0 / math.sqrt(d)),
-                w_qr=w(d, ROPE_DIM, scale=1.0 / math.sqrt(d)),
-                w_o=w(LATENT_DIM, d, scale=1.0 / math.sqrt(LATENT_DIM)),
-                w_1=w(d, 2 * d, scale=1.0 / math.sqrt(d)),
-                w_2=w(2 * d, d, scale=0.5 / math.sqrt(2 * d)),
-            ))
+            self.layers.append(
+                dict(
+                    w_dkv=w(d, LATENT_DIM, scale=1.0 / math.sqrt(d)),
+                    w_kr=w(d, ROPE_DIM, scale=1.0 / math.sqrt(d)),
+                    w_uq=w(d, LATENT_DIM, scale=1.0 / math.sqrt(d)),
+                    w_qr=w(d, ROPE_DIM, scale=1.0 / math.sqrt(d)),
+                    w_o=w(LATENT_DIM, d, scale=1.0 / math.sqrt(LATENT_DIM)),
+                    w_1=w(d, 2 * d, scale=1.0 / math.sqrt(d)),
+                    w_2=w(2 * d, d, scale=0.5 / math.sqrt(2 * d)),
+                )
+            )
         self.indexers: List[dict] = []
         for _ in range(cfg.num_groups):
-            self.indexers.append(dict(
-                w_ik=w(d, di, scale=1.0 / math.sqrt(d)),
-                w_iq=w(d, di, scale=1.0 / math.sqrt(d)),
-            ))
+            self.indexers.append(
+                dict(
+                    w_ik=w(d, di, scale=1.0 / math.sqrt(d)),
+                    w_iq=w(d, di, scale=1.0 / math.sqrt(d)),
+                )
+            )
         self.head = w(d, cfg.vocab, scale=1.0 / math.sqrt(d))
         # A positional term in every indexer key: a repeated token must not score (nearly) the
         # same as its earlier copies, or the top-k boundary would be decided by rounding noise,
@@ -108,7 +112,9 @@ class Model:
         return self.rmsnorm(x) @ self.head
 
 
-def select_top_k(scores: torch.Tensor, num_valid: torch.Tensor, k: int, recent: int) -> torch.Tensor:
+def select_top_k(
+    scores: torch.Tensor, num_valid: torch.Tensor, k: int, recent: int
+) -> torch.Tensor:
     """Top-k positions per row, sorted ascending, padded with -1.
 
     scores [N, T]: indexer scores of positions 0..T-1; num_valid [N]: row n may select positions

@@ -16,9 +16,14 @@ from hisparse.engine.model import select_top_k
 PREFILL_CHUNK_ELEMS = 1 << 25
 
 
-def select_over_prompt(u: torch.Tensor, ik: torch.Tensor, pos: torch.Tensor,
-                       ema_weights: Callable[[int], Tuple[torch.Tensor, torch.Tensor]],
-                       top_k: int, recent: int) -> Tuple[torch.Tensor, torch.Tensor]:
+def select_over_prompt(
+    u: torch.Tensor,
+    ik: torch.Tensor,
+    pos: torch.Tensor,
+    ema_weights: Callable[[int], Tuple[torch.Tensor, torch.Tensor]],
+    top_k: int,
+    recent: int,
+) -> Tuple[torch.Tensor, torch.Tensor]:
     """The EMA query of every prompt position (carried from chunk to chunk) and its top-k.
     Returns (selection [P, top_k], the query after the last position)."""
     P = u.shape[0]
@@ -35,8 +40,9 @@ def select_over_prompt(u: torch.Tensor, ik: torch.Tensor, pos: torch.Tensor,
     return torch.cat(sels), prev
 
 
-def attend_over_prompt(q: torch.Tensor, vals: torch.Tensor, sel: torch.Tensor,
-                       scale: float) -> torch.Tensor:
+def attend_over_prompt(
+    q: torch.Tensor, vals: torch.Tensor, sel: torch.Tensor, scale: float
+) -> torch.Tensor:
     """Sparse attention of every prompt position over its own selection, computed densely
     (scores against all prompt rows, unselected ones masked out): the same values as a
     gather, without materialising [P, top_k, 576]."""
@@ -44,10 +50,10 @@ def attend_over_prompt(q: torch.Tensor, vals: torch.Tensor, sel: torch.Tensor,
     chunk = max(1, PREFILL_CHUNK_ELEMS // max(1, P))
     outs = []
     for s in range(0, P, chunk):
-        sl = sel[s:s + chunk]
+        sl = sel[s : s + chunk]
         mask = torch.zeros(sl.shape[0], P + 1, dtype=torch.bool, device=sel.device)
         mask.scatter_(1, torch.where(sl >= 0, sl, torch.full_like(sl, P)), True)
-        sc = (q[s:s + chunk] @ vals.T) * scale
+        sc = (q[s : s + chunk] @ vals.T) * scale
         sc = sc.masked_fill(~mask[:, :P], float("-inf"))
         outs.append(torch.softmax(sc, dim=-1) @ vals[:, :LATENT_DIM])
     return torch.cat(outs) if len(outs) > 1 else outs[0]

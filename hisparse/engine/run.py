@@ -20,8 +20,16 @@ from hisparse.engine.results import Parity, RunResult, RunStats, compare_runs
 
 # Names other modules and tests reach through ``hisparse.engine.run``.
 _Request = Request
-__all__ = ["MODES", "Engine", "Parity", "RunResult", "RunStats", "compare_runs", "make_requests",
-           "run_workload"]
+__all__ = [
+    "MODES",
+    "Engine",
+    "Parity",
+    "RunResult",
+    "RunStats",
+    "compare_runs",
+    "make_requests",
+    "run_workload",
+]
 
 
 def _resolve_device(device) -> torch.device:
@@ -74,8 +82,15 @@ def run_workload(
     from hisparse.stats import HiSparseKVConnectorStats  # noqa: F401  (connector's container)
 
     relay = _StatsRelay(metrics)
-    eng = Engine(cfg, mode, dev, record_attention=record_attention,
-                 binding_fault=binding_fault, on_stats=relay, spill_fault=spill_fault)
+    eng = Engine(
+        cfg,
+        mode,
+        dev,
+        record_attention=record_attention,
+        binding_fault=binding_fault,
+        on_stats=relay,
+        spill_fault=spill_fault,
+    )
     reqs = make_requests(cfg)  # looked up at call time: tests substitute their own workload
     N = len(reqs)
     max_out = max(r.output_len for r in reqs)
@@ -83,15 +98,23 @@ def run_workload(
     final_hidden = torch.zeros(N, cfg.hidden, dtype=eng.dtype, device=dev)
     totals = run_steps(eng, reqs, out_tokens, final_hidden, progress)
     st = _run_stats(eng, reqs, totals, relay)
-    tokens = [out_tokens[r.idx, :r.output_len].tolist() for r in reqs]
+    tokens = [out_tokens[r.idx, : r.output_len].tolist() for r in reqs]
     attention = None
     if record_attention:
         names = cfg.layer_names()
-        attention = {names[i]: (torch.cat(a).cpu() if a
-                                else torch.zeros(0, LATENT_DIM, dtype=eng.dtype))
-                     for i, a in enumerate(eng.attn)}
-    return RunResult(mode=mode, device=str(dev), config=cfg, tokens=tokens,
-                     final_hidden=final_hidden.cpu(), stats=st, attention=attention)
+        attention = {
+            names[i]: (torch.cat(a).cpu() if a else torch.zeros(0, LATENT_DIM, dtype=eng.dtype))
+            for i, a in enumerate(eng.attn)
+        }
+    return RunResult(
+        mode=mode,
+        device=str(dev),
+        config=cfg,
+        tokens=tokens,
+        final_hidden=final_hidden.cpu(),
+        stats=st,
+        attention=attention,
+    )
 
 
 def _run_stats(eng: Engine, reqs, tot: LoopTotals, relay: _StatsRelay) -> RunStats:

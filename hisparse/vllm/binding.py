@@ -17,9 +17,9 @@ from hisparse.config import HiSparseConfig, HiSparseConfigError
 
 @dataclass(frozen=True)
 class ModelLayers:
-    row_bytes: dict   # {layer_name: row bytes}, model order
-    groups: list      # [[leader, follower, ...], ...]
-    host_rows: int    # keys = vLLM slots: num_blocks * block_size
+    row_bytes: dict  # {layer_name: row bytes}, model order
+    groups: list  # [[leader, follower, ...], ...]
+    host_rows: int  # keys = vLLM slots: num_blocks * block_size
     top_k: Optional[int]
 
 
@@ -36,12 +36,17 @@ def model_hisparse_layers(vllm_config: Any) -> Optional[dict]:
     """The loaded model's HiSparse layers by name; None when no model is loaded in this process
     (a caller driving the worker itself, e.g. a test or the reference engine). A loaded model
     without any is refused with one line."""
-    ctx = getattr(getattr(vllm_config, "compilation_config", None), "static_forward_context",
-                  None) or {}
+    ctx = (
+        getattr(getattr(vllm_config, "compilation_config", None), "static_forward_context", None)
+        or {}
+    )
     if not ctx:
         return None
-    layers = {n: lay for n, lay in ctx.items()
-              if hasattr(lay, "row_bytes") and hasattr(lay, "group_leader")}
+    layers = {
+        n: lay
+        for n, lay in ctx.items()
+        if hasattr(lay, "row_bytes") and hasattr(lay, "group_leader")
+    }
     if not layers:
         raise HiSparseModelError(
             f"HiSparse connector: model architecture {_architectures(vllm_config)} has no "
@@ -52,14 +57,21 @@ def model_hisparse_layers(vllm_config: Any) -> Optional[dict]:
     return layers
 
 
-def find_model_layers(vllm_config: Any, kv_cache_config: Any, config: HiSparseConfig,
-                      extra: Optional[Mapping], layers: Mapping) -> ModelLayers:
+def find_model_layers(
+    vllm_config: Any,
+    kv_cache_config: Any,
+    config: HiSparseConfig,
+    extra: Optional[Mapping],
+    layers: Mapping,
+) -> ModelLayers:
     """Groups, host rows and the pool check for the model's HiSparse ``layers``."""
     groups: dict = {}
     for name, lay in layers.items():
         if lay.group_leader not in layers:
-            raise HiSparseModelError(f"HiSparse layer {name!r} names leader "
-                                     f"{lay.group_leader!r}, which is not a HiSparse layer")
+            raise HiSparseModelError(
+                f"HiSparse layer {name!r} names leader "
+                f"{lay.group_leader!r}, which is not a HiSparse layer"
+            )
         groups.setdefault(lay.group_leader, [lay.group_leader])
         if name != lay.group_leader:
             groups[lay.group_leader].append(name)
@@ -73,8 +85,10 @@ def find_model_layers(vllm_config: Any, kv_cache_config: Any, config: HiSparseCo
         )
     num_blocks = getattr(kv_cache_config, "num_blocks", None)
     if not isinstance(num_blocks, int) or num_blocks < 1:
-        raise HiSparseModelError("HiSparse connector: vLLM passed no KV cache config with "
-                                 "num_blocks; the host pool backs vLLM's KV blocks")
+        raise HiSparseModelError(
+            "HiSparse connector: vLLM passed no KV cache config with "
+            "num_blocks; the host pool backs vLLM's KV blocks"
+        )
     host_rows = num_blocks * config.block_size
     row_bytes = {n: int(lay.row_bytes) for n, lay in layers.items()}
     need = host_rows * sum(row_bytes.values())

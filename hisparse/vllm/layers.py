@@ -40,8 +40,8 @@ class StepMetadata:
     num_reqs: int
     query_start: List[int]
     seq_lens: List[int]
-    block_table: torch.Tensor    # int32 [num_reqs, max_blocks]
-    slot_mapping: torch.Tensor   # int64 [num_tokens]
+    block_table: torch.Tensor  # int32 [num_reqs, max_blocks]
+    slot_mapping: torch.Tensor  # int64 [num_tokens]
     block_size: int
 
     @property
@@ -50,23 +50,36 @@ class StepMetadata:
 
 
 class StepMetadataBuilder(AttentionMetadataBuilder[StepMetadata]):
-    def __init__(self, kv_cache_spec: KVCacheSpec, layer_names: list, vllm_config: VllmConfig,
-                 device: torch.device) -> None:
+    def __init__(
+        self,
+        kv_cache_spec: KVCacheSpec,
+        layer_names: list,
+        vllm_config: VllmConfig,
+        device: torch.device,
+    ) -> None:
         self.kv_cache_spec = kv_cache_spec
         self.layer_names = layer_names
         self.vllm_config = vllm_config
         self.device = device
 
-    def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
-              fast_build: bool = False) -> StepMetadata:
+    def build(
+        self,
+        common_prefix_len: int,
+        common_attn_metadata: CommonAttentionMetadata,
+        fast_build: bool = False,
+    ) -> StepMetadata:
         c = common_attn_metadata
         n = c.num_reqs
         qsl = c.query_start_loc_cpu[: n + 1].tolist()
         seq = c.seq_lens[:n].cpu().tolist()
-        return StepMetadata(num_reqs=n, query_start=qsl, seq_lens=seq,
-                            block_table=c.block_table_tensor[:n],
-                            slot_mapping=c.slot_mapping[: qsl[n]].long(),
-                            block_size=self.kv_cache_spec.block_size)
+        return StepMetadata(
+            num_reqs=n,
+            query_start=qsl,
+            seq_lens=seq,
+            block_table=c.block_table_tensor[:n],
+            slot_mapping=c.slot_mapping[: qsl[n]].long(),
+            block_size=self.kv_cache_spec.block_size,
+        )
 
 
 class _NoImpl:
@@ -93,8 +106,13 @@ class HiSparseReferenceBackend(AttentionBackend):
         return StepMetadataBuilder
 
     @staticmethod
-    def get_kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_size: int,
-                           cache_dtype_str: str = "auto") -> tuple:
+    def get_kv_cache_shape(
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_size: int,
+        cache_dtype_str: str = "auto",
+    ) -> tuple:
         return (num_blocks, block_size, head_size)
 
 
@@ -121,9 +139,13 @@ class _CacheLayer(nn.Module, AttentionLayerBase):
     def get_kv_cache_spec(self, vllm_config: VllmConfig) -> Optional[KVCacheSpec]:
         if not self.declare:
             return None
-        return FullAttentionSpec(block_size=self.block_size, num_kv_heads=1,
-                                 head_size=self.row_width, head_size_v=0,
-                                 dtype=self.cache_dtype)
+        return FullAttentionSpec(
+            block_size=self.block_size,
+            num_kv_heads=1,
+            head_size=self.row_width,
+            head_size_v=0,
+            dtype=self.cache_dtype,
+        )
 
     def rows(self) -> torch.Tensor:
         """The bound cache as [num_slots, row_width] (slot = block * block_size + offset)."""

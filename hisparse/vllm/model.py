@@ -53,10 +53,11 @@ class _Batch:
             seq = meta.seq_lens[r]
             pos = torch.arange(seq, device=bt.device)
             self.context_keys.append(bt[r, pos // bs] * bs + pos % bs)
-            self.query_pos.append(pos[seq - (b - a):])
+            self.query_pos.append(pos[seq - (b - a) :])
             (self.decode if b - a == 1 else self.prefill).append(r)
-        self.decode_tokens = torch.tensor([meta.query_start[r] for r in self.decode],
-                                          dtype=torch.long, device=bt.device)
+        self.decode_tokens = torch.tensor(
+            [meta.query_start[r] for r in self.decode], dtype=torch.long, device=bt.device
+        )
 
     def tokens(self, r: int) -> slice:
         return slice(self.meta.query_start[r], self.meta.query_start[r + 1])
@@ -75,15 +76,18 @@ class HiSparseMLAForCausalLM(nn.Module):
         rb = cfg.row_bytes
         pre = f"{prefix}." if prefix else ""
         self.layer_names = [f"{pre}layers.{i}.attn" for i in range(cfg.num_layers)]
-        leaders = [self.layer_names[cfg.group_of(i) * cfg.index_share]
-                   for i in range(cfg.num_layers)]
+        leaders = [
+            self.layer_names[cfg.group_of(i) * cfg.index_share] for i in range(cfg.num_layers)
+        ]
         # In HiSparse mode vLLM allocates no row storage: the connector owns it.
         self.kv_layers = nn.ModuleList(
             SparseMLACache(n, rb, leaders[i], declare=not self.hisparse)
-            for i, n in enumerate(self.layer_names))
+            for i, n in enumerate(self.layer_names)
+        )
         self.index_names = [f"{pre}indexers.{g}.cache" for g in range(cfg.num_groups)]
-        self.index_layers = nn.ModuleList(IndexerCache(n, cfg.indexer_dim)
-                                          for n in self.index_names)
+        self.index_layers = nn.ModuleList(
+            IndexerCache(n, cfg.indexer_dim) for n in self.index_names
+        )
 
     # ---- vLLM model interface ---------------------------------------------------------------
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -97,23 +101,33 @@ class HiSparseMLAForCausalLM(nn.Module):
         loaded: Set[str] = set()
         for name, w in weights:
             if name not in targets:
-                raise ValueError(f"model.safetensors holds {name!r}, which the "
-                                 "HiSparse reference model does not have")
+                raise ValueError(
+                    f"model.safetensors holds {name!r}, which the "
+                    "HiSparse reference model does not have"
+                )
             t = targets[name]
             if tuple(w.shape) != tuple(t.shape):
-                raise ValueError(f"weight {name!r} has shape {tuple(w.shape)}, expected "
-                                 f"{tuple(t.shape)}")
+                raise ValueError(
+                    f"weight {name!r} has shape {tuple(w.shape)}, expected {tuple(t.shape)}"
+                )
             t.copy_(w.to(dtype=t.dtype))
             loaded.add(name)
         missing = sorted(set(targets) - loaded)
         if missing:
-            raise ValueError(f"model.safetensors lacks {missing[0]} ({len(missing)} missing): "
-                             "re-run `hisparse export-model`")
+            raise ValueError(
+                f"model.safetensors lacks {missing[0]} ({len(missing)} missing): "
+                "re-run `hisparse export-model`"
+            )
         return loaded
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                intermediate_tensors=None, inputs_embeds: Optional[torch.Tensor] = None,
-                **kwargs) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        intermediate_tensors=None,
+        inputs_embeds: Optional[torch.Tensor] = None,
+        **kwargs,
+    ) -> torch.Tensor:
         m, cfg = self.m, self.cfg
         x = m.embed(input_ids) if inputs_embeds is None else inputs_embeds
         attn = get_forward_context().attn_metadata
@@ -147,8 +161,10 @@ class HiSparseMLAForCausalLM(nn.Module):
         from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
 
         if not has_kv_transfer_group():
-            raise RuntimeError("the model was built for the HiSparse connector but vLLM has no "
-                               "KV connector in this process")
+            raise RuntimeError(
+                "the model was built for the HiSparse connector but vLLM has no "
+                "KV connector in this process"
+            )
         return get_kv_transfer_group()
 
     def _select(self, g: int, h: torch.Tensor, pos: torch.Tensor, batch: _Batch) -> list:
@@ -170,9 +186,17 @@ class HiSparseMLAForCausalLM(nn.Module):
             out.append(torch.where(sel >= 0, keys[sel.clamp(min=0)], sel))
         return out
 
-    def _attend(self, layer: int, q: torch.Tensor, rows: torch.Tensor, selection: list,
-                batch: _Batch, connector, state_rows) -> torch.Tensor:
-        cfg, m = self.cfg, self.m
+    def _attend(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        rows: torch.Tensor,
+        selection: list,
+        batch: _Batch,
+        connector,
+        state_rows,
+    ) -> torch.Tensor:
+        cfg = self.cfg
         meta = batch.meta
         name = self.layer_names[layer]
         if connector is not None:
@@ -197,9 +221,10 @@ class HiSparseMLAForCausalLM(nn.Module):
             tok = batch.tokens(r)
             step = max(1, _PREFILL_CHUNK_ELEMS // (keys.shape[1] * 576))
             for s in range(0, keys.shape[0], step):
-                k = keys[s:s + step]
-                out[tok][s:s + step] = self._attend_rows(q[tok][s:s + step],
-                                                         store[k.clamp(min=0)], k)
+                k = keys[s : s + step]
+                out[tok][s : s + step] = self._attend_rows(
+                    q[tok][s : s + step], store[k.clamp(min=0)], k
+                )
         return out
 
     def _attend_rows(self, q: torch.Tensor, rows: torch.Tensor, keys: torch.Tensor):
@@ -215,8 +240,8 @@ def _ema_weights(qpos: torch.Tensor, n: int, drift: float) -> torch.Tensor:
     a = float(drift)
     i = qpos.to(torch.float64).unsqueeze(1)
     j = torch.arange(n, dtype=torch.float64, device=qpos.device).unsqueeze(0)
-    w = torch.where(j <= i, a * (1.0 - a) ** (i - j), torch.zeros((), dtype=torch.float64,
-                                                                  device=qpos.device))
+    w = torch.where(
+        j <= i, a * (1.0 - a) ** (i - j), torch.zeros((), dtype=torch.float64, device=qpos.device)
+    )
     w[:, 0] = (1.0 - a) ** i.squeeze(1)
     return w
-

