@@ -81,7 +81,11 @@ class HiSparseConnector(KVConnectorBase_V1, SupportsHMA):
     """HiSparse hot-buffering as a KV connector: nothing is loaded from outside; the worker role
     keeps the full KV in a pinned host pool and each request's selected rows in hot buffers."""
 
-    def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
+    def __init__(
+        self, vllm_config: Any, role: Any, kv_cache_config: Any = None, *, device_hooks=None
+    ) -> None:
+        """``device_hooks``: stand-ins for the worker's stream/event/capture plumbing
+        (``hisparse.sampler.DeviceHooks``), for tests; vLLM never passes them."""
         role = _role(role)
         super().__init__(vllm_config, role, kv_cache_config)
         extra = getattr(self._kv_transfer_config, "kv_connector_extra_config", None)
@@ -104,7 +108,7 @@ class HiSparseConnector(KVConnectorBase_V1, SupportsHMA):
                 vllm_config, kv_cache_config, self.config, extra, layers
             )
         if role == KVConnectorRole.WORKER:
-            self.worker = HiSparseConnectorWorker(self.config)
+            self.worker = HiSparseConnectorWorker(self.config, hooks=device_hooks)
         else:
             self._scheduler = HiSparseScheduler(self.config)
             blocks = getattr(kv_cache_config, "num_blocks", None)
@@ -113,7 +117,7 @@ class HiSparseConnector(KVConnectorBase_V1, SupportsHMA):
 
     @classmethod
     def from_extra_config(
-        cls, extra_config: Optional[Mapping] = None, role: Any = "worker"
+        cls, extra_config: Optional[Mapping] = None, role: Any = "worker", *, device_hooks=None
     ) -> "HiSparseConnector":
         """Build without a vLLM config (reference engine, tests)."""
         kv = SimpleNamespace(
@@ -127,7 +131,7 @@ class HiSparseConnector(KVConnectorBase_V1, SupportsHMA):
             is_kv_consumer=False,
             engine_id=None,
         )
-        return cls(SimpleNamespace(kv_transfer_config=kv), role, None)
+        return cls(SimpleNamespace(kv_transfer_config=kv), role, None, device_hooks=device_hooks)
 
     # ----------------------------------------------------------- worker side
     @property

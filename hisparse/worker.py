@@ -8,7 +8,7 @@ event-gated sampling of ``get_kv_connector_stats``.
 
 from __future__ import annotations
 
-from typing import Callable, Mapping, Optional, Sequence
+from typing import Mapping, Optional, Sequence
 
 import torch
 
@@ -19,20 +19,8 @@ from hisparse.host_pool import HostPool
 from hisparse.limits import ROW_ALIGN
 from hisparse.metadata import HiSparseConnectorMetadata
 from hisparse.runtime import HiSparseIndexGroup, HiSparseRuntime
+from hisparse.sampler import CounterSampler, DeviceHooks
 from hisparse.stats import HiSparseKVConnectorStats
-
-
-class _CompletedEvent:
-    """The CPU backend's event: work is done when issued, so it is always complete."""
-
-    def record(self, stream=None) -> None:
-        return None
-
-    def query(self) -> bool:
-        return True
-
-    def synchronize(self) -> None:
-        return None
 
 
 def _as_row_bytes(name: str, t: torch.Tensor) -> torch.Tensor:
@@ -60,8 +48,10 @@ class HiSparseConnectorWorker:
         self,
         config: HiSparseConfig,
         *,
-        is_capturing: Optional[Callable[[], bool]] = None,
+        hooks: Optional[DeviceHooks] = None,
     ) -> None:
+        """``hooks``: the device plumbing the counter sampler uses (default: the device's own;
+        tests pass stand-ins to observe the ordering)."""
         if not isinstance(config, HiSparseConfig):
             raise TypeError(f"config must be a HiSparseConfig, got {type(config).__name__}")
         self.config = config
@@ -73,7 +63,8 @@ class HiSparseConnectorWorker:
         self.host_rows = 0
         self.hot_base = 0
         self.final_stats: Optional[HiSparseKVConnectorStats] = None
-        self._is_capturing_hook = is_capturing
+        self._hooks = hooks
+        self.sampler: Optional[CounterSampler] = None
         self._state_rows: Optional[torch.Tensor] = None
         self._resolved: set = set()
         self._gathered: set = set()
@@ -82,13 +73,6 @@ class HiSparseConnectorWorker:
         self._anchors: Optional[torch.Tensor] = None
         self._anchor_rows: Optional[dict] = None  # key -> [(state row, request id)], step order
         self._shut_down = False
-        # Two-phase sampling state.
-        self._metrics_calls = 0
-        self._metrics_pending = False
-        self._metrics_event = None
-        self._pending_usage: Optional[float] = None
-        self._gauges_dev: Optional[torch.Tensor] = None
-        self._gauges_host: Optional[torch.Tensor] = None
 
     # ------------------------------------------------------------------ setup
     @property
@@ -206,7 +190,6 @@ class HiSparseConnectorWorker:
             group_objs.append(g)
         groups = group_objs
 
-        on_cuda = device.type == "cuda"
         self.device = device
         self.layer_names = names
         self.host_pool = pool
@@ -215,9 +198,12 @@ class HiSparseConnectorWorker:
         self.groups = groups
         self.runtimes = runtimes
         self._state_rows = torch.full((S,), -1, dtype=torch.int32, device=device)
-        self._gauges_dev = torch.zeros(len(groups), dtype=torch.int64, device=device)
-        self._gauges_host = torch.zeros(len(groups), dtype=torch.int64, pin_memory=on_cuda)
-        self._metrics_event = torch.cuda.Event() if on_cuda else _CompletedEvent()
+        self.sampler = CounterSampler(
+            groups,
+            cfg.metrics_interval,
+            self._hooks or DeviceHooks.for_device(device),
+            usage=lambda: self._host_rows_in_use / self.host_rows if self.host_rows else 0.0,
+        )
 
     # -------------------------------------------------------------- accessors
     def runtime(self, layer_name: str) -> HiSparseRuntime:
@@ -487,91 +473,19 @@ class HiSparseConnectorWorker:
             t.record_stream(stream)
 
     # ------------------------------------------------------------ telemetry
-    def _is_capturing(self) -> bool:
-        if self._is_capturing_hook is not None:
-            return bool(self._is_capturing_hook())
-        return (
-            self.device is not None
-            and self.device.type == "cuda"
-            and torch.cuda.is_current_stream_capturing()
-        )
-
-    def _compute_stream(self):
-        return torch.cuda.current_stream(self.device)
-
     def get_kv_connector_stats(self) -> Optional[HiSparseKVConnectorStats]:
-        """Call once per engine step. Phase 1: if the pending snapshot's event completed, return its
-        counts (None when nothing happened). Phase 2: count the call; every ``metrics_interval``
-        calls, unless capturing a CUDA graph or a snapshot is pending, arm a new snapshot.
-        Never synchronises the host with the device."""
+        """Call once per engine step: the two-phase, event-gated counter snapshot (see
+        ``hisparse.sampler``). Never synchronises the host with the device."""
         if not self.registered or self._shut_down:
             return None
-        stats = None
-        capturing = self._is_capturing()  # no event query / copy inside a CUDA-graph capture
-        if self._metrics_pending and not capturing and self._metrics_event.query():
-            stats = self._harvest()
-            self._metrics_pending = False
-        self._metrics_calls += 1
-        if (
-            self._metrics_calls % self.config.metrics_interval == 0
-            and not self._metrics_pending
-            and not capturing
-        ):
-            self._arm()
-        return stats
-
-    def _arm(self) -> None:
-        """Copy device counters to pinned host memory without blocking, zero them, record event."""
-        streams = [g.copy_stream for g in self.groups if g.copy_stream is not None]
-        compute = self._compute_stream() if streams else None
-        for s in streams:  # gathers (which add moved bytes) and host writes finish first
-            compute.wait_stream(s)
-        for i, g in enumerate(self.groups):
-            g.counters_host.copy_(g.counters, non_blocking=True)
-            g.counters.zero_()
-            self._gauges_dev[i] = (g.slot_keys >= 0).sum()
-        self._gauges_host.copy_(self._gauges_dev, non_blocking=True)
-        for s in streams:  # later gathers add into the zeroed counters after the copy
-            s.wait_stream(compute)
-        if compute is not None:
-            self._metrics_event.record(compute)
-        else:
-            self._metrics_event.record()
-        self._pending_usage = self._host_rows_in_use / self.host_rows if self.host_rows else 0.0
-        self._metrics_pending = True
-
-    def _harvest(self) -> Optional[HiSparseKVConnectorStats]:
-        hits = misses = moved = hot_rows = 0
-        gauges = self._gauges_host.tolist()
-        for i, g in enumerate(self.groups):
-            h, m, b = (int(x) for x in g.counters_host.tolist())
-            hits, misses, moved = hits + h, misses + m, moved + b
-            hot_rows += int(gauges[i]) * len(g.members)
-        if not (hits or misses or moved):
-            return None
-        stats = HiSparseKVConnectorStats()
-        stats.record_snapshot(
-            hits, misses, moved, host_pool_usage=self._pending_usage, hot_rows_in_use=hot_rows
-        )
-        return stats
+        return self.sampler.step()
 
     def drain_stats(self) -> Optional[HiSparseKVConnectorStats]:
         """Blocking: collect the pending snapshot and everything counted since. For the end of a
         run, shutdown and tests; never on the decode path."""
         if not self.registered or self._shut_down:
             return None
-        if self._is_capturing():
-            raise RuntimeError("drain_stats cannot run while a CUDA graph is being captured")
-        out = HiSparseKVConnectorStats()
-        if self._metrics_pending:
-            self._metrics_event.synchronize()
-            out.aggregate(self._harvest())
-            self._metrics_pending = False
-        self._arm()
-        self._metrics_event.synchronize()
-        out.aggregate(self._harvest())
-        self._metrics_pending = False
-        return None if out.is_empty() else out
+        return self.sampler.drain()
 
     # ------------------------------------------------------------- shutdown
     def shutdown(self) -> Optional[HiSparseKVConnectorStats]:
@@ -591,7 +505,7 @@ class HiSparseConnectorWorker:
         self.groups = []
         self.host_pool = None
         self._state_rows = None
-        self._gauges_dev = self._gauges_host = None
+        self.sampler = None
         return self.final_stats
 
     @property

@@ -22,11 +22,11 @@ BASE_CFG = {
 }
 
 
-def make_pair(extra=None, row_bytes=(32, 64, 48), rows=None):
+def make_pair(extra=None, row_bytes=(32, 64, 48), rows=None, device_hooks=None):
     """A scheduler connector and a worker connector with registered caches (one per layer)."""
     cfg = dict(BASE_CFG, **(extra or {}))
     sched = HiSparseConnector.from_extra_config(cfg, role="scheduler")
-    work = HiSparseConnector.from_extra_config(cfg, role="worker")
+    work = HiSparseConnector.from_extra_config(cfg, role="worker", device_hooks=device_hooks)
     S, H = cfg["max_num_seqs"], cfg["device_buffer_size"]
     n_rows = rows if rows is not None else S * H
     caches = {

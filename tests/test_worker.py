@@ -9,6 +9,7 @@ from telemetry_helpers import Workload, make_pair
 from hisparse.binding import BindingError
 from hisparse.config import HiSparseConfig, HiSparseConfigError
 from hisparse.connector import StepSchedule
+from hisparse.sampler import DeviceHooks
 from hisparse.worker import HiSparseConnectorMetadata, HiSparseConnectorWorker
 
 
@@ -47,17 +48,28 @@ class SpyStream:
         pass
 
 
-def _install_spies(worker):
-    """Fake the CUDA stream/event plumbing on a CPU worker to observe the ordering."""
-    log = []
-    g = worker.groups[0]
-    compute = SpyStream("compute", log, g)
-    for grp in worker.groups:
-        grp.copy_stream = SpyStream(f"copy[{grp.name}]", log, g)
-    worker._compute_stream = lambda: compute
-    ev = SpyEvent(log)
-    worker._metrics_event = ev
-    return log, ev
+class Spies:
+    """Stand-ins for the CUDA stream/event/capture plumbing, injected into the worker's counter
+    sampler (``device_hooks``) to observe the ordering on a CPU worker."""
+
+    def __init__(self):
+        self.log = []
+        self.event = SpyEvent(self.log)
+        self.compute = None
+        self.capturing = False
+        self.hooks = DeviceHooks(
+            compute_stream=lambda: self.compute,
+            make_event=lambda: self.event,
+            is_capturing=lambda: self.capturing,
+        )
+
+    def install_streams(self, worker):
+        """The groups' copy streams and the compute stream become spies (after registration)."""
+        g = worker.groups[0]
+        self.compute = SpyStream("compute", self.log, g)
+        for grp in worker.groups:
+            grp.copy_stream = SpyStream(f"copy[{grp.name}]", self.log, g)
+        return self.log, self.event
 
 
 def _drive_without_stats(wl, steps):
@@ -72,16 +84,19 @@ def _drive_without_stats(wl, steps):
 
 
 def test_first_call_returns_none_and_arms_with_ordering_both_ways():
-    sched, work, caches = make_pair({"metrics_interval": 1, "index_share": 1}, row_bytes=(32, 64))
+    spies = Spies()
+    sched, work, caches = make_pair(
+        {"metrics_interval": 1, "index_share": 1}, row_bytes=(32, 64), device_hooks=spies.hooks
+    )
     w = work.worker
     wl = Workload(sched, work, caches, seed=3)
     _drive_without_stats(wl, 6)
     before = [_u64(g.counters) for g in w.groups]
     assert sum(sum(c) for c in before) > 0
-    log, ev = _install_spies(w)
+    log, ev = spies.install_streams(w)
 
     assert w.get_kv_connector_stats() is None  # nothing pending yet: first call arms
-    assert w._metrics_pending and ev.records == 1
+    assert w.sampler.pending and ev.records == 1
     # Device counters were copied to the pinned host buffers, then zeroed.
     for g, b in zip(w.groups, before):
         assert _u64(g.counters_host) == b
@@ -115,9 +130,9 @@ def test_later_call_returns_exact_counts_and_nothing_happened_is_none():
     w = work.worker
     assert w.get_kv_connector_stats() is None
     assert w.get_kv_connector_stats() is None  # arms (2nd call) with all-zero counters
-    assert w._metrics_pending
+    assert w.sampler.pending
     assert w.get_kv_connector_stats() is None  # harvest of an all-zero snapshot: None
-    assert not w._metrics_pending
+    assert not w.sampler.pending
     wl = Workload(sched, work, caches, seed=4)
     _drive_without_stats(wl, 5)
     got = []
@@ -133,37 +148,38 @@ def test_later_call_returns_exact_counts_and_nothing_happened_is_none():
 
 
 def test_capture_suppresses_arming():
-    capturing = [True]
-    sched, work, caches = make_pair({"metrics_interval": 2})
+    spies = Spies()
+    spies.capturing = True
+    sched, work, caches = make_pair({"metrics_interval": 2}, device_hooks=spies.hooks)
     w = work.worker
-    w._is_capturing_hook = lambda: capturing[0]
     wl = Workload(sched, work, caches, seed=5)
     while wl.truth.hits + wl.truth.misses == 0:
         _drive_without_stats(wl, 1)
     for _ in range(6):
         assert w.get_kv_connector_stats() is None
-        assert not w._metrics_pending
+        assert not w.sampler.pending
     counts = [sum(x) for x in zip(*(_u64(g.counters) for g in w.groups))]
     assert counts[0] + counts[1] > 0  # untouched while capturing
-    capturing[0] = False
+    spies.capturing = False
     w.get_kv_connector_stats()  # 7th call: not on the interval
-    assert not w._metrics_pending
+    assert not w.sampler.pending
     w.get_kv_connector_stats()  # 8th: arms
-    assert w._metrics_pending and _u64(w.groups[0].counters) == [0, 0, 0]
+    assert w.sampler.pending and _u64(w.groups[0].counters) == [0, 0, 0]
     # A completed snapshot is not harvested (no event query) while a capture is in progress.
-    capturing[0] = True
-    assert w.get_kv_connector_stats() is None and w._metrics_pending
-    capturing[0] = False
+    spies.capturing = True
+    assert w.get_kv_connector_stats() is None and w.sampler.pending
+    spies.capturing = False
     s = w.get_kv_connector_stats()
     assert s is not None and s.totals()["hits"] + s.totals()["misses"] == sum(counts[:2])
 
 
 def test_pending_suppresses_arming_and_is_harvested_when_complete():
-    sched, work, caches = make_pair({"metrics_interval": 1})
+    spies = Spies()
+    sched, work, caches = make_pair({"metrics_interval": 1}, device_hooks=spies.hooks)
     w = work.worker
     wl = Workload(sched, work, caches, seed=6)
     _drive_without_stats(wl, 4)
-    log, ev = _install_spies(w)
+    log, ev = spies.install_streams(w)
     assert w.get_kv_connector_stats() is None
     assert ev.records == 1
     snap = [_u64(g.counters_host) for g in w.groups]
@@ -190,9 +206,9 @@ def test_count_advances_without_forward_passes():
     _drive_without_stats(wl, 3)
     for _ in range(4):  # idle steps: no forward, the count still advances
         assert w.get_kv_connector_stats() is None
-    assert w._metrics_calls == 4 and not w._metrics_pending
+    assert w.sampler.calls == 4 and not w.sampler.pending
     assert w.get_kv_connector_stats() is None  # 5th call arms
-    assert w._metrics_calls == 5 and w._metrics_pending
+    assert w.sampler.calls == 5 and w.sampler.pending
     s = w.get_kv_connector_stats()
     assert s.totals() == {
         "hits": wl.truth.hits,
