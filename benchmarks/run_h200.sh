@@ -32,7 +32,7 @@ fi
 if has cudatests; then
   timeout 300 python3 -m pytest -q -rs -p no:cacheprovider -m cuda tests/ > "$OUT/pytest_cuda.txt" 2>&1 || status=1
   tail -5 "$OUT/pytest_cuda.txt"
-  timeout 200 python3 -m pytest -q -rs -p no:cacheprovider tests/test_ops_property.py tests/test_save_rows.py > "$OUT/pytest_ops.txt" 2>&1 || status=1
+  timeout 200 python3 -m pytest -q -rs -p no:cacheprovider tests/ops/test_property.py tests/ops/test_save_rows.py > "$OUT/pytest_ops.txt" 2>&1 || status=1
   tail -3 "$OUT/pytest_ops.txt"
 fi
 if has sanitizer; then

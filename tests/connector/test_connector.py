@@ -7,12 +7,12 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from telemetry_helpers import make_pair
 
 from hisparse.config import HiSparseConfig, HiSparseConfigError
 from hisparse.connector import HiSparseConnector, KVConnectorRole, StepSchedule
 from hisparse.stats import HiSparseKVConnectorStats
 from hisparse.worker import HiSparseConnectorMetadata
+from tests.telemetry_helpers import make_pair
 
 
 def _req(rid):

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from engine_helpers import small_config
 
 from hisparse.engine import ROW_LAYOUTS, EngineConfig, compare_runs, run_workload
 from hisparse.engine.kvformat import KV_DIM, decode_rows, encode_rows
 from hisparse.engine.model import select_top_k
+from tests.engine_helpers import small_config
 
 
 @pytest.fixture(autouse=True)

@@ -10,10 +10,10 @@ import sys
 import urllib.request
 
 import pytest
-from engine_helpers import SMALL_FLAGS
 
 from hisparse import cli
 from hisparse.demo import run_demo, scrape_counters
+from tests.engine_helpers import SMALL_FLAGS
 
 
 def _args(*extra):

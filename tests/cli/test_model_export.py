@@ -21,8 +21,9 @@ from hisparse.model_export import (
     export_model,
     model_config,
 )
+from tests import REPO_ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = REPO_ROOT
 _DT = {"F32": torch.float32, "F64": torch.float64, "I64": torch.int64}
 
 

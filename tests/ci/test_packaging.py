@@ -11,9 +11,11 @@ import sys
 import pytest
 import setuptools
 import torch
-from engine_helpers import SMALL_FLAGS
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests import REPO_ROOT
+from tests.engine_helpers import SMALL_FLAGS
+
+ROOT = str(REPO_ROOT)
 SETUP = os.path.join(ROOT, "setup.py")
 
 

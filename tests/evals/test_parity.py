@@ -13,7 +13,9 @@ import sys
 import pytest
 import torch
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests import REPO_ROOT
+
+REPO = str(REPO_ROOT)
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 

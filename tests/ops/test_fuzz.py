@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import random
 
-import oracle
 import pytest
 import torch
 
 from hisparse import ops
+from tests import oracle
 
 CALLS_PER_SEED = 250
 SEEDS = [11, 23, 37, 59]

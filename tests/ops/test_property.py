@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import random
 
-import oracle
 import torch
-from helpers import new_state, run_resolve, stats_list
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from hisparse import ops
+from tests import oracle
+from tests.helpers import new_state, run_resolve, stats_list
 
 
 @st.composite

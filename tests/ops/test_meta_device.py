@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import new_plan, new_state
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from hisparse import ops  # noqa: F401  (registers the fakes)
+from tests.helpers import new_plan, new_state
 
 RESOLVE = torch.ops.hisparse.hisparse_resolve_residency
 GATHER = torch.ops.hisparse.hisparse_gather

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import new_plan, new_state
 
 from hisparse import ops
+from tests.helpers import new_plan, new_state
 
 B, K, S, H = 2, 4, 3, 8
 
@@ -219,7 +219,7 @@ def test_invalidate_rejects_bad_argument(name, breaker, fragment):
 
 def test_out_of_range_inputs_are_memory_safe_and_documented():
     """Out-of-range keys act as padding; bad state rows are padding rows; bad plan rows skip."""
-    from helpers import run_resolve, stats_list
+    from tests.helpers import run_resolve, stats_list
 
     slot_keys, lru, stats = new_state(2, 4)
     top_k = torch.tensor([[-5, 99, 2**31 - 1, 3], [1, 2, 3, 4], [5, 6, 7, 8]], dtype=torch.int32)

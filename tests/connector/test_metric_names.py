@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import json
 import re
-from pathlib import Path
 
 from hisparse.metrics import HiSparseMetricsExporter
 from hisparse.stats import METRIC_NAMES
+from tests import REPO_ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = REPO_ROOT
 _NAME = re.compile(r"vllm:hisparse_[A-Za-z0-9_]+")
 _SUFFIXES = ("_total", "_created", "_bucket", "_count", "_sum")
 

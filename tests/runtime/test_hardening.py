@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from telemetry_helpers import Workload, make_pair
-from test_runtime import make_group, step
+
+from tests.runtime.test_runtime import make_group, step
+from tests.telemetry_helpers import Workload, make_pair
 
 
 def _totals(stats):

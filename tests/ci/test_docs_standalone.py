@@ -9,7 +9,9 @@ import subprocess
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests import REPO_ROOT
+
+ROOT = str(REPO_ROOT)
 # Built from parts so this file does not match itself.
 OUTSIDE = re.compile(
     "|".join([r"DESIGN(\.md)?\s*" + "\u00a7", r"\.\./" + "shared", "shared/" + "DESIGN"])

@@ -14,7 +14,9 @@ import subprocess
 import pytest
 import yaml
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests import REPO_ROOT
+
+REPO = str(REPO_ROOT)
 BK = os.path.join(REPO, ".buildkite")
 NIGHTLY = "lm-eval-hisparse-nightly-4xb200"
 
@@ -183,7 +185,7 @@ def test_cpu_unit_job(steps):
         if s.get("device", "cpu") == "cpu" and any("pytest" in c for c in s["commands"])
     ]
     assert cpu and all(s.get("num_devices", 1) == 1 for s in cpu)
-    assert _covered("tests/test_buildkite.py", cpu[0]["source_file_dependencies"])
+    assert _covered("tests/ci/test_buildkite.py", cpu[0]["source_file_dependencies"])
     assert _covered("hisparse/runtime.py", cpu[0]["source_file_dependencies"])
 
 

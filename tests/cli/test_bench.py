@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import importlib.util
 import json
-from pathlib import Path
-
-from engine_helpers import SMALL_FLAGS
 
 from hisparse import cli
+from tests import REPO_ROOT
+from tests.engine_helpers import SMALL_FLAGS
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = REPO_ROOT
 
 
 def test_bench_sweep_plot_and_json(tmp_path, capsys):

@@ -7,10 +7,10 @@ import urllib.request
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from telemetry_helpers import Workload, make_pair
 
 from hisparse.connector import HiSparseConnector
 from hisparse.metrics import HiSparseMetricsExporter
+from tests.telemetry_helpers import Workload, make_pair
 
 
 def _scrape(port):

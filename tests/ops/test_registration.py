@@ -7,9 +7,9 @@ import sys
 
 import pytest
 import torch
-from helpers import new_plan, new_state
 
 from hisparse import _ext, ops  # noqa: F401  (registers the fakes)
+from tests.helpers import new_plan, new_state
 
 
 def _resolve_args():

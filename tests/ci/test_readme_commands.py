@@ -6,7 +6,9 @@ from __future__ import annotations
 import os
 import re
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests import REPO_ROOT
+
+ROOT = str(REPO_ROOT)
 
 
 def _readme():

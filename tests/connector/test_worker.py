@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from telemetry_helpers import Workload, make_pair
 
 from hisparse.binding import BindingError
 from hisparse.config import HiSparseConfig, HiSparseConfigError
 from hisparse.connector import StepSchedule
 from hisparse.sampler import DeviceHooks
 from hisparse.worker import HiSparseConnectorMetadata, HiSparseConnectorWorker
+from tests.telemetry_helpers import Workload, make_pair
 
 
 def _u64(t):

@@ -3,13 +3,13 @@ fake kernel, and (CUDA build on a GPU) the CUDA op against the CPU op bit for bi
 
 from __future__ import annotations
 
-import oracle
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hisparse import _ext, ops
+from tests import oracle
 
 I32 = torch.int32
 

@@ -13,12 +13,13 @@ import time
 import urllib.request
 
 import pytest
-from engine_helpers import SMALL_FLAGS
 
 from hisparse import cli, demo
 from hisparse.engine import EngineConfig
+from tests import REPO_ROOT
+from tests.engine_helpers import SMALL_FLAGS
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = str(REPO_ROOT)
 
 
 def _one_error_line(capsys, prefix):

@@ -9,7 +9,9 @@ import sys
 import textwrap
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests import REPO_ROOT
+
+ROOT = REPO_ROOT
 
 
 def _run(code: str, tmp_path: Path, fake_vllm: str | None = None, env_extra=None):
