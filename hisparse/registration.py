@@ -1,0 +1,177 @@
+"""Binding and allocation for one worker: what ``register_kv_caches`` does, once, before any step.
+
+The layers' registered buffers are checked (one device, disjoint, equal row counts, room for the
+hot buffers at their end), a host pool with the same number of rows for every layer is
+allocated, each layer gets a host view in it, and layers are grouped behind index-group leaders.
+The result is a ``Registration``; the per-step side (``hisparse.step_driver``) only reads it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping, Optional, Sequence
+
+import torch
+
+from hisparse.binding import BindingError, PackedLayout, bind_layers, check_disjoint
+from hisparse.config import HiSparseConfig, HiSparseConfigError
+from hisparse.host_pool import HostPool
+from hisparse.limits import INT32_MAX, ROW_ALIGN
+from hisparse.runtime import HiSparseIndexGroup, HiSparseRuntime
+
+
+@dataclass(frozen=True)
+class Registration:
+    """Everything ``register_kv_caches`` built: fixed for the worker's life."""
+
+    device: torch.device
+    layer_names: tuple
+    host_pool: HostPool
+    host_rows: int  # keys: rows of every layer's host view
+    hot_base: int  # first hot-buffer row of every registered buffer
+    groups: list  # HiSparseIndexGroup, in layer order of their leaders
+    runtimes: dict  # layer name -> HiSparseRuntime
+
+
+def register(
+    cfg: HiSparseConfig,
+    kv_caches: Mapping[str, torch.Tensor],
+    *,
+    host_rows: Optional[int] = None,
+    groups: Optional[Sequence[Sequence[str]]] = None,
+) -> Registration:
+    """Bind every layer of ``kv_caches`` (see ``HiSparseConnectorWorker.register_kv_caches``)."""
+    if not isinstance(kv_caches, Mapping) or not kv_caches:
+        raise ValueError("kv_caches must be a non-empty dict {layer_name: tensor}")
+    names = tuple(kv_caches)
+    groups = _layer_groups(names, groups, cfg.index_share)
+    views = {n: _as_row_bytes(n, kv_caches[n]) for n in names}
+    device = _one_device(views)
+    # Every layer attends through its own rows: two layers sharing bytes would overwrite
+    # each other's hot rows (the base-offset binding bug).
+    check_disjoint(views)
+    pin = _pin_host_pool(cfg, device)
+    hot_base = _hot_base(views, cfg.max_num_seqs, cfg.device_buffer_size)
+    row_bytes = {n: int(views[n].shape[1]) for n in names}
+    num_blocks, host_rows = _host_pool_rows(cfg, sum(row_bytes.values()), host_rows)
+    pool, host_views = _bind_host_pool(cfg, row_bytes, num_blocks, host_rows, pin)
+    group_objs, runtimes = [], {}
+    for gi, members in enumerate(groups):
+        g = HiSparseIndexGroup(
+            f"group{gi}:{members[0]}",
+            num_state_rows=cfg.max_num_seqs,
+            hot_size=cfg.device_buffer_size,
+            top_k=cfg.top_k,
+            max_batch=cfg.max_num_seqs,
+            num_keys=host_rows,
+            device=device,
+            hot_base=hot_base,
+        )
+        for n in members:
+            runtimes[n] = HiSparseRuntime(n, g, host_views[n], views[n])
+        group_objs.append(g)
+    return Registration(device, names, pool, host_rows, hot_base, group_objs, runtimes)
+
+
+def _layer_groups(names: tuple, groups, share: int) -> list:
+    """Runs of ``share`` layers by default; explicit groups must cover every layer once."""
+    if groups is None:
+        return [names[i : i + share] for i in range(0, len(names), share)]
+    flat = [n for members in groups for n in members]
+    if sorted(flat) != sorted(names) or len(set(flat)) != len(flat):
+        raise ValueError(
+            "groups must list every registered layer exactly once, got "
+            f"{[list(m) for m in groups]} for layers {list(names)}"
+        )
+    return list(groups)
+
+
+def _as_row_bytes(name: str, t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a uint8 [rows, row_bytes] view (row_bytes = last-dim bytes)."""
+    if not isinstance(t, torch.Tensor):
+        raise BindingError(f"kv cache of layer {name!r} must be a tensor, got {type(t).__name__}")
+    if t.dim() < 1 or t.numel() == 0:
+        raise BindingError(f"kv cache of layer {name!r} is empty or 0-d")
+    if not t.is_contiguous():
+        raise BindingError(f"kv cache of layer {name!r} must be contiguous")
+    row_bytes = t.shape[-1] * t.element_size()
+    if row_bytes % ROW_ALIGN or t.data_ptr() % ROW_ALIGN:
+        raise BindingError(
+            f"kv cache of layer {name!r}: rows must be {ROW_ALIGN}-byte aligned, got row_bytes="
+            f"{row_bytes} and data pointer {t.data_ptr():#x}"
+        )
+    b = t.view(torch.uint8) if t.dtype != torch.uint8 else t
+    return b.reshape(-1, row_bytes)
+
+
+def _one_device(views: dict) -> torch.device:
+    devices = {v.device for v in views.values()}
+    if len(devices) != 1:
+        raise BindingError(f"kv caches must all be on one device, got {sorted(map(str, devices))}")
+    return devices.pop()
+
+
+def _pin_host_pool(cfg: HiSparseConfig, device: torch.device) -> bool:
+    pin = cfg.pin_host_pool if cfg.pin_host_pool is not None else device.type == "cuda"
+    if pin != (device.type == "cuda"):
+        raise HiSparseConfigError(
+            f"kv_connector_extra_config['pin_host_pool'] = {cfg.pin_host_pool} does not fit "
+            f"kv caches on {device}: the CUDA gather reads the host pool directly, so it is "
+            "pinned exactly when the caches are on a CUDA device (leave it unset)"
+        )
+    return pin
+
+
+def _hot_base(views: dict, S: int, H: int) -> int:
+    """The hot buffers (S state rows x H rows) sit at the end of every layer's rows."""
+    for n, v in views.items():
+        if v.shape[0] < S * H:
+            raise BindingError(
+                f"kv cache of layer {n!r} has {v.shape[0]} rows but the hot buffers need "
+                f"max_num_seqs * device_buffer_size = {S} * {H} = {S * H}"
+            )
+    rows = {v.shape[0] for v in views.values()}
+    if len(rows) != 1:
+        raise BindingError(f"kv caches must all have the same number of rows, got {sorted(rows)}")
+    return rows.pop() - S * H
+
+
+def _host_pool_rows(cfg: HiSparseConfig, per_row: int, host_rows: Optional[int]) -> tuple:
+    """``(num_blocks, host_rows)``: a whole number of blocks, int32 keys. ``host_rows`` given (the
+    key space, e.g. vLLM's slots) is rounded up to a block; by default as many blocks as
+    ``host_pool_gib`` holds."""
+    if host_rows is None:
+        num_blocks = cfg.host_pool_bytes // (per_row * cfg.block_size)
+        if num_blocks < 1:
+            raise HiSparseConfigError(
+                f"kv_connector_extra_config['host_pool_gib'] = {cfg.host_pool_gib} is smaller "
+                f"than one block of every layer ({per_row * cfg.block_size} bytes)"
+            )
+        if num_blocks * cfg.block_size > INT32_MAX:
+            num_blocks = INT32_MAX // cfg.block_size
+        return num_blocks, num_blocks * cfg.block_size
+    if isinstance(host_rows, bool) or not isinstance(host_rows, int) or host_rows < 1:
+        raise ValueError(f"host_rows must be a positive int, got {host_rows!r}")
+    if host_rows > INT32_MAX:
+        raise ValueError(f"host_rows = {host_rows} does not fit int32 keys")
+    num_blocks = -(-host_rows // cfg.block_size)
+    return num_blocks, num_blocks * cfg.block_size
+
+
+def _bind_host_pool(
+    cfg: HiSparseConfig, row_bytes: dict, num_blocks: int, host_rows: int, pin: bool
+) -> tuple:
+    """``(pool, {layer: host view})``: the layers packed one after the other in one pool."""
+    pool = HostPool(
+        host_rows * sum(row_bytes.values()),
+        pin=pin,
+        what="HiSparse host pool (kv_connector_extra_config['host_pool_gib'])",
+    )
+    host_views: dict = {}
+    offset = 0
+    for n, rb in row_bytes.items():
+        layout = PackedLayout((n,), num_blocks, cfg.block_size, rb, offset=offset)
+        host_views.update(bind_layers(pool.raw, layout))
+        offset = layout.nbytes()  # end of this layer (nbytes includes the offset)
+    check_disjoint(host_views)
+    return pool, host_views
