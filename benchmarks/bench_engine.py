@@ -266,13 +266,13 @@ def markdown(res: dict) -> str:
             f"| {hrs[0]}, {hrs[1]} | {ps} |"
         )
     top = {m: max(summ.get(m, {}).values(), key=lambda v: v["median"], default=None) for m in MODES}
-    if best_res and top["hybrid"]:
-        lines += [
-            "",
-            f"Best medians: resident {best_res:,.0f} tok/s, always-host "
-            f"{top['hisparse']['median']:,.0f} ({top['hisparse']['median'] / best_res:.2f}×), hybrid "
-            f"{top['hybrid']['median']:,.0f} tok/s (**{top['hybrid']['median'] / best_res:.2f}×**).",
-        ]
+    if best_res and (top["hisparse"] or top["hybrid"]):
+        best = [f"resident {best_res:,.0f} tok/s"]
+        for m, label in (("hisparse", "always-host"), ("hybrid", "hybrid")):
+            if top[m]:
+                v = top[m]["median"]
+                best.append(f"{label} {v:,.0f} tok/s (**{v / best_res:.2f}×**)")
+        lines += ["", "Best medians: " + ", ".join(best) + "."]
     steps = {}
     for x in res["rows"]:
         if x["status"] == "ok" and x.get("decode_wall_s") and x.get("steps", 0) > 1:

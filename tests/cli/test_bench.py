@@ -71,3 +71,19 @@ def test_bench_engine_small_mode(tmp_path):
     assert res["parity"] and all(res["parity"].values())
     assert (tmp_path / "t.md").read_text().startswith("# Decode throughput")
     assert (tmp_path / "t.png").stat().st_size > 1000
+
+
+def test_bench_engine_mode_subset_writes_its_table(tmp_path):
+    """A run of only some modes (e.g. resident against hybrid) still writes its markdown: the
+    best-medians line names only the modes that ran."""
+    spec = importlib.util.spec_from_file_location(
+        "bench_engine", ROOT / "benchmarks" / "bench_engine.py"
+    )
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    args = ["--device", "cpu", "--small", "--concurrency", "1,8", "--repeats", "1"]
+    rc = mod.main([*args, "--modes", "resident,hybrid", "--out-dir", str(tmp_path), "--name", "s"])
+    assert rc == 0
+    md = (tmp_path / "s.md").read_text()
+    best = [line for line in md.splitlines() if line.startswith("Best medians:")]
+    assert len(best) == 1 and "hybrid" in best[0] and "always-host" not in best[0], best
