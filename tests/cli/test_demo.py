@@ -13,6 +13,7 @@ import pytest
 
 from hisparse import cli
 from hisparse.demo import run_demo, scrape_counters
+from tests.devices import needs_cuda
 from tests.engine_helpers import SMALL_FLAGS
 
 
@@ -98,13 +99,8 @@ def test_console_script_runs(tmp_path):
 
 
 @pytest.mark.cuda
+@needs_cuda
 def test_demo_cuda_gives_the_same_tokens_as_cpu(tmp_path):
-    import torch
-
-    from hisparse import _ext
-
-    if not torch.cuda.is_available() or "cuda" not in _ext.built_backends():
-        pytest.skip("needs a CUDA GPU and the CUDA backend")
     # the default workload (its prompts repeat tokens: equal indexer scores must be broken the
     # same way on both devices)
     summaries = {}

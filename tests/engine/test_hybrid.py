@@ -11,6 +11,7 @@ import hisparse.engine.hybrid_moves as hybrid_moves
 from hisparse.engine import EngineConfig, compare_runs, run_workload
 from hisparse.engine.hybrid import HybridKV
 from hisparse.engine.kvstore import HiSparseKV
+from tests.devices import needs_cuda
 
 # Outputs longer than prompts so that resident requests grow into new pages mid-request; jittered
 # lengths so that some finish early and free pages for spilled ones to come back.
@@ -158,13 +159,10 @@ def test_exhausted_budget_is_an_error_not_a_wrong_answer(cfg):
 
 
 @pytest.mark.cuda
+@needs_cuda
 def test_hybrid_on_cuda_is_bit_identical_to_resident_and_to_cpu(cfg, spilled):
     """Spills, staged host writes, returns and hot-buffer gathers on the GPU (pinned pool, copy
     streams): the same tokens and bits as all-resident on the GPU and as the CPU run."""
-    from hisparse import _ext
-
-    if not torch.cuda.is_available() or "cuda" not in _ext.built_backends():
-        pytest.skip("needs a CUDA GPU and the CUDA backend")
     res = run_workload(cfg, mode="resident", device="cuda", record_attention=True)
     for c in (hybrid(cfg), hybrid(cfg, 14), hybrid(cfg.replace(recent_window=0), 18)):
         hy = run_workload(c, mode="hisparse", device="cuda", record_attention=True)

@@ -12,11 +12,11 @@ from hisparse import _ext, ops  # noqa: F401  (registers the fakes)
 from tests.helpers import new_plan, new_state
 
 
-def _resolve_args():
-    slot_keys, lru, stats = new_state(2, 8)
-    out, src, dst, count = new_plan(2, 4)
-    top_k = torch.tensor([[1, 2, 3, 3], [4, 5, -1, 6]], dtype=torch.int32)
-    rows = torch.tensor([0, 1], dtype=torch.int32)
+def _resolve_args(device="cpu"):
+    slot_keys, lru, stats = new_state(2, 8, device)
+    out, src, dst, count = new_plan(2, 4, device)
+    top_k = torch.tensor([[1, 2, 3, 3], [4, 5, -1, 6]], dtype=torch.int32, device=device)
+    rows = torch.tensor([0, 1], dtype=torch.int32, device=device)
     return (top_k, rows, None, slot_keys, lru, stats, out, src, dst, count, 100, 0)
 
 
@@ -44,35 +44,43 @@ def test_schemas_mark_mutated_arguments():
     ]
 
 
-@pytest.mark.parametrize("test_utils", ["test_schema", "test_faketensor"])
-def test_opcheck_resolve(test_utils):
+# torch.library.opcheck on both backends (the `device` fixture): the schema's mutation marks
+# hold for what the kernel really writes, and the fake kernel agrees with the real one.
+OPCHECK_UTILS = ["test_schema", "test_faketensor"]
+
+
+@pytest.mark.parametrize("test_utils", OPCHECK_UTILS)
+def test_opcheck_resolve(device, test_utils):
     torch.library.opcheck(
         torch.ops.hisparse.hisparse_resolve_residency.default,
-        _resolve_args(),
+        _resolve_args(device),
         test_utils=test_utils,
     )
 
 
-@pytest.mark.parametrize("test_utils", ["test_schema", "test_faketensor"])
-def test_opcheck_gather_and_invalidate(test_utils):
-    host = [torch.randint(0, 255, (4, 2, 32), dtype=torch.uint8)]
-    hot = [torch.zeros(16, 32, dtype=torch.uint8)]
-    src = torch.tensor([[1, 2]], dtype=torch.int32)
-    dst = torch.tensor([[3, 4]], dtype=torch.int32)
-    count = torch.tensor([2], dtype=torch.int32)
+@pytest.mark.parametrize("test_utils", OPCHECK_UTILS)
+def test_opcheck_gather_and_invalidate(device, test_utils):
+    d = device
+    # opcheck runs the op on deep copies, and a copy of a pinned tensor is pageable, which the
+    # CUDA backend refuses: on CUDA the host views live on the device (which it also takes)
+    hosts = [torch.randint(0, 255, (4, 2, 32), dtype=torch.uint8).to(d)]
+    hot = [torch.zeros(16, 32, dtype=torch.uint8, device=d)]
+    src = torch.tensor([[1, 2]], dtype=torch.int32, device=d)
+    dst = torch.tensor([[3, 4]], dtype=torch.int32, device=d)
+    count = torch.tensor([2], dtype=torch.int32, device=d)
     torch.library.opcheck(
         torch.ops.hisparse.hisparse_gather.default,
-        (host, hot, src, dst, count, None),
+        (hosts, hot, src, dst, count, None),
         test_utils=test_utils,
     )
-    slot_keys, lru, _ = new_state(2, 8)
+    slot_keys, lru, _ = new_state(2, 8, d)
     torch.library.opcheck(
         torch.ops.hisparse.hisparse_invalidate.default,
         (
             slot_keys,
             lru,
-            torch.tensor([1], dtype=torch.int32),
-            torch.tensor([3], dtype=torch.int32),
+            torch.tensor([1], dtype=torch.int32, device=d),
+            torch.tensor([3], dtype=torch.int32, device=d),
         ),
         test_utils=test_utils,
     )

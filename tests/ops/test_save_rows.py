@@ -8,8 +8,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hisparse import _ext, ops
+from hisparse import ops
 from tests import oracle
+from tests.devices import host_side, needs_cuda
 
 I32 = torch.int32
 
@@ -65,35 +66,38 @@ def test_save_rows_matches_oracle(case, seed):
     assert int(moved[0]) == 5 + expected_moved
 
 
-def test_save_rows_many_layers_strided_views():
+def test_save_rows_many_layers_strided_views(device):
     """Layer-interleaved packing on both sides, more layers than one CUDA launch takes."""
     g = torch.Generator().manual_seed(1)
     L, rows, row_bytes = 70, 40, 32
     src_raw = torch.randint(0, 256, (rows, L, row_bytes), dtype=torch.uint8, generator=g)
-    host_raw = torch.zeros(rows * 2, L, row_bytes, dtype=torch.uint8)
-    src = [src_raw[:, l] for l in range(L)]
-    host = [host_raw[:, l] for l in range(L)]
-    src_rows = _i32([0, 5, 39, -1, 40, 7])
-    host_rows = _i32([79, 0, 3, 4, 5, -3])
-    moved = torch.zeros(1, dtype=torch.uint64)
-    ops.save_rows(src, host, src_rows, host_rows, moved)
+    host_raw = host_side(torch.zeros(rows * 2, L, row_bytes, dtype=torch.uint8), device)
+    src_dev = src_raw.to(device)
+    src = [src_dev[:, l] for l in range(L)]
+    hosts = [host_raw[:, l] for l in range(L)]
+    src_rows = _i32([0, 5, 39, -1, 40, 7]).to(device)
+    host_rows = _i32([79, 0, 3, 4, 5, -3]).to(device)
+    moved = torch.zeros(1, dtype=torch.uint64, device=device)
+    ops.save_rows(src, hosts, src_rows, host_rows, moved)
+    if device != "cpu":
+        torch.cuda.synchronize()
     for l in range(L):
-        assert torch.equal(host[l][79], src[l][0])
-        assert torch.equal(host[l][0], src[l][5])
-        assert torch.equal(host[l][3], src[l][39])
+        assert torch.equal(host_raw[79, l], src_raw[0, l])
+        assert torch.equal(host_raw[0, l], src_raw[5, l])
+        assert torch.equal(host_raw[3, l], src_raw[39, l])
     assert int(host_raw.sum()) == int(src_raw[[0, 5, 39]].sum())
-    assert moved.tolist() == [3 * L * row_bytes]
+    assert moved.cpu().tolist() == [3 * L * row_bytes]
 
 
-def _save_args():
-    src = [torch.zeros(8, 32, dtype=torch.uint8)]
-    host = [torch.zeros(4, 2, 32, dtype=torch.uint8)]
+def _save_args(device="cpu"):
+    src = [torch.zeros(8, 32, dtype=torch.uint8, device=device)]
+    hosts = [host_side(torch.zeros(4, 2, 32, dtype=torch.uint8), device)]
     return dict(
         src=src,
-        host=host,
-        src_rows=_i32([1, 2]),
-        host_rows=_i32([3, 4]),
-        moved_bytes=torch.zeros(1, dtype=torch.uint64),
+        host=hosts,
+        src_rows=_i32([1, 2]).to(device),
+        host_rows=_i32([3, 4]).to(device),
+        moved_bytes=torch.zeros(1, dtype=torch.uint64, device=device),
     )
 
 
@@ -101,100 +105,107 @@ def _call(a):
     ops.save_rows(a["src"], a["host"], a["src_rows"], a["host_rows"], a["moved_bytes"])
 
 
+def _u8(d, *shape, dtype=torch.uint8):
+    return torch.zeros(*shape, dtype=dtype, device=d)
+
+
+# (argument, how to break the arguments on a device, expected message fragment)
 BAD = [
-    ("src", lambda a: a.update(src=[]), "argument 'src' must list at least one view"),
-    ("host", lambda a: a.update(host=a["host"] * 2), "arguments 'src' and 'host' must have"),
-    ("src_rows", lambda a: a.update(src_rows=a["src_rows"].long()), "argument 'src_rows' must be"),
+    ("src", lambda a, d: a.update(src=[]), "argument 'src' must list at least one view"),
+    ("host", lambda a, d: a.update(host=a["host"] * 2), "arguments 'src' and 'host' must have"),
     (
         "src_rows",
-        lambda a: a.update(src_rows=a["src_rows"].view(1, 2)),
+        lambda a, d: a.update(src_rows=a["src_rows"].long()),
+        "argument 'src_rows' must be",
+    ),
+    (
+        "src_rows",
+        lambda a, d: a.update(src_rows=a["src_rows"].view(1, 2)),
         "argument 'src_rows' must be 1-D",
     ),
     (
         "host_rows",
-        lambda a: a.update(host_rows=_i32([1, 2, 3])),
+        lambda a, d: a.update(host_rows=_i32([1, 2, 3]).to(d)),
         "argument 'host_rows' must have shape",
     ),
     (
         "host_rows",
-        lambda a: a.update(host_rows=a["host_rows"].to(torch.int16)),
+        lambda a, d: a.update(host_rows=a["host_rows"].to(torch.int16)),
         "argument 'host_rows' must be torch.int32",
     ),
     (
         "moved_bytes",
-        lambda a: a.update(moved_bytes=torch.zeros(2, dtype=torch.uint64)),
+        lambda a, d: a.update(moved_bytes=_u8(d, 2, dtype=torch.uint64)),
         "argument 'moved_bytes' must have shape",
     ),
     (
         "moved_bytes",
-        lambda a: a.update(moved_bytes=torch.zeros(1, dtype=torch.int64)),
+        lambda a, d: a.update(moved_bytes=_u8(d, 1, dtype=torch.int64)),
         "argument 'moved_bytes' must be torch.uint64",
     ),
     (
         "src[0]",
-        lambda a: a.update(src=[torch.zeros(8, 33, dtype=torch.uint8)]),
+        lambda a, d: a.update(src=[_u8(d, 8, 33)]),
         "argument 'src[0]' row size must be a positive multiple of 16",
     ),
     (
         "src[0]",
-        lambda a: a.update(src=[torch.zeros(8, 32, dtype=torch.float32)]),
+        lambda a, d: a.update(src=[_u8(d, 8, 32, dtype=torch.float32)]),
         "argument 'src[0]' must be torch.uint8",
     ),
     (
         "host[0]",
-        lambda a: a.update(host=[torch.zeros(8, 16, dtype=torch.uint8)]),
+        lambda a, d: a.update(host=[host_side(_u8("cpu", 8, 16), d)]),
         "arguments 'src[0]' and 'host[0]' must have the same row size",
     ),
     (
         "host[0]",
-        lambda a: a.update(host=[torch.zeros(8, 2, 64, dtype=torch.uint8)[:, :, ::2]]),
+        lambda a, d: a.update(host=[host_side(_u8("cpu", 8, 2, 64), d)[:, :, ::2]]),
         "argument 'host[0]' must have last stride 1",
     ),
 ]
 
 
 @pytest.mark.parametrize("i", range(len(BAD)), ids=[f"{b[0]}-{i}" for i, b in enumerate(BAD)])
-def test_save_rows_rejects_bad_argument(i):
+def test_save_rows_rejects_bad_argument(device, i):
     name, breaker, fragment = BAD[i]
-    a = _save_args()
-    before = [h.clone() for h in a["host"]]
-    breaker(a)
+    a = _save_args(device)
+    hosts = a["host"]
+    before = [h.clone() for h in hosts]
+    breaker(a, device)
     with pytest.raises(RuntimeError) as e:
         _call(a)
     msg = str(e.value)
     assert msg.startswith("hisparse_save_rows") and fragment in msg, msg
-    for h, b in zip(_save_args()["host"], before):  # nothing was written before the check
+    for h, b in zip(hosts, before):  # nothing was written before the check
         assert torch.equal(h, b)
 
 
-def test_save_rows_schema_and_fake_kernel():
+def test_save_rows_schema():
     schema = torch.ops.hisparse.hisparse_save_rows.default._schema
     assert [a.name for a in schema.arguments if a.alias_info and a.alias_info.is_write] == [
         "host",
         "moved_bytes",
     ]
-    a = _save_args()
-    for utils in ("test_schema", "test_faketensor"):
-        torch.library.opcheck(
-            torch.ops.hisparse.hisparse_save_rows.default,
-            (a["src"], a["host"], a["src_rows"], a["host_rows"], a["moved_bytes"]),
-            test_utils=utils,
-        )
+
+
+@pytest.mark.parametrize("test_utils", ["test_schema", "test_faketensor"])
+def test_save_rows_opcheck(device, test_utils):
+    """The mutation marks and the fake kernel on both backends. opcheck runs the op on deep
+    copies, and a copy of a pinned tensor is pageable: on CUDA the host views live on the device
+    (which the CUDA backend also takes)."""
+    a = _save_args(device)
+    hosts = [h.to(device) for h in a["host"]]
+    torch.library.opcheck(
+        torch.ops.hisparse.hisparse_save_rows.default,
+        (a["src"], hosts, a["src_rows"], a["host_rows"], a["moved_bytes"]),
+        test_utils=test_utils,
+    )
 
 
 # --------------------------------------------------------------------------------------------
 # CUDA against the CPU op
 # --------------------------------------------------------------------------------------------
-
-
-def _cuda_ready() -> bool:
-    try:
-        return torch.cuda.is_available() and "cuda" in _ext.built_backends()
-    except Exception:  # pragma: no cover
-        return False
-
-
-needs_cuda = pytest.mark.skipif(not _cuda_ready(), reason="needs a CUDA device and the CUDA build")
 
 
 @pytest.mark.cuda

@@ -6,18 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hisparse import _ext
 from hisparse.binding import PackedLayout, bind_layers
 from hisparse.host_pool import HostPool
 from hisparse.runtime import HiSparseIndexGroup, HiSparseRuntime
+from tests.devices import needs_cuda
 
-pytestmark = [
-    pytest.mark.cuda,
-    pytest.mark.skipif(
-        not torch.cuda.is_available() or "cuda" not in _ext.built_backends(),
-        reason="needs a CUDA GPU and the CUDA backend",
-    ),
-]
+pytestmark = [pytest.mark.cuda, needs_cuda]
 
 S, H, K, B, L, RB, BLOCK = 8, 256, 128, 6, 4, 656, 64
 NUM_KEYS = 4096
