@@ -93,8 +93,9 @@ __device__ __forceinline__ void stage_copy(uint8_t* dst, const void* src_, int64
 // (4) number the misses and assign them evictable slots, (5) write outputs and the new order.
 template <int NT>
 __global__ void __launch_bounds__(NT, 1024 / NT) resolve_kernel(const ResolveArgs a) {
-  constexpr int IT = kResolveItems;
-  constexpr int TILE = NT * IT;
+  constexpr int TILE = kResolveTile;
+  constexpr int IT = TILE / NT;
+  static_assert(IT * NT == TILE && (IT == 4 || IT == 8), "scan items per thread");
   extern __shared__ __align__(16) uint8_t smem[];
   __shared__ unsigned warp_tot[32];
   const int tid = threadIdx.x;
@@ -106,8 +107,7 @@ __global__ void __launch_bounds__(NT, 1024 / NT) resolve_kernel(const ResolveArg
   const ResolveLayout lay(K, H, cap, has_res);
   uint8_t* base = a.workspace != nullptr ? a.workspace + int64_t(blockIdx.x) * a.ws_stride : smem;
   int* hkey = reinterpret_cast<int*>(base);
-  int* hfirst = hkey + cap;
-  int* hslot = hfirst + cap;
+  unsigned* hfs = reinterpret_cast<unsigned*>(hkey + cap);  // first << 16 | slot
   int* hidx = reinterpret_cast<int*>(base + lay.entries);  // key, then hash index / -1 / -2
   int* sres = reinterpret_cast<int*>(base + lay.resident);
   int* sslot = reinterpret_cast<int*>(base + lay.slots);  // slot key, then its hash index / -1
@@ -115,37 +115,36 @@ __global__ void __launch_bounds__(NT, 1024 / NT) resolve_kernel(const ResolveArg
   int16_t* list = reinterpret_cast<int16_t*>(base + lay.list);
 
   for (int r = blockIdx.x; r < a.B; r += gridDim.x) {
+    // 0. Stage the row: keys, resident rows, slot keys and LRU order, all copies in flight
+    //    together (cp.async straight into shared memory). The keys go first: they do not
+    //    depend on the state row, so their load overlaps the read of state_rows[r]. The
+    //    duplicate-state-row check (rule 0) and clearing the hash overlap the copies.
+    const bool async = a.workspace == nullptr;
+    const int32_t* keys = a.top_k + int64_t(r) * K;
+    const int32_t* res = has_res ? a.resident + int64_t(r) * K : nullptr;
+    stage_copy<NT>(reinterpret_cast<uint8_t*>(hidx), keys, int64_t(K) * 4, async);
+    if (has_res) stage_copy<NT>(reinterpret_cast<uint8_t*>(sres), res, int64_t(K) * 4, async);
     const int s = a.state_rows[r];
     const bool in_range = s >= 0 && s < a.S;
     int32_t* out = a.out_rows + int64_t(r) * K;
-    const int32_t* keys = a.top_k + int64_t(r) * K;
-    const int32_t* res = has_res ? a.resident + int64_t(r) * K : nullptr;
     int32_t* sk = a.slot_keys + int64_t(in_range ? s : 0) * H;
     int16_t* order = a.lru + int64_t(in_range ? s : 0) * H;
-
-    // 0. Stage the row: keys, resident rows, slot keys and LRU order, all copies in flight
-    //    together (cp.async straight into shared memory); the duplicate-state-row check
-    //    (rule 0) overlaps them. Clear the hash.
     bool dup = false;
     if (in_range) {
-      const bool async = a.workspace == nullptr;
-      stage_copy<NT>(reinterpret_cast<uint8_t*>(hidx), keys, int64_t(K) * 4, async);
-      if (has_res) stage_copy<NT>(reinterpret_cast<uint8_t*>(sres), res, int64_t(K) * 4, async);
       stage_copy<NT>(reinterpret_cast<uint8_t*>(sslot), sk, int64_t(H) * 4, async);
       stage_copy<NT>(reinterpret_cast<uint8_t*>(sorder), order, int64_t(H) * 2, async);
       for (int q = tid; q < r; q += NT) dup |= a.state_rows[q] == s;
-      for (int j = tid; j < cap; j += NT) {
-        hkey[j] = -1;
-        hfirst[j] = kNone;
-        hslot[j] = kNone;
+      for (int j = tid; j < cap / 4; j += NT) {  // cap >= 4
+        reinterpret_cast<int4*>(hkey)[j] = make_int4(-1, -1, -1, -1);
+        reinterpret_cast<uint4*>(hfs)[j] = make_uint4(~0u, ~0u, ~0u, ~0u);
       }
-      if (async) cp_async_wait_all();
     }
+    if (async) cp_async_wait_all();
     const bool live = in_range && !__syncthreads_or(dup);
     if (!live) {  // padding row: rule 0
       for (int i = tid; i < K; i += NT) out[i] = -1;
       if (tid == 0) a.miss_count[r] = 0;
-      continue;  // no scratch was touched after the barrier
+      continue;  // the staged keys are not read; the next row restages after this barrier
     }
     int32_t* msrc = a.miss_src + int64_t(r) * K;
     int32_t* mdst = a.miss_dst + int64_t(r) * K;
@@ -169,7 +168,7 @@ __global__ void __launch_bounds__(NT, 1024 / NT) resolve_kernel(const ResolveArg
           if (old == -1 || old == k) break;
           h = (h + 1) & mask;
         }
-        atomicMin(&hfirst[h], i);
+        atomicMin(&hfs[h], (static_cast<unsigned>(i) << 16) | kNone16);
         idx = static_cast<int>(h);
       }
       hidx[i] = idx;
@@ -185,7 +184,8 @@ __global__ void __launch_bounds__(NT, 1024 / NT) resolve_kernel(const ResolveArg
         while (true) {
           const int hk = hkey[h];
           if (hk == k) {
-            atomicMin(&hslot[h], j);
+            // the first-occurrence half is final (phase 1); only the slot half is lowered
+            atomicMin(&hfs[h], (hfs[h] & 0xFFFF0000u) | static_cast<unsigned>(j));
             found = static_cast<int>(h);
             break;
           }
@@ -206,10 +206,17 @@ __global__ void __launch_bounds__(NT, 1024 / NT) resolve_kernel(const ResolveArg
       const int p0 = t0 + tid * IT;
       int16_t sl[IT];
       if (p0 < H) {
-        const uint4 w = *reinterpret_cast<const uint4*>(sorder + p0);
-        const int16_t* wv = reinterpret_cast<const int16_t*>(&w);
+        if constexpr (IT == 8) {
+          const uint4 w = *reinterpret_cast<const uint4*>(sorder + p0);
+          const int16_t* wv = reinterpret_cast<const int16_t*>(&w);
 #pragma unroll
-        for (int k = 0; k < IT; ++k) sl[k] = wv[k];
+          for (int k = 0; k < IT; ++k) sl[k] = wv[k];
+        } else {
+          const uint2 w = *reinterpret_cast<const uint2*>(sorder + p0);
+          const int16_t* wv = reinterpret_cast<const int16_t*>(&w);
+#pragma unroll
+          for (int k = 0; k < IT; ++k) sl[k] = wv[k];
+        }
       }
       unsigned f[IT];
       unsigned local = 0;
@@ -219,7 +226,7 @@ __global__ void __launch_bounds__(NT, 1024 / NT) resolve_kernel(const ResolveArg
         const int x = sl[k];
         if (p0 + k < H && x >= 0 && x < H) {
           const int h = sslot[x];
-          v = (h >= 0 && hslot[h] == x) ? 0x10000u : 1u;
+          v = (h >= 0 && (hfs[h] & kNone16) == static_cast<unsigned>(x)) ? 0x10000u : 1u;
         }
         f[k] = v;
         local += v;
@@ -247,10 +254,14 @@ __global__ void __launch_bounds__(NT, 1024 / NT) resolve_kernel(const ResolveArg
       const int i0 = t0 + tid * IT;
       int hv[IT];
       if (i0 < K) {
-        const int4 w0 = *reinterpret_cast<const int4*>(hidx + i0);
-        const int4 w1 = *reinterpret_cast<const int4*>(hidx + i0 + 4);
-        hv[0] = w0.x; hv[1] = w0.y; hv[2] = w0.z; hv[3] = w0.w;
-        hv[4] = w1.x; hv[5] = w1.y; hv[6] = w1.z; hv[7] = w1.w;
+#pragma unroll
+        for (int q = 0; q < IT; q += 4) {
+          const int4 w = *reinterpret_cast<const int4*>(hidx + i0 + q);
+          hv[q] = w.x;
+          hv[q + 1] = w.y;
+          hv[q + 2] = w.z;
+          hv[q + 3] = w.w;
+        }
       }
       unsigned f[IT];
       unsigned local = 0;
@@ -259,7 +270,11 @@ __global__ void __launch_bounds__(NT, 1024 / NT) resolve_kernel(const ResolveArg
         unsigned v = 0;
         if (i0 + k < K) {
           const int h = hv[k];
-          if (h >= 0 && hfirst[h] == i0 + k) v = hslot[h] == kNone ? 1u : 0x10000u;
+          if (h >= 0) {
+            const unsigned e = hfs[h];
+            if ((e >> 16) == static_cast<unsigned>(i0 + k))
+              v = (e & kNone16) == kNone16 ? 1u : 0x10000u;
+          }
         }
         f[k] = v;
         local += v;
@@ -274,7 +289,9 @@ __global__ void __launch_bounds__(NT, 1024 / NT) resolve_kernel(const ResolveArg
             const int h = hv[k];
             const int slot = list[m];
             const int key = hkey[h];
-            hslot[h] = slot;  // only the first occurrence's thread touches hslot[h] here
+            // only the first occurrence's thread writes hfs[h] here; the others read only its
+            // first-occurrence half, which does not change
+            hfs[h] = (hfs[h] & 0xFFFF0000u) | static_cast<unsigned>(slot);
             sk[slot] = key;
             msrc[m] = key;
             mdst[m] = row_base + slot;
@@ -292,8 +309,8 @@ __global__ void __launch_bounds__(NT, 1024 / NT) resolve_kernel(const ResolveArg
     for (int i = tid; i < K; i += NT) {
       const int h = hidx[i];
       if (h >= 0) {
-        const int sl = hslot[h];
-        out[i] = sl == kNone ? -1 : row_base + sl;
+        const unsigned sl = hfs[h] & kNone16;
+        out[i] = sl == kNone16 ? -1 : row_base + static_cast<int>(sl);
       }
     }
     // 6. New LRU: untaken evictable, newly filled (miss order), hits (rule 5).

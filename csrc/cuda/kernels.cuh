@@ -16,11 +16,19 @@ namespace cuda {
 
 // resolve_residency: one CTA per batch row. Batches that fit in one CTA per multiprocessor use
 // kResolveThreadsWide threads per CTA (batch 1 is then a single wide CTA); larger batches use
-// kResolveThreads with two CTAs per multiprocessor.
+// kResolveThreads with two CTAs per multiprocessor. The scanning passes cover kResolveTile
+// positions per round (kResolveTile / threads consecutive positions per thread).
 constexpr int kResolveThreads = 512;
 constexpr int kResolveThreadsWide = 1024;
-constexpr int kResolveItems = 8;  // consecutive positions per thread in the scanning passes
-constexpr int kNone = INT_MAX;    // "no slot" / "no occurrence" in the hash
+constexpr int kResolveTile = 4096;
+constexpr int kResolvePad = 8;    // scratch arrays padded to this many entries (16-byte loads)
+// Hash entries hold the first occurrence (high 16 bits) and the hit slot (low 16 bits) of a
+// key in one word; 0xFFFF in a half means none. Entry indices and slots are below kMaxHotSize.
+constexpr unsigned kNone16 = 0xFFFFu;
+static_assert(kMaxHotSize <= 0xFFFF, "an entry index or slot must fit a 16-bit half below 0xFFFF");
+// The hash has cap = 2^k entries with 2K <= cap <= kResolveMaxCapPerKey * K, as large as the
+// shared memory of the CTAs sharing a multiprocessor allows (shorter probe chains).
+constexpr int kResolveMaxCapPerKey = 8;
 
 struct ResolveArgs {
   const int32_t* top_k;
@@ -40,10 +48,12 @@ struct ResolveArgs {
 };
 
 __host__ __device__ __forceinline__ int64_t round16(int64_t x) { return (x + 15) & ~int64_t(15); }
-__host__ __device__ __forceinline__ int64_t round8(int64_t x) { return (x + 7) & ~int64_t(7); }
+__host__ __device__ __forceinline__ int64_t padded(int64_t x) {
+  return (x + kResolvePad - 1) / kResolvePad * kResolvePad;
+}
 
 // Per-row scratch of resolve, in this order (each part 16-byte aligned):
-//   hash      cap x (key, first occurrence, hit/assigned slot)
+//   hash      cap x key, then cap x (first occurrence << 16 | hit/assigned slot)
 //   entries   K (padded to 8) int32: the row's keys as loaded, then each entry's hash index
 //   resident  K (padded to 8) int32: the row's resident rows as loaded (resident tier only)
 //   slots     H int32: the state row's slot keys as loaded, then each slot's hash index
@@ -53,11 +63,11 @@ __host__ __device__ __forceinline__ int64_t round8(int64_t x) { return (x + 7) &
 struct ResolveLayout {
   int64_t entries, resident, slots, order, list, total;
   __host__ __device__ ResolveLayout(int K, int H, int cap, bool has_res) {
-    entries = round16(int64_t(cap) * 12);
-    resident = entries + round16(round8(K) * 4);
-    slots = resident + (has_res ? round16(round8(K) * 4) : 0);
+    entries = round16(int64_t(cap) * 8);
+    resident = entries + round16(padded(K) * 4);
+    slots = resident + (has_res ? round16(padded(K) * 4) : 0);
     order = slots + round16(int64_t(H) * 4);
-    list = order + round16(round8(H) * 2);
+    list = order + round16(padded(H) * 2);
     total = list + round16(int64_t(H) * 2);
   }
 };

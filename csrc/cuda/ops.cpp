@@ -68,10 +68,22 @@ void resolve_residency_cuda(const at::Tensor& top_k, const at::Tensor& state_row
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device);
 
   const bool has_res = resident_rows.has_value() && resident_rows->defined();
-  int cap_log2 = 1;
+  const int K = static_cast<int>(d.K), H = static_cast<int>(d.H);
+  // One wide CTA per row while the batch fits one CTA per multiprocessor; otherwise two
+  // narrower CTAs per multiprocessor. The hash gets as many entries (up to 8 per key) as the
+  // shared memory of the CTAs sharing a multiprocessor allows: a sparser hash has shorter
+  // probe chains, and the probes are most of resolve's work.
+  const bool wide = d.B <= num_sms(device);
+  const int64_t smem_limit = max_optin_smem(device) - 1024;
+  const int64_t per_sm = device_attr<cudaDevAttrMaxSharedMemoryPerMultiprocessor>(device);
+  // less the driver's 1 KB per block and the kernel's static shared memory
+  const int64_t per_cta = std::min<int64_t>(smem_limit, per_sm / (wide ? 1 : 2) - 2048);
+  int cap_log2 = 2;
   while ((int64_t(1) << cap_log2) < 2 * d.K) ++cap_log2;
-  const int64_t scratch =
-      ResolveLayout(static_cast<int>(d.K), static_cast<int>(d.H), 1 << cap_log2, has_res).total;
+  while ((int64_t(1) << (cap_log2 + 1)) <= kResolveMaxCapPerKey * d.K &&
+         ResolveLayout(K, H, 1 << (cap_log2 + 1), has_res).total <= per_cta)
+    ++cap_log2;
+  const int64_t scratch = ResolveLayout(K, H, 1 << cap_log2, has_res).total;
 
   ResolveArgs a;
   a.top_k = top_k.data_ptr<int32_t>();
@@ -85,17 +97,13 @@ void resolve_residency_cuda(const at::Tensor& top_k, const at::Tensor& state_row
   a.miss_dst = miss_dst.data_ptr<int32_t>();
   a.miss_count = miss_count.data_ptr<int32_t>();
   a.B = static_cast<int>(d.B);
-  a.K = static_cast<int>(d.K);
+  a.K = K;
   a.S = static_cast<int>(std::min<int64_t>(d.S, kInt32Max));
-  a.H = static_cast<int>(d.H);
+  a.H = H;
   a.num_keys = static_cast<int>(num_keys);
   a.hot_base = static_cast<int>(hot_base);
   a.cap_log2 = cap_log2;
 
-  // One wide CTA per row while the batch fits one CTA per multiprocessor; otherwise two
-  // narrower CTAs per multiprocessor. Static shared memory of the kernel plus a margin.
-  const bool wide = d.B <= num_sms(device);
-  const int64_t smem_limit = max_optin_smem(device) - 1024;
   if (scratch <= smem_limit) {
     a.workspace = nullptr;
     a.ws_stride = 0;
