@@ -1,373 +1,41 @@
-"""The `hisparse` command line: `info`, `demo`, `bench`, `plan`.
+"""The `hisparse` command line: `info`, `demo`, `bench`, `plan`, `export-model`.
 
-Each command's logic lives in its own module (hisparse.demo, hisparse.bench, hisparse.plan);
-this file only declares and validates flags. Every bad value exits with status 2 and one line
-naming the flag.
+This module declares the commands and runs one (``main``, the console script). Flag types and
+shared flag groups are in hisparse.cli_flags, what each command does in hisparse.cli_commands.
+Every bad value exits with status 2 and one line naming the flag.
 """
 
 from __future__ import annotations
 
 import argparse
-import math
 import os
-import platform
 import sys
-import tempfile
 from typing import Callable, Optional, Sequence
 
 from hisparse import __version__
+from hisparse.cli_commands import (
+    CommandError,
+    cmd_bench,
+    cmd_demo,
+    cmd_export_model,
+    cmd_info,
+    cmd_plan,
+)
+from hisparse.cli_flags import (
+    _Parser,
+    add_model_flags,
+    add_workload_flags,
+    check_engine_flags,
+    float_range,
+    int_list,
+    int_range,
+    output_path,
+    port,
+)
 from hisparse.limits import MAX_HOT_SIZE
 
-
-class CommandError(Exception):
-    """A problem found while running a command: one line on stderr, prefixed with the
-    command's name, and exit status ``code`` (2 for a bad flag value, as argparse does)."""
-
-    def __init__(self, message: str, code: int = 1) -> None:
-        super().__init__(message)
-        self.code = code
-
-
-class _Parser(argparse.ArgumentParser):
-    """argparse, but a usage error is one line (`hisparse demo: error: ...`), exit status 2."""
-
-    def error(self, message: str):  # type: ignore[override]
-        self.exit(2, f"{self.prog}: error: {message}\n")
-
-
-# ---- flag validators (argparse `type=`): ValueError/ArgumentTypeError -> one-line error -------
-
-
-def _int(text: str, lo: Optional[int] = None, hi: Optional[int] = None) -> int:
-    try:
-        v = int(text, 10)
-    except (TypeError, ValueError):
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if lo is not None and v < lo:
-        raise argparse.ArgumentTypeError(f"must be >= {lo}, got {v}")
-    if hi is not None and v > hi:
-        raise argparse.ArgumentTypeError(f"must be <= {hi}, got {v}")
-    return v
-
-
-def int_range(lo: Optional[int] = None, hi: Optional[int] = None) -> Callable[[str], int]:
-    def parse(text: str) -> int:
-        return _int(text, lo, hi)
-
-    parse.__name__ = "integer"
-    return parse
-
-
-def float_range(
-    lo: float, hi: float = math.inf, *, lo_open: bool = False, hi_open: bool = False
-) -> Callable[[str], float]:
-    def parse(text: str) -> float:
-        try:
-            v = float(text)
-        except (TypeError, ValueError):
-            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-        if not math.isfinite(v):
-            raise argparse.ArgumentTypeError(f"must be a finite number, got {text!r}")
-        if v < lo or (lo_open and v == lo) or v > hi or (hi_open and v == hi):
-            left = "(" if lo_open else "["
-            right = ")" if hi_open else "]"
-            hi_s = "inf" if hi == math.inf else f"{hi:g}"
-            raise argparse.ArgumentTypeError(f"must be in {left}{lo:g}, {hi_s}{right}, got {v:g}")
-        return v
-
-    parse.__name__ = "number"
-    return parse
-
-
-def port(text: str) -> int:
-    return _int(text, 0, 65535)
-
-
-def output_path(suffixes: Sequence[str] = ()) -> Callable[[str], str]:
-    """A file path we can write: its directory exists (or can be created) and is writable."""
-
-    def parse(text: str) -> str:
-        if not text or text.endswith(os.sep):
-            raise argparse.ArgumentTypeError(f"expected a file path, got {text!r}")
-        if suffixes and not text.lower().endswith(tuple(suffixes)):
-            raise argparse.ArgumentTypeError(f"must end in {' or '.join(suffixes)}, got {text!r}")
-        if os.path.isdir(text):
-            raise argparse.ArgumentTypeError(f"{text!r} is a directory")
-        d = os.path.dirname(os.path.abspath(text))
-        probe = d
-        while not os.path.exists(probe):
-            probe = os.path.dirname(probe)
-        if not os.path.isdir(probe) or not os.access(probe, os.W_OK):
-            raise argparse.ArgumentTypeError(
-                f"cannot write {text!r}: {probe!r} is not a writable directory"
-            )
-        # os.access answers yes to root everywhere, and a read-only mount only fails the write
-        # itself; try it now rather than after the run.
-        try:
-            if os.path.exists(text):
-                with open(text, "ab"):
-                    pass
-            else:
-                with tempfile.TemporaryFile(dir=probe):
-                    pass
-        except OSError as e:
-            raise argparse.ArgumentTypeError(f"cannot write {text!r}: {e.strerror or e}") from None
-        return text
-
-    parse.__name__ = "path"
-    return parse
-
-
-def int_list(lo: int, hi: int) -> Callable[[str], list]:
-    def parse(text: str) -> list:
-        parts = [p for p in text.split(",") if p.strip()]
-        if not parts:
-            raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}")
-        return sorted(set(_int(p.strip(), lo, hi) for p in parts))
-
-    parse.__name__ = "list"
-    return parse
-
-
-# ---- info --------------------------------------------------------------------------------
-
-
-def _info(args: argparse.Namespace) -> int:
-    import torch
-
-    from hisparse import _ext
-
-    backends = _ext.built_backends()
-    lines = [
-        ("hisparse", __version__),
-        ("python", platform.python_version()),
-        ("torch", torch.__version__),
-        ("torch CUDA", torch.version.cuda or "none (CPU build)"),
-        ("backends built", ", ".join(backends) if backends else f"none: {_ext.BUILD_HINT}"),
-    ]
-    if torch.cuda.is_available():
-        for i in range(torch.cuda.device_count()):
-            p = torch.cuda.get_device_properties(i)
-            lines.append(
-                (
-                    f"GPU {i}",
-                    f"{p.name}, {p.total_memory / 2**30:.0f} GiB, "
-                    f"sm_{p.major}{p.minor}, {p.multi_processor_count} SMs",
-                )
-            )
-    else:
-        lines.append(("GPU", "none visible"))
-    width = max(len(k) for k, _ in lines)
-    for k, v in lines:
-        print(f"{k:<{width}}  {v}")
-    return 0
-
-
-# ---- demo / bench share the workload flags -------------------------------------------------
-
-_ENGINE_FLAG = {  # EngineConfig field -> flag, for cross-flag errors
-    "num_layers": "--layers",
-    "index_share": "--index-share",
-    "top_k": "--top-k",
-    "hot_size": "--hot-size",
-    "num_requests": "--requests",
-    "max_running": "--concurrency",
-    "prompt_len": "--prompt-len",
-    "output_len": "--output-len",
-    "drift": "--drift",
-    "recent_window": "--recent-window",
-    "seed": "--seed",
-    "metrics_interval": "--metrics-interval",
-    "row_layout": "--row-layout",
-}
-
-
-def _add_model_flags(g, *, layers: int) -> None:
-    """The reference model's shape, shared by the engine commands and export-model."""
-    g.add_argument(
-        "--layers",
-        type=int_range(1, 1024),
-        default=layers,
-        help=f"decoder layers (default: {layers})",
-    )
-    g.add_argument(
-        "--index-share",
-        type=int_range(1, 1024),
-        default=2,
-        help="layers per index group: a leader and the followers reusing its top-k (default: 2)",
-    )
-    g.add_argument(
-        "--top-k",
-        type=int_range(1, MAX_HOT_SIZE),
-        default=64,
-        help="tokens selected per request per step (default: 64)",
-    )
-    g.add_argument(
-        "--row-layout",
-        choices=("fp8", "bf16"),
-        default="fp8",
-        help="KV row layout: fp8 = 656-B rows, bf16 = 1152-B rows (default: fp8)",
-    )
-    g.add_argument(
-        "--drift",
-        type=float_range(0.0, 1.0),
-        default=0.05,
-        help="indexer query drift per token, 0 = frozen, 1 = memoryless (default: 0.05)",
-    )
-    g.add_argument(
-        "--recent-window",
-        type=int_range(0, MAX_HOT_SIZE),
-        default=8,
-        help="newest tokens always selected (default: 8)",
-    )
-    g.add_argument(
-        "--seed",
-        type=int_range(0, 2**31 - 1),
-        default=0,
-        help="weights (and prompts) seed (default: 0)",
-    )
-
-
-def _add_workload_flags(
-    p: argparse.ArgumentParser,
-    *,
-    requests: int,
-    concurrency: int,
-    prompt_len: int,
-    output_len: int,
-    hot_size: bool = True,
-) -> None:
-    g = p.add_argument_group("workload (reference engine)")
-    g.add_argument(
-        "--device",
-        choices=("cpu", "cuda"),
-        default="cpu",
-        help="where the engine runs (default: cpu)",
-    )
-    g.add_argument(
-        "--requests",
-        type=int_range(1, 1_000_000),
-        default=requests,
-        help=f"requests in the workload (default: {requests})",
-    )
-    g.add_argument(
-        "--concurrency",
-        type=int_range(1, 65536),
-        default=concurrency,
-        help=f"max requests running at once = state rows (default: {concurrency})",
-    )
-    g.add_argument(
-        "--prompt-len",
-        type=int_range(1, 1 << 20),
-        default=prompt_len,
-        help=f"prompt tokens per request, before jitter (default: {prompt_len})",
-    )
-    g.add_argument(
-        "--output-len",
-        type=int_range(1, 1 << 20),
-        default=output_len,
-        help=f"generated tokens per request, before jitter (default: {output_len})",
-    )
-    _add_model_flags(g, layers=4)
-    if hot_size:
-        g.add_argument(
-            "--hot-size",
-            type=int_range(1, MAX_HOT_SIZE),
-            default=None,
-            help="hot-buffer rows per request per layer, >= --top-k (default: 2 x top-k)",
-        )
-    g.add_argument(
-        "--metrics-interval",
-        type=int_range(1, 1_000_000),
-        default=16,
-        help="engine steps between counter snapshots (default: 16)",
-    )
-    g.add_argument(
-        "--threads",
-        type=int_range(0, 1024),
-        default=1,
-        help="torch CPU threads for the run; 0 = leave torch's default (default: 1: "
-        "the engine's ops are small)",
-    )
-
-
-def check_engine_flags(parser: argparse.ArgumentParser, args: argparse.Namespace, **over):
-    """Build the EngineConfig; a cross-flag problem becomes one line naming the flags."""
-    from hisparse.demo import engine_config_from_args
-
-    if getattr(args, "hot_size", None) is not None and args.hot_size < args.top_k:
-        parser.error(f"argument --hot-size: must be >= --top-k ({args.top_k}), got {args.hot_size}")
-    if args.recent_window > args.top_k:
-        parser.error(
-            f"argument --recent-window: must be <= --top-k ({args.top_k}), got {args.recent_window}"
-        )
-    if args.index_share > args.layers:
-        parser.error(
-            f"argument --index-share: must be <= --layers ({args.layers}), got {args.index_share}"
-        )
-    try:
-        return engine_config_from_args(args, **over)
-    except ValueError as e:
-        msg = str(e)
-        for field, flag in _ENGINE_FLAG.items():
-            if msg.startswith(field + " "):
-                msg = f"argument {flag}:" + msg[len(field) :]
-                break
-        parser.error(msg)
-
-
-def _require_backend(device: str) -> None:
-    """The kernels for ``device`` must be built (a source tree without a build has none)."""
-    import torch
-
-    from hisparse import _ext
-
-    if device == "cuda" and not torch.cuda.is_available():
-        raise CommandError("argument --device: torch sees no CUDA GPU (use --device cpu)", 2)
-    try:
-        _ext.require(device)
-    except _ext.BackendUnavailableError as e:
-        raise CommandError(str(e)) from None
-
-
-def _demo(args: argparse.Namespace) -> int:
-    cfg = check_engine_flags(args._parser, args)
-    _require_backend(args.device)
-    from hisparse import demo
-
-    demo.check_memory(cfg, args.device)
-    return demo.main(args)
-
-
-def _bench(args: argparse.Namespace) -> int:
-    check_engine_flags(args._parser, args, hot_size=max(args.hot_sizes + [args.top_k]))
-    bad = [h for h in args.hot_sizes if h < args.top_k]
-    if bad:
-        args._parser.error(
-            f"argument --hot-sizes: every size must be >= --top-k ({args.top_k}), got {bad}"
-        )
-    if args.plot:
-        try:
-            import matplotlib  # noqa: F401
-        except ImportError:
-            args._parser.error(
-                "argument --plot: needs matplotlib, which is not installed "
-                "(pip install 'hisparse[plot]')"
-            )
-    _require_backend(args.device)
-    from hisparse import bench
-
-    return bench.main(args)
-
-
-def _plan(args: argparse.Namespace) -> int:
-    from hisparse import plan
-
-    try:
-        return plan.main(args)
-    except plan.PlanError as e:
-        args._parser.error(str(e))
-        return 2
+# Importable from here as before the split (tests, scripts).
+__all__ = ["CommandError", "build_parser", "check_engine_flags", "main"]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -378,8 +46,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"hisparse {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     p = sub.add_parser("info", help="print the version, torch, built backends and GPUs")
-    p.set_defaults(func=_info)
+    p.set_defaults(func=cmd_info)
+    _add_demo_command(sub)
+    _add_bench_command(sub)
+    _add_plan_command(sub)
+    _add_export_model_command(sub)
+    return parser
 
+
+def _add_demo_command(sub) -> None:
     p = sub.add_parser(
         "demo",
         help="run one workload resident vs HiSparse and check bit-exact parity",
@@ -387,7 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
         "the device, then HiSparse (host pool + small hot buffers). Prints a summary; "
         "exits 1 if tokens or final hidden states differ.",
     )
-    _add_workload_flags(p, requests=32, concurrency=8, prompt_len=512, output_len=96)
+    add_workload_flags(p, requests=32, concurrency=8, prompt_len=512, output_len=96)
     o = p.add_argument_group("output")
     o.add_argument(
         "--metrics-port",
@@ -410,17 +85,17 @@ def build_parser() -> argparse.ArgumentParser:
         help="negative control: bind every layer of the HiSparse run at the allocation's "
         "base offset (the upstream bug); parity must then FAIL",
     )
-    p.set_defaults(func=_demo, _parser=p)
+    p.set_defaults(func=cmd_demo, _parser=p)
 
+
+def _add_bench_command(sub) -> None:
     p = sub.add_parser(
         "bench",
         help="op micro-benchmarks and hit rate vs hot-buffer size",
         description="Micro-benchmarks of resolve/gather, then a sweep of hit rate against "
         "hot-buffer size on the reference workload (HiSparse mode).",
     )
-    _add_workload_flags(
-        p, requests=12, concurrency=4, prompt_len=256, output_len=32, hot_size=False
-    )
+    add_workload_flags(p, requests=12, concurrency=4, prompt_len=256, output_len=32, hot_size=False)
     b = p.add_argument_group("bench")
     b.add_argument(
         "--hot-sizes",
@@ -450,19 +125,23 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="PATH",
         help="write all results as JSON",
     )
-    p.set_defaults(func=_bench, _parser=p)
+    p.set_defaults(func=cmd_bench, _parser=p)
 
+
+def _add_plan_command(sub) -> None:
     p = sub.add_parser(
         "plan",
         help="capacity calculator: concurrency with and without HiSparse, host pool, PCIe",
         description="Size a deployment: max concurrent requests with and without HiSparse, the "
         "host pool they need, and host->device traffic per decode step. Formulas: docs/plan.md.",
     )
-    from hisparse.plan import add_plan_flags
+    from hisparse.plan_command import add_plan_flags
 
     add_plan_flags(p, int_range=int_range, float_range=float_range, output_path=output_path)
-    p.set_defaults(func=_plan, _parser=p)
+    p.set_defaults(func=cmd_plan, _parser=p)
 
+
+def _add_export_model_command(sub) -> None:
     p = sub.add_parser(
         "export-model",
         help="write the reference sparse-MLA model as a directory vLLM serves",
@@ -472,7 +151,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("dir", metavar="DIR", help="output directory (created if missing)")
     m = p.add_argument_group("model")
-    _add_model_flags(m, layers=2)
+    add_model_flags(m, layers=2)
     m.add_argument(
         "--hidden", type=int_range(1, 65536), default=64, help="residual width (default: 64)"
     )
@@ -494,40 +173,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=2048,
         help="longest context in tokens (default: 2048)",
     )
-    p.set_defaults(func=_export_model, _parser=p)
-    return parser
-
-
-def _export_model(args: argparse.Namespace) -> int:
-    from hisparse.model_export import ExportError, export_model, model_config
-
-    try:
-        cfg = model_config(
-            args.max_model_len,
-            num_layers=args.layers,
-            index_share=args.index_share,
-            hidden=args.hidden,
-            vocab=args.vocab,
-            indexer_dim=args.indexer_dim,
-            top_k=args.top_k,
-            row_layout=args.row_layout,
-            drift=args.drift,
-            recent_window=args.recent_window,
-            seed=args.seed,
-        )
-        if args.index_share > args.layers:
-            raise ExportError(
-                f"--index-share ({args.index_share}) must be <= --layers ({args.layers})"
-            )
-        out = export_model(args.dir, cfg)
-    except (ExportError, OSError) as e:
-        args._parser.error(str(e))
-        return 2
-    print(
-        f"wrote {out}: {cfg.num_layers} layers, top-k {cfg.top_k}, {cfg.row_bytes}-B rows, "
-        f"context {cfg.max_context}"
-    )
-    return 0
+    p.set_defaults(func=cmd_export_model, _parser=p)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

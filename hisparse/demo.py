@@ -3,28 +3,25 @@ then HiSparse (host pool + small hot buffers) — with a bit-exact parity check 
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
-import re
 import sys
-import urllib.request
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
 from hisparse.binding import BindingError
-from hisparse.cli import CommandError
+from hisparse.cli_commands import CommandError
+from hisparse.demo_report import (
+    COUNTER_SERIES,
+    fmt_bytes,
+    scrape_counters,
+    summary_table,
+    tokens_digest,
+)
 from hisparse.engine import EngineConfig, compare_runs, run_workload
 from hisparse.limits import MAX_HOT_SIZE
-
-# Counter data keys -> Prometheus series as exposed (counters get `_total`).
-_SERIES = {
-    "hits": "vllm:hisparse_cache_hits_total",
-    "misses": "vllm:hisparse_cache_misses_total",
-    "host_to_device_bytes": "vllm:hisparse_host_to_device_bytes_total",
-}
 
 
 def engine_config_from_args(args, **over) -> EngineConfig:
@@ -92,88 +89,13 @@ def check_memory(
     for run, where, n, free in budgets:
         if n > free:
             raise CommandError(
-                f"the {run} run needs {_fmt_bytes(n)} of {where} memory for its KV but "
-                f"{_fmt_bytes(free)} is free: lower --prompt-len + --output-len ("
+                f"the {run} run needs {fmt_bytes(n)} of {where} memory for its KV but "
+                f"{fmt_bytes(free)} is free: lower --prompt-len + --output-len ("
                 f"{cfg.prompt_len} + {cfg.output_len}), --concurrency ({cfg.max_running}) or "
                 f"--layers ({cfg.num_layers})",
                 2,
             )
     return need
-
-
-def tokens_digest(tokens) -> str:
-    """SHA-256 of the generated tokens (request order): compare runs across machines/devices."""
-    h = hashlib.sha256()
-    for t in tokens:
-        h.update(json.dumps(t).encode())
-        h.update(b";")
-    return h.hexdigest()
-
-
-def scrape_counters(port: int, host: str = "127.0.0.1") -> dict:
-    """GET /metrics and return the three HiSparse counters (summed over label sets)."""
-    with urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=10) as r:
-        text = r.read().decode()
-    out = {}
-    for key, series in _SERIES.items():
-        total = 0.0
-        for m in re.finditer(rf"^{re.escape(series)}(?:\{{[^}}]*\}})? ([0-9.eE+-]+)$", text, re.M):
-            total += float(m.group(1))
-        out[key] = int(total)
-    return out
-
-
-def _fmt_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024.0
-    return f"{n:.1f} TiB"
-
-
-def summary_table(summary: dict) -> str:
-    r, h = summary["resident"], summary["hisparse"]
-    rows = [
-        ("requests", r["requests"], h["requests"]),
-        ("generated tokens", r["generated_tokens"], h["generated_tokens"]),
-        ("wall time", f"{r['wall_s']:.1f} s", f"{h['wall_s']:.1f} s"),
-        ("tokens/s", f"{r['tokens_per_s']:.1f}", f"{h['tokens_per_s']:.1f}"),
-        ("hit rate", "-", f"{100 * h['hit_rate']:.1f} %"),
-        ("hits", "-", h["hits"]),
-        ("misses", "-", h["misses"]),
-        ("host->device bytes", "-", _fmt_bytes(h["host_to_device_bytes"])),
-        (
-            "host pool used / size",
-            "-",
-            f"{_fmt_bytes(h['host_pool_used_bytes'])} / {_fmt_bytes(h['host_pool_bytes'])}",
-        ),
-        ("device KV bytes", _fmt_bytes(r["device_kv_bytes"]), _fmt_bytes(h["device_kv_bytes"])),
-        (
-            "top-k overlap (consecutive steps)",
-            f"{100 * r['topk_overlap']:.1f} %",
-            f"{100 * h['topk_overlap']:.1f} %",
-        ),
-    ]
-    w0 = max(len(a) for a, _, _ in rows)
-    w1 = max(len("resident"), *(len(str(b)) for _, b, _ in rows))
-    w2 = max(len("hisparse"), *(len(str(c)) for _, _, c in rows))
-    lines = [
-        f"{'':<{w0}}  {'resident':>{w1}}  {'hisparse':>{w2}}",
-        f"{'-' * w0}  {'-' * w1}  {'-' * w2}",
-    ]
-    lines += [f"{a:<{w0}}  {str(b):>{w1}}  {str(c):>{w2}}" for a, b, c in rows]
-    par = summary["parity"]
-    lines.append(
-        f"{'parity (tokens + final hidden states)':<{w0}}  "
-        f"{('OK' if par['ok'] else 'FAILED'):>{w1 + w2 + 2}}"
-    )
-    if "metrics_endpoint" in summary:
-        me = summary["metrics_endpoint"]
-        lines.append(
-            f"{'metrics endpoint port ' + str(me['port']):<{w0}}  "
-            f"{('counters match' if me['matches'] else 'counters DIFFER'):>{w1 + w2 + 2}}"
-        )
-    return "\n".join(lines)
 
 
 @dataclass
@@ -195,92 +117,121 @@ def run_demo(args, *, exporter=None, out=None) -> DemoOutcome:
         torch.set_num_threads(args.threads)
     own_exporter = False
     if exporter is None and args.metrics_port is not None:
-        from hisparse.metrics import HiSparseMetricsExporter
-
-        exporter = HiSparseMetricsExporter(model_name="hisparse-demo")
         try:
-            exporter.start(args.metrics_port)
-        except OSError as e:
+            exporter = _start_exporter(args.metrics_port)
+        except CommandError:
             torch.set_num_threads(prev_threads)
-            raise CommandError(f"argument --metrics-port: {e}", 2) from None
+            raise
         own_exporter = True
     try:
         if exporter is not None:
             print(
                 f"serving metrics on http://127.0.0.1:{exporter.port}/metrics", file=out, flush=True
             )
-        from hisparse.engine import request_lengths
-
-        total = sum(request_lengths(cfg)[1])
-        print(
-            f"workload: {cfg.num_requests} requests (<= {cfg.max_running} running), prompts "
-            f"~{cfg.prompt_len}, outputs ~{cfg.output_len} tokens; {cfg.num_layers} layers in "
-            f"{cfg.num_groups} index groups; top-k {cfg.top_k}, hot buffer {cfg.hot_size} rows, "
-            f"{cfg.row_bytes}-B rows ({cfg.row_layout}); device {device}",
-            file=out,
-            flush=True,
-        )
-        results = {}
-        for mode in ("resident", "hisparse"):
-            bar = _bar(total, mode, args.progress, out)
-            done = {"n": 0}
-
-            def progress(n, bar=bar, done=done):
-                if bar is not None:
-                    bar.update(n - done["n"])
-                done["n"] = n
-
-            try:
-                results[mode] = run_workload(
-                    cfg,
-                    mode=mode,
-                    device=device,
-                    progress=progress,
-                    metrics=exporter if mode == "hisparse" else None,
-                    binding_fault=args.binding_fault if mode == "hisparse" else None,
-                )
-            except BindingError as e:
-                # The worker refuses overlapping per-layer views (the --binding-fault control).
-                print(f"parity FAILED: the {mode} run was rejected at bind time: {e}", file=out)
-                return DemoOutcome(
-                    {
-                        "config": cfg.to_dict(),
-                        "device": device,
-                        "parity": {"ok": False, "detail": f"BindingError: {e}"},
-                    },
-                    1,
-                )
-            finally:
-                if bar is not None:
-                    bar.close()
+        print(_workload_line(cfg, device), file=out, flush=True)
+        results = _run_both(cfg, device, args, exporter, out)
+        if isinstance(results, DemoOutcome):
+            return results
         par = compare_runs(results["resident"], results["hisparse"])
-        summary = {
-            "config": cfg.to_dict(),
-            "device": device,
-            "tokens_sha256": tokens_digest(results["hisparse"].tokens),
-            "resident": results["resident"].stats.to_dict(),
-            "hisparse": results["hisparse"].stats.to_dict(),
-            "parity": {
-                "ok": par.ok,
-                "tokens_equal": par.tokens_equal,
-                "hidden_equal": par.hidden_equal,
-                "detail": par.describe(),
-                "mismatched_requests": par.mismatched_requests,
-            },
-        }
+        summary = _summary(cfg, device, results, par)
         if exporter is not None:
-            scraped = scrape_counters(exporter.port)
-            h = summary["hisparse"]
-            mine = {k: h[k] for k in _SERIES}
-            summary["metrics_endpoint"] = {
-                "port": exporter.port,
-                "scraped": scraped,
-                "matches": scraped == mine,
-            }
+            summary["metrics_endpoint"] = _check_endpoint(exporter.port, summary["hisparse"])
     finally:
         if own_exporter:
             exporter.stop()
         torch.set_num_threads(prev_threads)
+    _report(summary, par, args.json, out)
+    ok = par.ok and summary.get("metrics_endpoint", {}).get("matches", True)
+    return DemoOutcome(summary, 0 if ok else 1)
+
+
+def _start_exporter(port: int):
+    from hisparse.metrics import HiSparseMetricsExporter
+
+    exporter = HiSparseMetricsExporter(model_name="hisparse-demo")
+    try:
+        exporter.start(port)
+    except OSError as e:
+        raise CommandError(f"argument --metrics-port: {e}", 2) from None
+    return exporter
+
+
+def _workload_line(cfg: EngineConfig, device: str) -> str:
+    return (
+        f"workload: {cfg.num_requests} requests (<= {cfg.max_running} running), prompts "
+        f"~{cfg.prompt_len}, outputs ~{cfg.output_len} tokens; {cfg.num_layers} layers in "
+        f"{cfg.num_groups} index groups; top-k {cfg.top_k}, hot buffer {cfg.hot_size} rows, "
+        f"{cfg.row_bytes}-B rows ({cfg.row_layout}); device {device}"
+    )
+
+
+def _run_both(cfg: EngineConfig, device: str, args, exporter, out):
+    """``{mode: result}`` of the resident run, then the HiSparse run; a ``DemoOutcome`` (parity
+    failed) when a run is rejected at bind time."""
+    from hisparse.engine import request_lengths
+
+    total = sum(request_lengths(cfg)[1])
+    results = {}
+    for mode in ("resident", "hisparse"):
+        bar = _bar(total, mode, args.progress, out)
+        done = {"n": 0}
+
+        def progress(n, bar=bar, done=done):
+            if bar is not None:
+                bar.update(n - done["n"])
+            done["n"] = n
+
+        try:
+            results[mode] = run_workload(
+                cfg,
+                mode=mode,
+                device=device,
+                progress=progress,
+                metrics=exporter if mode == "hisparse" else None,
+                binding_fault=args.binding_fault if mode == "hisparse" else None,
+            )
+        except BindingError as e:
+            # The worker refuses overlapping per-layer views (the --binding-fault control).
+            print(f"parity FAILED: the {mode} run was rejected at bind time: {e}", file=out)
+            return DemoOutcome(
+                {
+                    "config": cfg.to_dict(),
+                    "device": device,
+                    "parity": {"ok": False, "detail": f"BindingError: {e}"},
+                },
+                1,
+            )
+        finally:
+            if bar is not None:
+                bar.close()
+    return results
+
+
+def _summary(cfg: EngineConfig, device: str, results: dict, par) -> dict:
+    return {
+        "config": cfg.to_dict(),
+        "device": device,
+        "tokens_sha256": tokens_digest(results["hisparse"].tokens),
+        "resident": results["resident"].stats.to_dict(),
+        "hisparse": results["hisparse"].stats.to_dict(),
+        "parity": {
+            "ok": par.ok,
+            "tokens_equal": par.tokens_equal,
+            "hidden_equal": par.hidden_equal,
+            "detail": par.describe(),
+            "mismatched_requests": par.mismatched_requests,
+        },
+    }
+
+
+def _check_endpoint(port: int, hisparse_stats: dict) -> dict:
+    """The counters served on /metrics must be the ones the run counted."""
+    scraped = scrape_counters(port)
+    mine = {k: hisparse_stats[k] for k in COUNTER_SERIES}
+    return {"port": port, "scraped": scraped, "matches": scraped == mine}
+
+
+def _report(summary: dict, par, json_path: Optional[str], out) -> None:
     print(file=out)
     print(summary_table(summary), file=out)
     print(f"generated tokens sha256: {summary['tokens_sha256']}", file=out)
@@ -292,14 +243,12 @@ def run_demo(args, *, exporter=None, out=None) -> DemoOutcome:
         )
     if not par.ok:
         print(par.describe(), file=out)
-    if args.json:
-        d = os.path.dirname(os.path.abspath(args.json))
+    if json_path:
+        d = os.path.dirname(os.path.abspath(json_path))
         os.makedirs(d, exist_ok=True)
-        with open(args.json, "w") as f:
+        with open(json_path, "w") as f:
             json.dump(summary, f, indent=1)
-        print(f"summary written to {args.json}", file=out)
-    ok = par.ok and summary.get("metrics_endpoint", {}).get("matches", True)
-    return DemoOutcome(summary, 0 if ok else 1)
+        print(f"summary written to {json_path}", file=out)
 
 
 def _bar(total: int, desc: str, enabled: Optional[bool], out):

@@ -1,4 +1,5 @@
-"""`hisparse plan`: capacity calculator (formulas in docs/plan.md).
+"""The capacity model behind `hisparse plan` (formulas in docs/plan.md); the command's flags and
+its report are in hisparse.plan_command.
 
 Per GPU (the MLA latent KV of a request is held whole by every rank that serves it, so the
 per-GPU answer is also the per-tensor-parallel-group answer), for a decode batch at steady state.
@@ -6,9 +7,7 @@ per-GPU answer is also the per-tensor-parallel-group answer), for a decode batch
 
 from __future__ import annotations
 
-import json
 import math
-import os
 from dataclasses import asdict, dataclass
 from typing import Optional
 
@@ -85,27 +84,20 @@ class PlanInputs:
 def compute(p: PlanInputs) -> dict:
     """Every number `hisparse plan` prints (see docs/plan.md for the formulas)."""
     L, b, k, s, e = p.layers, p.row_bytes, p.top_k, p.index_share, p.indexer_key_bytes
-    T, H, m = p.context, p.hot_size, p.miss_rate
+    T, m = p.context, p.miss_rate
     G = math.ceil(L / s)  # index groups (= indexers)
     gpu = int(p.gpu_mem_gib * GIB)
     host = int(p.host_mem_gib * GIB)
     kv_per_token = L * b  # bytes of one token's rows, all layers
     idx_per_token = G * e  # its indexer keys, all groups
     resident_req = T * (kv_per_token + idx_per_token)
-    hot_rows = min(H, T)  # a hot buffer never needs more rows than tokens
+    hot_rows = min(p.hot_size, T)  # a hot buffer never needs more rows than tokens
     hisparse_dev_req = L * hot_rows * b + T * idx_per_token
     host_req = T * kv_per_token
-    n_res = gpu // resident_req
-    n_hs_gpu = gpu // hisparse_dev_req
-    n_hs_host = host // host_req if host_req else 0
-    n_hs = min(n_hs_gpu, n_hs_host)
-    limit = (
-        "GPU memory (hot buffers + indexer keys)" if n_hs_gpu <= n_hs_host else "host memory (pool)"
-    )
-    batch = p.batch if p.batch is not None else n_hs
+    conc = _max_concurrency(gpu, host, resident_req, hisparse_dev_req, host_req)
+    batch = p.batch if p.batch is not None else conc["hisparse"]
     misses_req = m * min(k, T)  # rows missed per request per index group per step
     h2d_step = batch * misses_req * L * b  # every member layer copies each miss
-    h2d_s = h2d_step / (p.pcie_gbps * 1e9)
     return {
         "inputs": asdict(p),
         "index_groups": G,
@@ -114,21 +106,14 @@ def compute(p: PlanInputs) -> dict:
             "hisparse_device": hisparse_dev_req,
             "hisparse_host": host_req,
         },
-        "max_concurrency": {
-            "resident": n_res,
-            "hisparse": n_hs,
-            "hisparse_gpu_limit": n_hs_gpu,
-            "hisparse_host_limit": n_hs_host,
-            "hisparse_limited_by": limit,
-            "gain": (n_hs / n_res) if n_res else None,
-        },
-        "host_pool_bytes_at_max": n_hs * host_req,
+        "max_concurrency": conc,
+        "host_pool_bytes_at_max": conc["hisparse"] * host_req,
         "decode_step": {
             "batch": batch,
             "host_pool_bytes": batch * host_req,
             "misses_per_request_per_group": misses_req,
             "h2d_bytes": h2d_step,
-            "h2d_ms": h2d_s * 1e3,
+            "h2d_ms": h2d_step / (p.pcie_gbps * 1e9) * 1e3,
             "pcie_gbps": p.pcie_gbps,
         },
         "hybrid": _hybrid(
@@ -141,9 +126,30 @@ def compute(p: PlanInputs) -> dict:
             host_req,
             T * idx_per_token,
             misses_req * L * b,
-            n_hs_gpu,
+            conc["hisparse_gpu_limit"],
         ),
-        "notes": _notes(p, T, H, k),
+        "notes": _notes(p, T, p.hot_size, k),
+    }
+
+
+def _max_concurrency(
+    gpu: int, host: int, resident_req: int, hisparse_dev_req: int, host_req: int
+) -> dict:
+    """Requests that fit: resident (GPU only), HiSparse (the tighter of GPU and host)."""
+    n_res = gpu // resident_req
+    n_hs_gpu = gpu // hisparse_dev_req
+    n_hs_host = host // host_req if host_req else 0
+    n_hs = min(n_hs_gpu, n_hs_host)
+    limit = (
+        "GPU memory (hot buffers + indexer keys)" if n_hs_gpu <= n_hs_host else "host memory (pool)"
+    )
+    return {
+        "resident": n_res,
+        "hisparse": n_hs,
+        "hisparse_gpu_limit": n_hs_gpu,
+        "hisparse_host_limit": n_hs_host,
+        "hisparse_limited_by": limit,
+        "gain": (n_hs / n_res) if n_res else None,
     }
 
 
@@ -208,173 +214,3 @@ def _notes(p: PlanInputs, T: int, H: int, k: int) -> list:
     if T <= k:
         notes.append(f"context ({T}) <= top-k ({k}): attention is dense at this length")
     return notes
-
-
-def _gib(n: float) -> str:
-    return f"{n / GIB:,.2f} GiB"
-
-
-def render(r: dict) -> str:
-    i = r["inputs"]
-    mc, st, bpr = r["max_concurrency"], r["decode_step"], r["bytes_per_request"]
-    gain = f"{mc['gain']:.1f}x" if mc["gain"] is not None else "n/a (resident fits no request)"
-    lines = [
-        f"model: {i['layers']} layers, {i['row_bytes']}-B KV rows, top-k {i['top_k']}, "
-        f"index share {i['index_share']} ({r['index_groups']} indexers), "
-        f"indexer keys {i['indexer_key_bytes']} B/token",
-        f"budget per GPU: {i['gpu_mem_gib']:g} GiB GPU for KV, {i['host_mem_gib']:g} GiB host; "
-        f"context {i['context']:,} tokens; hot buffer {i['hot_size']} rows; "
-        f"miss rate {i['miss_rate']:g}",
-        "",
-        f"  per request, resident:        {_gib(bpr['resident_device'])} on the GPU",
-        f"  per request, HiSparse:        {_gib(bpr['hisparse_device'])} on the GPU + "
-        f"{_gib(bpr['hisparse_host'])} host",
-        f"  max concurrency, resident:    {mc['resident']:,}",
-        f"  max concurrency, HiSparse:    {mc['hisparse']:,}  "
-        f"(limited by {mc['hisparse_limited_by']}; "
-        f"GPU allows {mc['hisparse_gpu_limit']:,}, host {mc['hisparse_host_limit']:,})",
-        f"  gain:                         {gain}",
-        f"  host pool at max concurrency: {_gib(r['host_pool_bytes_at_max'])}",
-        f"  decode step at batch {st['batch']:,}: {st['h2d_bytes'] / 1e9:,.3f} GB host->device "
-        f"= {st['h2d_ms']:,.3f} ms at {st['pcie_gbps']:g} GB/s",
-    ]
-    hy = r["hybrid"]
-    lines += [
-        f"  hybrid residency:             all resident up to {hy['spills_above']:,} requests, "
-        "spills "
-        f"beyond; max concurrency {hy['max_concurrency']:,} (limited by {hy['limited_by']})",
-    ]
-    if hy["resident"] is not None:
-        lines.append(
-            f"  hybrid at batch {hy['batch']:,}: {hy['resident']:,} resident + "
-            f"{hy['spilled']:,} spilled, host pool {_gib(hy['host_pool_bytes'])}, "
-            f"{hy['h2d_bytes'] / 1e9:,.3f} GB host->device "
-            f"= {hy['h2d_ms']:,.3f} ms per step"
-        )
-    else:
-        lines.append(f"  hybrid at batch {hy['batch']:,}: does not fit the GPU budget")
-    lines += [f"  note: {n}" for n in r["notes"]]
-    return "\n".join(lines)
-
-
-def inputs_from_args(args) -> PlanInputs:
-    model = dict(PRESETS[args.preset]) if args.preset else {}
-    missing = []
-    for f in MODEL_FIELDS:
-        v = getattr(args, f)
-        if v is not None:
-            model[f] = v
-        elif f not in model:
-            missing.append("--" + f.replace("_", "-"))
-    if missing:
-        raise PlanError(
-            f"argument --preset: give a preset ({', '.join(PRESETS)}) or all of "
-            f"{', '.join(missing)}"
-        )
-    hot = args.hot_size if args.hot_size is not None else 2 * model["top_k"]
-    return PlanInputs(
-        layers=model["layers"],
-        row_bytes=model["row_bytes"],
-        top_k=model["top_k"],
-        index_share=model["index_share"],
-        indexer_key_bytes=model["indexer_key_bytes"],
-        gpu_mem_gib=args.gpu_mem_gib,
-        host_mem_gib=args.host_mem_gib,
-        context=args.context,
-        hot_size=hot,
-        miss_rate=args.miss_rate,
-        pcie_gbps=args.pcie_gbps,
-        batch=args.batch,
-    )
-
-
-def add_plan_flags(p, *, int_range, float_range, output_path) -> None:
-    m = p.add_argument_group(
-        "model (a preset, or every value explicitly; explicit values override the preset)"
-    )
-    m.add_argument("--preset", choices=tuple(PRESETS), default=None, help="model preset")
-    m.add_argument("--layers", type=int_range(1, 100_000), default=None, help="attention layers")
-    m.add_argument(
-        "--row-bytes",
-        type=int_range(ROW_ALIGN, 1 << 20),
-        default=None,
-        help="KV row bytes per token per layer (656 FP8 MLA, 1152 BF16 MLA; "
-        f"multiple of {ROW_ALIGN})",
-    )
-    m.add_argument(
-        "--top-k", type=int_range(1, MAX_HOT_SIZE), default=None, help="tokens selected per step"
-    )
-    m.add_argument(
-        "--index-share",
-        type=int_range(1, 100_000),
-        default=None,
-        help="layers per index group (leader + followers)",
-    )
-    m.add_argument(
-        "--indexer-key-bytes",
-        type=int_range(0, 1 << 20),
-        default=None,
-        help="indexer key bytes per token per index group (stay on the GPU)",
-    )
-    d = p.add_argument_group("deployment")
-    d.add_argument(
-        "--gpu-mem-gib",
-        type=float_range(0.0, 1e6, lo_open=True),
-        default=DEFAULTS["gpu_mem_gib"],
-        help="GPU memory for KV per GPU, after weights and activations "
-        f"(default: {DEFAULTS['gpu_mem_gib']:g})",
-    )
-    d.add_argument(
-        "--host-mem-gib",
-        type=float_range(0.0, 1e7),
-        default=DEFAULTS["host_mem_gib"],
-        help=f"pinned host memory for the pool per GPU (default: {DEFAULTS['host_mem_gib']:g})",
-    )
-    d.add_argument(
-        "--context",
-        type=int_range(1, 1 << 30),
-        default=DEFAULTS["context"],
-        help=f"tokens per request, prompt + output (default: {DEFAULTS['context']})",
-    )
-    d.add_argument(
-        "--hot-size",
-        type=int_range(1, MAX_HOT_SIZE),
-        default=None,
-        help="hot-buffer rows per request per layer (default: 2 x top-k)",
-    )
-    d.add_argument(
-        "--miss-rate",
-        type=float_range(0.0, 1.0),
-        default=DEFAULTS["miss_rate"],
-        help=f"fraction of top-k lookups that miss per step (default: {DEFAULTS['miss_rate']:g})",
-    )
-    d.add_argument(
-        "--pcie-gbps",
-        type=float_range(0.0, 1e5, lo_open=True),
-        default=DEFAULTS["pcie_gbps"],
-        help=f"host->device gather bandwidth, GB/s (default: {DEFAULTS['pcie_gbps']:g}, "
-        "an H200's zero-copy gather of 656-B rows)",
-    )
-    d.add_argument(
-        "--batch",
-        type=int_range(1, 1 << 30),
-        default=None,
-        help="decode batch for the per-step traffic (default: HiSparse max concurrency)",
-    )
-    p.add_argument(
-        "--json",
-        type=output_path((".json",)),
-        default=None,
-        metavar="PATH",
-        help="write the results as JSON",
-    )
-
-
-def main(args) -> int:
-    r = compute(inputs_from_args(args))
-    print(render(r))
-    if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(r, f, indent=1)
-    return 0

@@ -1,0 +1,139 @@
+"""What each `hisparse` command does once its flags parsed: `info`, `demo`, `bench`, `plan`,
+`export-model`. Cross-flag checks that argparse cannot express happen here, before any work;
+the work itself lives in hisparse.demo, hisparse.bench, hisparse.plan_command and
+hisparse.model_export, imported only when their command runs (they import torch).
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+
+from hisparse import __version__
+from hisparse.cli_flags import check_engine_flags
+
+
+class CommandError(Exception):
+    """A problem found while running a command: one line on stderr, prefixed with the
+    command's name, and exit status ``code`` (2 for a bad flag value, as argparse does)."""
+
+    def __init__(self, message: str, code: int = 1) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    import torch
+
+    from hisparse import _ext
+
+    backends = _ext.built_backends()
+    lines = [
+        ("hisparse", __version__),
+        ("python", platform.python_version()),
+        ("torch", torch.__version__),
+        ("torch CUDA", torch.version.cuda or "none (CPU build)"),
+        ("backends built", ", ".join(backends) if backends else f"none: {_ext.BUILD_HINT}"),
+    ]
+    if torch.cuda.is_available():
+        for i in range(torch.cuda.device_count()):
+            p = torch.cuda.get_device_properties(i)
+            lines.append(
+                (
+                    f"GPU {i}",
+                    f"{p.name}, {p.total_memory / 2**30:.0f} GiB, "
+                    f"sm_{p.major}{p.minor}, {p.multi_processor_count} SMs",
+                )
+            )
+    else:
+        lines.append(("GPU", "none visible"))
+    width = max(len(k) for k, _ in lines)
+    for k, v in lines:
+        print(f"{k:<{width}}  {v}")
+    return 0
+
+
+def _require_backend(device: str) -> None:
+    """The kernels for ``device`` must be built (a source tree without a build has none)."""
+    import torch
+
+    from hisparse import _ext
+
+    if device == "cuda" and not torch.cuda.is_available():
+        raise CommandError("argument --device: torch sees no CUDA GPU (use --device cpu)", 2)
+    try:
+        _ext.require(device)
+    except _ext.BackendUnavailableError as e:
+        raise CommandError(str(e)) from None
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    cfg = check_engine_flags(args._parser, args)
+    _require_backend(args.device)
+    from hisparse import demo
+
+    demo.check_memory(cfg, args.device)
+    return demo.main(args)
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    check_engine_flags(args._parser, args, hot_size=max(args.hot_sizes + [args.top_k]))
+    bad = [h for h in args.hot_sizes if h < args.top_k]
+    if bad:
+        args._parser.error(
+            f"argument --hot-sizes: every size must be >= --top-k ({args.top_k}), got {bad}"
+        )
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            args._parser.error(
+                "argument --plot: needs matplotlib, which is not installed "
+                "(pip install 'hisparse[plot]')"
+            )
+    _require_backend(args.device)
+    from hisparse import bench
+
+    return bench.main(args)
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from hisparse import plan_command as plan
+
+    try:
+        return plan.main(args)
+    except plan.PlanError as e:
+        args._parser.error(str(e))
+        return 2
+
+
+def cmd_export_model(args: argparse.Namespace) -> int:
+    from hisparse.model_export import ExportError, export_model, model_config
+
+    try:
+        cfg = model_config(
+            args.max_model_len,
+            num_layers=args.layers,
+            index_share=args.index_share,
+            hidden=args.hidden,
+            vocab=args.vocab,
+            indexer_dim=args.indexer_dim,
+            top_k=args.top_k,
+            row_layout=args.row_layout,
+            drift=args.drift,
+            recent_window=args.recent_window,
+            seed=args.seed,
+        )
+        if args.index_share > args.layers:
+            raise ExportError(
+                f"--index-share ({args.index_share}) must be <= --layers ({args.layers})"
+            )
+        out = export_model(args.dir, cfg)
+    except (ExportError, OSError) as e:
+        args._parser.error(str(e))
+        return 2
+    print(
+        f"wrote {out}: {cfg.num_layers} layers, top-k {cfg.top_k}, {cfg.row_bytes}-B rows, "
+        f"context {cfg.max_context}"
+    )
+    return 0
