@@ -33,48 +33,11 @@ def _load_bench_ops():
 
 def _builtin_ops(device: str, reps: int) -> list:
     """resolve + gather at top-k 2048 / hot 4096, a drifting trace with ~5 % misses."""
-    from hisparse import ops
-
     K, H, rb = 2048, 4096, 656
     rows = []
     g = torch.Generator(device=device).manual_seed(0)
     for B in (1, 8):
-        keys = 1 << 20
-        slot_keys = torch.full((B, H), -1, dtype=torch.int32, device=device)
-        lru = torch.arange(H, dtype=torch.int16, device=device).repeat(B, 1)
-        stats = torch.zeros(2, dtype=torch.uint64, device=device)
-        state = torch.arange(B, dtype=torch.int32, device=device)
-        out = torch.empty(B, K, dtype=torch.int32, device=device)
-        src, dst = torch.empty_like(out), torch.empty_like(out)
-        cnt = torch.empty(B, dtype=torch.int32, device=device)
-        cur = torch.randint(0, keys, (B, K), generator=g, device=device, dtype=torch.int32)
-        host = [
-            torch.zeros(keys, rb, dtype=torch.uint8, device="cpu" if device == "cpu" else device)
-        ]
-        hot = [torch.zeros(B * H, rb, dtype=torch.uint8, device=device)]
-        rt, gt, misses = [], [], 0
-        for i in range(reps + 2):
-            mask = torch.rand(B, K, generator=g, device=device) < 0.05
-            cur = torch.where(
-                mask,
-                torch.randint(0, keys, (B, K), generator=g, device=device, dtype=torch.int32),
-                cur,
-            )
-            t0 = time.perf_counter()
-            ops.resolve_residency(
-                cur, state, slot_keys, lru, stats, out, src, dst, cnt, num_keys=keys
-            )
-            if device == "cuda":
-                torch.cuda.synchronize()
-            t1 = time.perf_counter()
-            ops.gather(host, hot, src, dst, cnt)
-            if device == "cuda":
-                torch.cuda.synchronize()
-            t2 = time.perf_counter()
-            if i >= 2:
-                rt.append((t1 - t0) * 1e6)
-                gt.append((t2 - t1) * 1e6)
-                misses += int(cnt.sum())
+        rt, gt, misses = _time_resolve_gather(device, B, K, H, rb, reps, g)
         rows.append(
             dict(
                 op="resolve",
@@ -98,6 +61,45 @@ def _builtin_ops(device: str, reps: int) -> list:
             )
         )
     return rows
+
+
+def _time_resolve_gather(device: str, B: int, K: int, H: int, rb: int, reps: int, g) -> tuple:
+    """(resolve µs, gather µs, misses) over ``reps`` steps after two warm-up steps."""
+    from hisparse import ops
+
+    keys = 1 << 20
+    slot_keys = torch.full((B, H), -1, dtype=torch.int32, device=device)
+    lru = torch.arange(H, dtype=torch.int16, device=device).repeat(B, 1)
+    stats = torch.zeros(2, dtype=torch.uint64, device=device)
+    state = torch.arange(B, dtype=torch.int32, device=device)
+    out = torch.empty(B, K, dtype=torch.int32, device=device)
+    src, dst = torch.empty_like(out), torch.empty_like(out)
+    cnt = torch.empty(B, dtype=torch.int32, device=device)
+    cur = torch.randint(0, keys, (B, K), generator=g, device=device, dtype=torch.int32)
+    host = [torch.zeros(keys, rb, dtype=torch.uint8, device="cpu" if device == "cpu" else device)]
+    hot = [torch.zeros(B * H, rb, dtype=torch.uint8, device=device)]
+    rt, gt, misses = [], [], 0
+    for i in range(reps + 2):
+        mask = torch.rand(B, K, generator=g, device=device) < 0.05
+        cur = torch.where(
+            mask,
+            torch.randint(0, keys, (B, K), generator=g, device=device, dtype=torch.int32),
+            cur,
+        )
+        t0 = time.perf_counter()
+        ops.resolve_residency(cur, state, slot_keys, lru, stats, out, src, dst, cnt, num_keys=keys)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        t1 = time.perf_counter()
+        ops.gather(host, hot, src, dst, cnt)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        t2 = time.perf_counter()
+        if i >= 2:
+            rt.append((t1 - t0) * 1e6)
+            gt.append((t2 - t1) * 1e6)
+            misses += int(cnt.sum())
+    return rt, gt, misses
 
 
 def op_benchmarks(device: str, reps: int) -> dict:

@@ -134,10 +134,6 @@ class HiSparseConnector(KVConnectorBase_V1, SupportsHMA):
         return cls(SimpleNamespace(kv_transfer_config=kv), role, None, device_hooks=device_hooks)
 
     # ----------------------------------------------------------- worker side
-    @property
-    def connector_worker(self) -> Optional[HiSparseConnectorWorker]:
-        return self.worker
-
     def _need_worker(self, what: str) -> HiSparseConnectorWorker:
         if self.worker is None:
             raise RuntimeError(

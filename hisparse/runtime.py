@@ -16,6 +16,15 @@ import torch
 from hisparse import ops
 from hisparse.binding import BindingError
 from hisparse.limits import INT32_MAX, MAX_HOT_SIZE, check_int
+from hisparse.state_rows import StateRowAllocator
+
+__all__ = [
+    "HiSparseIndexGroup",
+    "HiSparseRuntime",
+    "StateRowAllocator",  # lives in hisparse.state_rows; importable from here as before
+    "empty_residency",
+    "reset_residency",
+]
 
 IntsLike = Union[Sequence[int], torch.Tensor]
 
@@ -57,40 +66,6 @@ def _int64_cpu(name: str, values: IntsLike) -> torch.Tensor:
         if not -(2**63) <= int(v) < 2**63:
             raise ValueError(f"{name} holds {v}, which is not a valid index")
     return torch.tensor([int(v) for v in seq], dtype=torch.int64)
-
-
-class StateRowAllocator:
-    """Hands out state rows to requests; a freed row is reused by a later request."""
-
-    def __init__(self, num_state_rows: int) -> None:
-        self.num_state_rows = check_int("num_state_rows", num_state_rows, 1)
-        self._free = list(range(num_state_rows - 1, -1, -1))
-        self._owner: dict = {}
-
-    def allocate(self, request_id) -> int:
-        if request_id in self._owner:
-            return self._owner[request_id]
-        if not self._free:
-            raise RuntimeError(
-                f"no free state row for request {request_id!r}: all {self.num_state_rows} in use"
-            )
-        row = self._free.pop()
-        self._owner[request_id] = row
-        return row
-
-    def free(self, request_id) -> Optional[int]:
-        """Release the request's row; returns it (None if the request held none)."""
-        row = self._owner.pop(request_id, None)
-        if row is not None:
-            self._free.append(row)
-        return row
-
-    def row_of(self, request_id) -> Optional[int]:
-        return self._owner.get(request_id)
-
-    @property
-    def in_use(self) -> int:
-        return len(self._owner)
 
 
 class HiSparseIndexGroup:

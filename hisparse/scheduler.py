@@ -9,7 +9,7 @@ from typing import Any, Mapping, Optional
 
 from hisparse.config import HiSparseConfig
 from hisparse.metadata import HiSparseConnectorMetadata
-from hisparse.runtime import StateRowAllocator
+from hisparse.state_rows import StateRowAllocator
 from hisparse.stats import HiSparseKVConnectorStats
 
 
@@ -122,22 +122,7 @@ class HiSparseScheduler:
                 f"request {new_reqs[-1]!r} needs a HiSparse state row but all "
                 f"kv_connector_extra_config['max_num_seqs'] = {self.max_num_seqs} are in use"
             )
-        tokens, blocks, added, anchors, rewrites = {}, {}, {}, [], []
-        for rid, n in scheduled.items():
-            n = int(n)
-            if rid not in vllm_view:
-                tokens[rid] = (self.tokens.get(rid, 0) if rid in live else 0) + n
-                continue
-            nc, ids, replace = vllm_view[rid]
-            have = [] if replace or rid not in live else self.blocks.get(rid, [])
-            blocks[rid] = have + (ids or [])
-            added[rid] = blocks[rid] if not have else (ids or [])
-            tokens[rid] = nc + n
-            anchors.append(self._key(blocks[rid], rid, nc + n - 1))
-            written = self.tokens.get(rid, 0) if rid in live else 0
-            rewrites.extend(
-                (rid, self._key(blocks[rid], rid, p)) for p in range(nc, min(written, nc + n))
-            )
+        tokens, blocks, added, anchors, rewrites = self._plan_requests(scheduled, vllm_view, live)
         # Commit.
         for rid in gone:
             self.release(rid)
@@ -166,3 +151,25 @@ class HiSparseScheduler:
         )
         self.pending_resets, self.pending_invalidate = [], []
         return meta
+
+    def _plan_requests(self, scheduled: Mapping, vllm_view: dict, live: set) -> tuple:
+        """Each scheduled request's token count after this step and, with vLLM, its block list,
+        the blocks it adds, its anchor key and the keys it writes a second time. Changes nothing
+        (``build`` commits)."""
+        tokens, blocks, added, anchors, rewrites = {}, {}, {}, [], []
+        for rid, n in scheduled.items():
+            n = int(n)
+            if rid not in vllm_view:
+                tokens[rid] = (self.tokens.get(rid, 0) if rid in live else 0) + n
+                continue
+            nc, ids, replace = vllm_view[rid]
+            have = [] if replace or rid not in live else self.blocks.get(rid, [])
+            blocks[rid] = have + (ids or [])
+            added[rid] = blocks[rid] if not have else (ids or [])
+            tokens[rid] = nc + n
+            anchors.append(self._key(blocks[rid], rid, nc + n - 1))
+            written = self.tokens.get(rid, 0) if rid in live else 0
+            rewrites.extend(
+                (rid, self._key(blocks[rid], rid, p)) for p in range(nc, min(written, nc + n))
+            )
+        return tokens, blocks, added, anchors, rewrites
