@@ -9,9 +9,10 @@ import torch
 
 from hisparse.engine.batch import StepBatch, to_device
 from hisparse.engine.config import EngineConfig
+from hisparse.engine.hostkv import HiSparseKV
 from hisparse.engine.hybrid import HybridKV
 from hisparse.engine.indexer import Indexer
-from hisparse.engine.kvstore import BINDING_FAULTS, SPILL_FAULTS, HiSparseKV, KVStore, ResidentKV
+from hisparse.engine.kvstore import BINDING_FAULTS, SPILL_FAULTS, KVStore, ResidentKV
 from hisparse.engine.layer import LayerPass
 from hisparse.engine.model import Model
 from hisparse.engine.requests import Request

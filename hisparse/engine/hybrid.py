@@ -9,9 +9,10 @@ from typing import Dict, List, Optional, Sequence
 import torch
 
 from hisparse.engine.config import EngineConfig
+from hisparse.engine.hostkv import open_connector
 from hisparse.engine.hybrid_moves import ResidencyMoves, _Staged
-from hisparse.engine.hybrid_plan import StepPlan, build_plan
-from hisparse.engine.kvstore import SPILL_FAULTS, StateRows, StepRows, open_connector, packed_rows
+from hisparse.engine.hybrid_plan import StepPlan, build_plan, connector_query, page_rows
+from hisparse.engine.kvstore import SPILL_FAULTS, StateRows, StepRows, packed_rows
 
 
 class HybridKV(ResidencyMoves):
@@ -227,9 +228,15 @@ class HybridKV(ResidencyMoves):
     ) -> torch.Tensor:
         pl = self._plan
         if self.cfg.is_leader(layer):
-            self._phys_res = self._page_rows(pl, sel_pos, slots) if pl.num_resident else None
+            self._phys_res = (
+                page_rows(pl, self.pt, self.cfg.block_size, sel_pos, slots)
+                if pl.num_resident
+                else None
+            )
             if pl.num_spilled:
-                self._connector_query(pl, sel_keys, sel_pos, cur_pos)
+                self._top_k, self._resident = connector_query(
+                    pl, self.win_base, self.window, sel_keys, sel_pos, cur_pos
+                )
         if not pl.num_spilled:
             return self.flat[layer][self._phys_res]
         name = self.names[layer]
@@ -242,37 +249,6 @@ class HybridKV(ResidencyMoves):
         phys.index_copy_(0, pl.resident_idx, self._phys_res)
         phys.index_copy_(0, pl.spilled_idx, out)
         return self.flat[layer][phys]
-
-    def _page_rows(self, pl: StepPlan, sel_pos: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-        """Device rows of the resident decode requests' selections, through the page table."""
-        bs = self.cfg.block_size
-        if pl.num_spilled:
-            rs = pl.resident_idx
-            sp, sl = sel_pos.index_select(0, rs), slots.index_select(0, rs)
-        else:
-            sp, sl = sel_pos, slots
-        spc = sp.clamp(min=0)
-        return self.pt[sl.unsqueeze(1), spc // bs] * bs + spc % bs
-
-    def _connector_query(
-        self, pl: StepPlan, sel_keys: torch.Tensor, sel_pos: torch.Tensor, cur_pos: torch.Tensor
-    ) -> None:
-        """The spilled decode requests' top-k keys and, for the ones still in their device
-        window, the window rows (the op's resident tier)."""
-        win = self.window
-        if pl.all_spilled:
-            keys, sp, cp = sel_keys, sel_pos, cur_pos
-        else:
-            idx = pl.spilled_idx
-            keys, sp, cp = (
-                sel_keys.index_select(0, idx),
-                sel_pos.index_select(0, idx),
-                cur_pos.index_select(0, idx),
-            )
-        in_win = (sp >= 0) & (sp > (cp - win).unsqueeze(1))
-        win_row = self.win_base + pl.spilled_hot.unsqueeze(1) * win + sp.remainder(win)
-        self._top_k = keys.to(torch.int32)
-        self._resident = torch.where(in_win, win_row, torch.full_like(win_row, -1)).to(torch.int32)
 
     # ---- after the forward ---------------------------------------------------------------
     def end_step(self):

@@ -8,7 +8,7 @@ from typing import List, Sequence
 
 import torch
 
-from hisparse.engine.kvstore import ConnectorRequest
+from hisparse.engine.hostkv import ConnectorRequest
 
 
 def _spill_range(n: int) -> tuple:

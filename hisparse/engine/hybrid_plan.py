@@ -114,3 +114,42 @@ def build_plan(kv, dec: Sequence, new: Sequence, pt_updates: Sequence[tuple]) ->
         num_resident=len(rt.resident_idx),
         num_spilled=len(rt.spilled_idx),
     )
+
+
+def page_rows(
+    pl: StepPlan, pt: torch.Tensor, bs: int, sel_pos: torch.Tensor, slots: torch.Tensor
+) -> torch.Tensor:
+    """Device rows of the resident decode requests' selections, through the page table ``pt``
+    (slot, page index) -> page."""
+    if pl.num_spilled:
+        rs = pl.resident_idx
+        sp, sl = sel_pos.index_select(0, rs), slots.index_select(0, rs)
+    else:
+        sp, sl = sel_pos, slots
+    spc = sp.clamp(min=0)
+    return pt[sl.unsqueeze(1), spc // bs] * bs + spc % bs
+
+
+def connector_query(
+    pl: StepPlan,
+    win_base: int,
+    window: int,
+    sel_keys: torch.Tensor,
+    sel_pos: torch.Tensor,
+    cur_pos: torch.Tensor,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``(top_k, resident_rows)`` for resolve: the spilled decode requests' top-k keys and, for
+    the ones still in their device window, the window rows (the op's resident tier)."""
+    if pl.all_spilled:
+        keys, sp, cp = sel_keys, sel_pos, cur_pos
+    else:
+        idx = pl.spilled_idx
+        keys, sp, cp = (
+            sel_keys.index_select(0, idx),
+            sel_pos.index_select(0, idx),
+            cur_pos.index_select(0, idx),
+        )
+    in_win = (sp >= 0) & (sp > (cp - window).unsqueeze(1))
+    win_row = win_base + pl.spilled_hot.unsqueeze(1) * window + sp.remainder(window)
+    resident = torch.where(in_win, win_row, torch.full_like(win_row, -1))
+    return keys.to(torch.int32), resident.to(torch.int32)

@@ -162,7 +162,7 @@ def test_every_store_is_a_kv_store(mode, residency):
 def test_hisparse_state_rows_are_the_connectors(monkeypatch):
     """One allocator: in HiSparse mode a request's slot (its keys, its device window) is the
     state row the connector gave it, through every reuse."""
-    from hisparse.engine.kvstore import HiSparseKV
+    from hisparse.engine.hostkv import HiSparseKV
 
     seen = []
     begin = HiSparseKV.begin_step

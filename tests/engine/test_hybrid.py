@@ -9,8 +9,8 @@ import torch
 
 import hisparse.engine.hybrid_moves as hybrid_moves
 from hisparse.engine import EngineConfig, compare_runs, run_workload
+from hisparse.engine.hostkv import HiSparseKV
 from hisparse.engine.hybrid import HybridKV
-from hisparse.engine.kvstore import HiSparseKV
 from tests.devices import needs_cuda
 
 # Outputs longer than prompts so that resident requests grow into new pages mid-request; jittered
