@@ -8,6 +8,7 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
+from hisparse import ops
 from hisparse.engine.config import EngineConfig
 from hisparse.engine.hostkv import open_connector
 from hisparse.engine.hybrid_moves import ResidencyMoves, _Staged
@@ -213,9 +214,8 @@ class HybridKV(ResidencyMoves):
             f.index_copy_(0, pl.dev_dst, rows.index_select(0, pl.dev_src))
         if pl.num_staged:
             torch.index_select(rows, 0, pl.stage_src, out=pl.stage[layer])
-        for k0, off, P in pl.prefill_host:
-            src = rows[off : off + P]
-            self.host[layer][k0 : k0 + P].copy_(src, non_blocking=True)
+        if pl.prefill_src is not None:  # one launch, straight into the (strided) host rows
+            ops.save_rows([rows], [self.host[layer]], pl.prefill_src, pl.prefill_keys)
 
     def read(
         self,

@@ -8,6 +8,7 @@ from typing import List, Sequence
 
 import torch
 
+from hisparse import ops
 from hisparse.engine.hostkv import ConnectorRequest
 
 
@@ -115,11 +116,11 @@ class ResidencyMoves:
         wrows = [self._window_row(h, p) for p in range(wlo, whi)]
         src, wsrc, wdst = self._upload([rows, self._rows_of(pages, wlo, whi), wrows])
         k0 = self._key0(slot)
-        for l, f in enumerate(self.flat):
-            if rows:
-                moved = f.index_select(0, src)
-                self.host[l][k0 + src_lo : k0 + src_hi].copy_(moved, non_blocking=True)
-            if wrows:
+        if rows:  # every layer in one launch, straight into the (strided) host rows
+            keys = torch.arange(k0 + src_lo, k0 + src_hi, dtype=torch.int32, device=self.device)
+            ops.save_rows(self.flat, self.host, src.to(torch.int32), keys)
+        if wrows:
+            for f in self.flat:
                 f.index_copy_(0, wdst, f.index_select(0, wsrc))
         self.free_pages.extend(reversed(pages))
         self.free_pages.sort(reverse=True)
@@ -136,10 +137,11 @@ class ResidencyMoves:
         self.pages[slot] = pages
         rows = self._rows_of(pages, 0, n)
         (dst,) = self._upload([rows])
-        k0 = self._key0(slot)
-        for l, f in enumerate(self.flat):
-            src = self.host[l][k0 : k0 + n]
-            f.index_copy_(0, dst, src.to(self.device, non_blocking=True) if self.on_cuda else src)
+        if n:  # every layer in one launch: a one-row plan of n misses
+            k0, dev = self._key0(slot), self.device
+            keys = torch.arange(k0, k0 + n, dtype=torch.int32, device=dev).unsqueeze(0)
+            count = torch.full((1,), n, dtype=torch.int32, device=dev)
+            ops.gather(self.host, self.flat, keys, dst.to(torch.int32).unsqueeze(0), count)
         self._set_pages(slot, pages, 0)
         self._free_hot_slot(slot)
         L = self.cfg.num_layers

@@ -20,7 +20,9 @@ class StepPlan:
     spilled_idx: torch.Tensor  # batch index of spilled decode requests
     spilled_hot: torch.Tensor  # their hot slots
     all_spilled: bool  # every decode request is spilled
-    prefill_host: List[Tuple[int, int, int]]  # spilled prompts: (first key, first row, length)
+    # spilled prompts' rows (batch index) and the host rows (keys) they are written to, int32
+    prefill_src: Optional[torch.Tensor]
+    prefill_keys: Optional[torch.Tensor]
     stage: Optional[torch.Tensor]  # [layers, staged rows, row_bytes] on the device
     num_staged: int = 0
     num_resident: int = 0
@@ -99,6 +101,18 @@ def build_plan(kv, dec: Sequence, new: Sequence, pt_updates: Sequence[tuple]) ->
         if num_staged
         else None
     )
+    prefill_src = prefill_keys = None
+    if rt.prefill_host:
+        idx = torch.cat(
+            [
+                torch.stack([torch.arange(off, off + P), torch.arange(k0, k0 + P)])
+                for k0, off, P in rt.prefill_host
+            ],
+            dim=1,
+        ).to(torch.int32)
+        if kv.on_cuda:
+            idx = idx.pin_memory().to(kv.device, non_blocking=True)
+        prefill_src, prefill_keys = idx[0], idx[1]
     return StepPlan(
         dev_dst=t_dst,
         dev_src=None if rt.all_dev else t_src,
@@ -108,7 +122,8 @@ def build_plan(kv, dec: Sequence, new: Sequence, pt_updates: Sequence[tuple]) ->
         spilled_idx=t_sp,
         spilled_hot=t_hot,
         all_spilled=len(rt.spilled_idx) == len(dec),
-        prefill_host=rt.prefill_host,
+        prefill_src=prefill_src,
+        prefill_keys=prefill_keys,
         stage=stage,
         num_staged=num_staged,
         num_resident=len(rt.resident_idx),

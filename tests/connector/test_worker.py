@@ -421,3 +421,28 @@ def test_register_refuses_overlapping_caches_and_misfit_pinning():
     w = HiSparseConnector.from_extra_config(dict(extra, pin_host_pool=True), role="worker")
     with pytest.raises(HiSparseConfigError, match=r"\['pin_host_pool'\]"):
         w.register_kv_caches({"L0": torch.zeros(8, 64, dtype=torch.uint8)})
+
+
+def test_host_pool_is_token_major_within_each_index_group():
+    """A group's member layers share each token's host row (each member a strided view of it), so
+    one host page serves every member's gather; groups follow one another; the pool is covered
+    exactly, with no byte shared between layers."""
+    sched, work, caches = make_pair({"index_share": 2}, row_bytes=(32, 64, 48))
+    w = work.worker
+    (a, b, c), N = w.layer_names, w.host_rows
+    va, vb, vc = (w.host_view(n) for n in (a, b, c))
+    assert va.stride() == (96, 1) and vb.stride() == (96, 1) and vc.stride() == (48, 1)
+    base = w.host_pool.raw.data_ptr()
+    assert va.data_ptr() == base and vb.data_ptr() == base + 32
+    assert vc.data_ptr() == base + N * 96  # the second group after the first
+    assert w.host_pool.raw.numel() == N * (96 + 48)
+    # Rows saved through the worker land in their own layer's columns only.
+    w.host_pool.raw.zero_()
+    w.save_kv_layer(a, torch.full((1, 32), 1, dtype=torch.uint8), [7])
+    w.save_kv_layer(b, torch.full((1, 64), 2, dtype=torch.uint8), [7])
+    w.save_kv_layer(c, torch.full((1, 48), 3, dtype=torch.uint8), [7])
+    raw = w.host_pool.raw
+    assert raw[7 * 96 : 7 * 96 + 32].eq(1).all() and raw[7 * 96 + 32 : 8 * 96].eq(2).all()
+    assert raw[N * 96 + 7 * 48 : N * 96 + 8 * 48].eq(3).all()
+    assert int(raw.ne(0).sum()) == 32 + 64 + 48
+    assert va[7].eq(1).all() and vb[7].eq(2).all() and vc[7].eq(3).all()
