@@ -65,10 +65,12 @@ def test_source_names_only_exported_metrics():
 
 def test_every_exported_metric_is_documented_and_on_the_dashboard():
     telemetry = (ROOT / "docs" / "telemetry.md").read_text()
+    readme = (ROOT / "README.md").read_text()
     dash = json.loads((ROOT / "dashboards" / "hisparse.json").read_text())
     exprs = " ".join(t["expr"] for p in dash["panels"] for t in p["targets"])
     for name in exported_names():
         assert name in names_in(telemetry), f"{name} missing from docs/telemetry.md"
+        assert name in names_in(readme), f"{name} missing from the README's metric table"
         assert name in names_in(exprs), f"{name} missing from the dashboard's queries"
 
 
