@@ -1,7 +1,7 @@
 // Resolve stages: the baseline revision's kernel vs the current one (see make.py); bit-exact
 // check on a drifting trace, then timing (L2 flushed + spin before each call, median of N) and clock64
-// stage breakdown of block 0's first row. PROF=1 (for ncu): only batch 64 @0.1 %, the old and
-// the new 1024-thread kernels, no bit-exact check.
+// stage breakdown of block 0's first row. PROF=64 or PROF=256 (for ncu): one workload, the old and
+// the new kernel, no bit-exact check.
 #include "kold_stamp.cu"
 #include "knew_stamp.cu"
 #include <algorithm>
@@ -23,11 +23,13 @@ int main(int argc, char** argv) {
   std::vector<Cfg> cfgs = {
     {"old512", (KFn)hisparse_old::cuda::resolve_kernel<512, true>, 512, 0, false},
     {"old1024", (KFn)hisparse_old::cuda::resolve_kernel<1024, true>, 1024, 0, false},
-    {"new512c13", (KFn)hisparse::cuda::resolve_kernel<512, true>, 512, 1, true},
-    {"new1024c13", (KFn)hisparse::cuda::resolve_kernel<1024, true>, 1024, 1, true},
-    {"new512c14", (KFn)hisparse::cuda::resolve_kernel<512, true>, 512, 2, true},
-    {"new1024c14", (KFn)hisparse::cuda::resolve_kernel<1024, true>, 1024, 2, true},
-    {"new512c12", (KFn)hisparse::cuda::resolve_kernel<512, true>, 512, 0, true},
+    {"old512c13", (KFn)hisparse_old::cuda::resolve_kernel<512, true>, 512, 1, false},
+    {"old1024c14", (KFn)hisparse_old::cuda::resolve_kernel<1024, true>, 1024, 2, false},
+    {"new512c13", (KFn)hisparse::cuda::resolve_kernel<512, true, true, true>, 512, 1, true},
+    {"new1024c13", (KFn)hisparse::cuda::resolve_kernel<1024, true, true, true>, 1024, 1, true},
+    {"new512c14", (KFn)hisparse::cuda::resolve_kernel<512, true, true, true>, 512, 2, true},
+    {"new1024c14", (KFn)hisparse::cuda::resolve_kernel<1024, true, true, true>, 1024, 2, true},
+    {"new512c12", (KFn)hisparse::cuda::resolve_kernel<512, true, true, true>, 512, 0, true},
   };
   for (auto& c : cfgs) CK(cudaFuncSetAttribute((const void*)c.fn, cudaFuncAttributeMaxDynamicSharedMemorySize, 200 * 1024));
   char* flush; CK(cudaMalloc(&flush, 256 << 20));
@@ -35,10 +37,13 @@ int main(int argc, char** argv) {
   std::mt19937 rng(1);
   std::uniform_real_distribution<double> U(0, 1);
   int bad = 0;
-  const bool prof = getenv("PROF") != nullptr;
+  // PROF=64: batch 64 @0.1 % only (old1024, new1024c14); PROF=256: batch 256 @20 % only
+  // (old512, new512c13); no bit-exact check: for ncu.
+  const int prof_b = getenv("PROF") != nullptr ? atoi(getenv("PROF")) : 0;
+  const bool prof = prof_b != 0;
   for (int B : {1, 64, 256}) for (double rate : {0.001, 0.2, 1.0}) {
     if (rate == 1.0 && B != 1) continue;
-    if (prof && (B != 64 || rate != 0.001)) continue;
+    if (prof && (B != prof_b || rate != (prof_b == 256 ? 0.2 : 0.001))) continue;
     int *tk, *sr, *out[2], *ms[2], *md[2], *mc[2], *sk[2]; int16_t* lru[2]; unsigned long long* st[2];
     CK(cudaMalloc(&tk, B * K * 4)); CK(cudaMalloc(&sr, B * 4));
     for (int v = 0; v < 2; ++v) {
@@ -89,9 +94,11 @@ int main(int argc, char** argv) {
     // timing
     printf("B=%d rate=%.3f\n", B, rate);
     for (auto& c : cfgs) {
-      if (prof && strcmp(c.name, "old1024") && strcmp(c.name, "new1024c14")) continue;
+      if (prof && strcmp(c.name, prof_b == 256 ? "old512" : "old1024") &&
+          strcmp(c.name, prof_b == 256 ? "new512c13" : "new1024c14"))
+        continue;
       reset(1);
-      std::vector<float> t; std::vector<long long> stg[7];
+      std::vector<float> t; std::vector<long long> stg[5];
       for (int i = 0; i < reps; ++i) {
         drift(); if (rate == 1.0) reset(1);
         CK(cudaMemsetAsync(flush, i & 255, 256 << 20));
@@ -100,15 +107,11 @@ int main(int argc, char** argv) {
         CK(cudaEventSynchronize(e1)); CK(cudaGetLastError());
         float ms_; CK(cudaEventElapsedTime(&ms_, e0, e1)); t.push_back(ms_ * 1000.f);
         long long hs[16]; CK(cudaMemcpyFromSymbol(hs, c.stamp2 ? g_stamp2 : g_stamp, sizeof(hs)));
-        for (int k = 1; k <= 6; ++k) stg[k].push_back(hs[k] - hs[k - 1]);
+        for (int k = 1; k <= 4; ++k) stg[k].push_back(hs[k] - hs[k - 1]);
       }
-      printf("  %-13s %6.1f us | cycles stage0 %lld hash %lld hits %lld lruscan %lld missscan %lld out %lld\n", c.name, med(t),
-             [&] (int k) { auto v = stg[k]; std::sort(v.begin(), v.end()); return v[v.size()/2]; }(1),
-             [&] (int k) { auto v = stg[k]; std::sort(v.begin(), v.end()); return v[v.size()/2]; }(2),
-             [&] (int k) { auto v = stg[k]; std::sort(v.begin(), v.end()); return v[v.size()/2]; }(3),
-             [&] (int k) { auto v = stg[k]; std::sort(v.begin(), v.end()); return v[v.size()/2]; }(4),
-             [&] (int k) { auto v = stg[k]; std::sort(v.begin(), v.end()); return v[v.size()/2]; }(5),
-             [&] (int k) { auto v = stg[k]; std::sort(v.begin(), v.end()); return v[v.size()/2]; }(6));
+      auto m = [&](int k) { auto v = stg[k]; std::sort(v.begin(), v.end()); return v[v.size() / 2]; };
+      printf("  %-13s %6.1f us | cycles stage0 %lld hash %lld hits %lld rest %lld\n", c.name, med(t),
+             m(1), m(2), m(3), m(4));
     }
     cudaFree(tk); cudaFree(sr);
     for (int v = 0; v < 2; ++v) { cudaFree(out[v]); cudaFree(ms[v]); cudaFree(md[v]); cudaFree(mc[v]); cudaFree(sk[v]); cudaFree(lru[v]); cudaFree(st[v]); }

@@ -7,7 +7,7 @@ each with clock64 stamps at the stage boundaries of block 0's first row, compile
 then runs it: a bit-exact check of every variant against the baseline over a drifting trace, and
 per variant the median of 100 event-timed calls (L2 flushed, GPU kept busy before each call)
 with the median cycles of each stage. Variants: 512 and 1024 threads, hash capacities 2^12..2^14
-for top-k 2048 (hot 4096)."""
+for top-k 2048 (hot 4096). The baseline revision must be 182fe86 or later (the stage markers)."""
 
 import pathlib
 import subprocess
@@ -15,39 +15,54 @@ import sys
 
 HERE = pathlib.Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
+# Stage boundaries: 1 hash, 2 hits, 3 the rest of the row (the LRU split, the miss numbering and
+# the outputs; one fused pass in the current kernel, three stages in older ones).
 MARKS = {
-    1: "    // 1. Hash the selected keys",
-    2: "    // 2. Hits:",
-    3: "    // 3. Walk the LRU order",
-    4: "    // 4. Number the misses",
-    5: "    // 5. Outputs of hot entries",
+    1: ["    // 1. Hash the selected keys"],
+    2: ["    // 2. Hits:"],
+    3: ["    // 3. Walk the LRU order", "    const uint2 counts ="],
 }
+HEADS = [
+    "template <int NT, bool FUSED, bool SMEM>\n__global__ void __launch_bounds__(NT, 1024 / NT) resolve_kernel(",
+    "template <int NT, bool FUSED>\n__global__ void __launch_bounds__(NT, 1024 / NT) resolve_kernel(",
+    "template <int NT>\n__global__ void __launch_bounds__(NT, 1024 / NT) resolve_kernel(",
+]
+ENDS = [
+    "    if (r + static_cast<int>(gridDim.x) < a.B) __syncthreads();  // scratch is reused\n  }\n}",
+    "    __syncthreads();  // scratch is reused by the next row\n  }\n}",
+]
+
+
+def first_of(src: str, options: list[str]) -> str:
+    for m in options:
+        if m in src:
+            return m
+    raise SystemExit(f"none of {options!r} in the kernel source")
 
 
 def stamp(src: str, arr: str) -> str:
-    for k, m in MARKS.items():
-        assert m in src, m
+    """clock64 stamps into `arr` at the stage boundaries of block 0's first row: [0] row start,
+    [1] hash, [2] hits, [3] the rest, [4] row end; the kernel gains a trailing `bool STAMP`."""
+    for k, options in MARKS.items():
+        m = first_of(src, options)
         src = src.replace(
-            m,
-            f"    if (STAMP && blockIdx.x == 0 && tid == 0 && r == 0) {arr}[{k}] = clock64();\n"
-            + m,
+            m, f"    if (STAMP && blockIdx.x == 0 && tid == 0 && r == 0) {arr}[{k}] = clock64();\n" + m
         )
-    head = "template <int NT>\n__global__ void __launch_bounds__(NT, 1024 / NT) resolve_kernel("
-    assert head in src
-    src = src.replace(head, head.replace("<int NT>", "<int NT, bool STAMP = false>"))
+    head = first_of(src, HEADS)
+    src = src.replace(head, head.replace(">\n__global__", ", bool STAMP = false>\n__global__"))
     loop = "  for (int r = blockIdx.x; r < a.B; r += gridDim.x) {\n"
     src = src.replace(
         loop, f"  if (STAMP && blockIdx.x == 0 && tid == 0) {arr}[0] = clock64();\n" + loop, 1
     )
-    end = "    __syncthreads();  // scratch is reused by the next row\n  }\n}"
+    end = first_of(src, ENDS)
     src = src.replace(
         end,
         end[:-4]
-        + f"    if (STAMP && blockIdx.x == 0 && tid == 0 && r == 0) {arr}[6] = clock64();\n"
+        + f"    if (STAMP && blockIdx.x == 0 && tid == 0 && r == 0) {arr}[4] = clock64();\n"
         + "  }\n}",
         1,
     )
-    assert src.count(arr + "[") == 7
+    assert src.count(arr + "[") == 5
     return f"__device__ long long {arr}[16];\n" + src
 
 

@@ -1,5 +1,7 @@
 // CUDA kernels of the hisparse ops: bit-identical to the C++ CPU reference (cpu_ops.cpp) and to
 // docs/ops.md. Fixed launch geometry, no host reads of device data: graph-capturable.
+#include <type_traits>
+
 #include "kernels.cuh"
 
 namespace hisparse {
@@ -87,17 +89,322 @@ __device__ __forceinline__ void stage_copy(uint8_t* dst, const void* src_, int64
     *reinterpret_cast<int16_t*>(dst + b) = *reinterpret_cast<const int16_t*>(src + b);
 }
 
-// One CTA per batch row (a fixed grid walks the rows when the batch is larger than the grid).
-// Per row: (0) every global read issued at once into scratch, (1) hash the selected keys,
-// (2) find the hit slot of each key, (3) split the LRU order into evictable and hit slots,
-// (4) number the misses and assign them evictable slots, (5) write outputs and the new order.
+__device__ __forceinline__ void cp_async_commit() {
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
+// Waits until at most the newest group of this thread's copies is still in flight.
+__device__ __forceinline__ void cp_async_wait_but_newest() {
+  asm volatile("cp.async.wait_group 1;\n" ::: "memory");
+}
+
+// Block-wide exclusive prefix sum of two unsigneds per thread at once (one set of barriers for
+// both); `*total` receives the block sums. Two barriers: `warp_tot` must not be written again
+// before every thread has passed a later barrier.
 template <int NT>
-__global__ void __launch_bounds__(NT, 1024 / NT) resolve_kernel(const ResolveArgs a) {
+__device__ __forceinline__ uint2 block_exclusive_scan2(uint2 v, uint2* warp_tot, uint2* total) {
+  constexpr int NW = NT / 32;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  uint2 x = v;
+#pragma unroll
+  for (int d = 1; d < 32; d <<= 1) {
+    const unsigned y0 = __shfl_up_sync(0xffffffffu, x.x, d);
+    const unsigned y1 = __shfl_up_sync(0xffffffffu, x.y, d);
+    if (lane >= d) {
+      x.x += y0;
+      x.y += y1;
+    }
+  }
+  if (lane == 31) warp_tot[warp] = x;
+  __syncthreads();
+  if (warp == 0) {
+    uint2 w = lane < NW ? warp_tot[lane] : make_uint2(0u, 0u);
+#pragma unroll
+    for (int d = 1; d < 32; d <<= 1) {
+      const unsigned y0 = __shfl_up_sync(0xffffffffu, w.x, d);
+      const unsigned y1 = __shfl_up_sync(0xffffffffu, w.y, d);
+      if (lane >= d) {
+        w.x += y0;
+        w.y += y1;
+      }
+    }
+    if (lane < NW) warp_tot[lane] = w;  // inclusive warp totals
+  }
+  __syncthreads();
+  const uint2 before = warp > 0 ? warp_tot[warp - 1] : make_uint2(0u, 0u);
+  *total = warp_tot[NW - 1];
+  return make_uint2(x.x - v.x + before.x, x.y - v.y + before.y);
+}
+
+// Scratch and per-row values shared by the stages of one row.
+struct RowScratch {
+  int* hkey;         // hash: key
+  unsigned* hfs;     // hash: first occurrence << 16 | hit or assigned slot
+  int* hidx;         // per entry: key as loaded, then its hash index (-1 padding, -2 resident)
+  int* sslot;        // per slot: key as loaded, then its hash index (-1: not selected)
+  int16_t* sorder;   // the LRU order as loaded
+  int16_t* list;     // evictable slots (front) and hit slots (back), in LRU order
+  int32_t* out;      // this row's outputs
+  int32_t* msrc;
+  int32_t* mdst;
+  int32_t* sk;       // the state row's slot keys (global)
+  int16_t* order;    // the state row's LRU order (global)
+  int K, H, row_base;
+};
+
+// Scan flags, two bits per item in one word (registers are the scarce resource here).
+constexpr unsigned kFlagEvict = 1u, kFlagHit = 2u;
+__device__ __forceinline__ unsigned flag_of(unsigned bits, int k) { return (bits >> (2 * k)) & 3u; }
+// The packed scan counter an item adds: low 16 bits the first kind, high 16 bits the second.
+__device__ __forceinline__ unsigned count_of(unsigned flag) {
+  return flag == kFlagEvict ? 1u : flag == kFlagHit ? 0x10000u : 0u;
+}
+
+// LRU positions p0..p0+IT-1 of the order (p0 < H), as loaded, and their flags: evictable, the
+// hit slot of its key, or nothing (past the end or a corrupted entry).
+template <int IT>
+struct LruItems {
+  typename std::conditional<IT == 8, uint4, uint2>::type raw;
+  unsigned bits;
+  __device__ __forceinline__ int slot(int k) const {
+    return reinterpret_cast<const int16_t*>(&raw)[k];
+  }
+};
+
+template <int IT>
+__device__ __forceinline__ unsigned lru_flags(const RowScratch& w, int p0, LruItems<IT>& it) {
+  static_assert(IT == 4 || IT == 8, "scan items per thread");
+  it.raw = *reinterpret_cast<const decltype(it.raw)*>(w.sorder + p0);
+  unsigned local = 0, bits = 0;
+#pragma unroll
+  for (int k = 0; k < IT; ++k) {
+    const int x = it.slot(k);
+    if (p0 + k < w.H && x >= 0 && x < w.H) {
+      const int h = w.sslot[x];
+      const unsigned f =
+          (h >= 0 && (w.hfs[h] & kNone16) == static_cast<unsigned>(x)) ? kFlagHit : kFlagEvict;
+      bits |= f << (2 * k);
+      local += count_of(f);
+    }
+  }
+  it.bits = bits;
+  return local;
+}
+
+// Evictable slots to list[run's low half ...], hit slots to list[H - 1 - run's high half ...].
+template <int IT>
+__device__ __forceinline__ void lru_scatter(const RowScratch& w, const LruItems<IT>& it,
+                                            unsigned run) {
+#pragma unroll
+  for (int k = 0; k < IT; ++k) {
+    const unsigned f = flag_of(it.bits, k);
+    if (f == kFlagEvict)
+      w.list[run & 0xFFFFu] = static_cast<int16_t>(it.slot(k));
+    else if (f == kFlagHit)
+      w.list[w.H - 1 - static_cast<int>(run >> 16)] = static_cast<int16_t>(it.slot(k));
+    run += count_of(f);
+  }
+}
+
+// Key entries i0..i0+IT-1 (i0 < K): their hash indices and flags: first occurrence of a miss
+// (kFlagEvict's bit: it takes an evictable slot), first occurrence of a hit, or neither.
+template <int IT>
+struct KeyItems {
+  int h[IT];
+  unsigned bits;
+};
+
+template <int IT>
+__device__ __forceinline__ unsigned miss_flags(const RowScratch& w, int i0, KeyItems<IT>& it) {
+  if constexpr (IT % 4 == 0) {
+#pragma unroll
+    for (int q = 0; q < IT; q += 4) {
+      const int4 v = *reinterpret_cast<const int4*>(w.hidx + i0 + q);
+      it.h[q] = v.x;
+      it.h[q + 1] = v.y;
+      it.h[q + 2] = v.z;
+      it.h[q + 3] = v.w;
+    }
+  } else {
+    static_assert(IT == 2, "key items per thread");
+    const int2 v = *reinterpret_cast<const int2*>(w.hidx + i0);
+    it.h[0] = v.x;
+    it.h[1] = v.y;
+  }
+  unsigned local = 0, bits = 0;
+#pragma unroll
+  for (int k = 0; k < IT; ++k) {
+    if (i0 + k < w.K && it.h[k] >= 0) {
+      const unsigned e = w.hfs[it.h[k]];
+      if ((e >> 16) == static_cast<unsigned>(i0 + k)) {
+        const unsigned f = (e & kNone16) == kNone16 ? kFlagEvict : kFlagHit;
+        bits |= f << (2 * k);
+        local += count_of(f);
+      }
+    }
+  }
+  it.bits = bits;
+  return local;
+}
+
+// The m-th miss (first occurrence at hash index h) takes the m-th evictable slot (rule 4).
+// Returns its output row, -1 when no evictable slot is left (corrupted LRU only).
+__device__ __forceinline__ int assign_miss(const RowScratch& w, int h, int m, int E) {
+  if (m >= E) return -1;
+  const int slot = w.list[m];
+  const int key = w.hkey[h];
+  // only the first occurrence's thread writes hfs[h]; others read only its (fixed) high half
+  w.hfs[h] = (w.hfs[h] & 0xFFFF0000u) | static_cast<unsigned>(slot);
+  w.sk[slot] = key;
+  w.msrc[m] = key;
+  w.mdst[m] = w.row_base + slot;
+  return w.row_base + slot;
+}
+
+// Rule 5: untaken evictable slots, the newly filled ones (miss order), then the hit slots.
+template <int NT>
+__device__ __forceinline__ void write_lru(const RowScratch& w, int E, int NH, int M) {
+  const int keep = E - M;
+  for (int p = threadIdx.x; p < E + NH; p += NT) {
+    int16_t v;
+    if (p < keep)
+      v = w.list[M + p];
+    else if (p < E)
+      v = w.list[p - keep];
+    else
+      v = w.list[w.H - 1 - (p - E)];
+    w.order[p] = v;
+  }
+}
+
+// Stages 3-5 when the LRU order fits one scan tile and the keys half of one: both scans share
+// one set of barriers, hit entries get their output from the flags pass, the first occurrence
+// of each miss from the thread that assigns its slot. Returns (hits, misses).
+template <int NT>
+__device__ __forceinline__ uint2 finish_row_fused(const RowScratch& w, uint2* warp_tot2) {
+  constexpr int IT = kResolveTile / NT;  // LRU positions per thread
+  constexpr int KT = IT / 2;             // key entries per thread
+  const int tid = threadIdx.x;
+  const int p0 = tid * IT, i0 = tid * KT;
+  LruItems<IT> li;
+  KeyItems<KT> ki;
+  ki.bits = 0;
+  uint2 local = make_uint2(0u, 0u);
+  if (p0 < w.H) local.x = lru_flags<IT>(w, p0, li);
+  bool pending = false;  // a later occurrence of a miss: its slot is known after the assignment
+  if (i0 < w.K) {
+    local.y = miss_flags<KT>(w, i0, ki);
+#pragma unroll
+    for (int k = 0; k < KT; ++k) {  // hits (any occurrence): the hit slot is final
+      if (i0 + k < w.K && ki.h[k] >= 0 && flag_of(ki.bits, k) != kFlagEvict) {
+        const unsigned sl16 = w.hfs[ki.h[k]] & kNone16;
+        if (sl16 != kNone16)
+          w.out[i0 + k] = w.row_base + static_cast<int>(sl16);
+        else
+          pending = true;
+      }
+    }
+  }
+  uint2 tot;
+  const uint2 run = block_exclusive_scan2<NT>(local, warp_tot2, &tot);
+  const int E = static_cast<int>(tot.x & 0xFFFFu);
+  const int NH = static_cast<int>(tot.x >> 16);
+  const int M = min(static_cast<int>(tot.y & 0xFFFFu), E);
+  if (p0 < w.H) lru_scatter<IT>(w, li, run.x);
+  __syncthreads();  // the evictable list is complete
+  if (i0 < w.K) {
+    unsigned m = run.y;
+#pragma unroll
+    for (int k = 0; k < KT; ++k) {
+      const unsigned f = flag_of(ki.bits, k);
+      if (f == kFlagEvict)
+        w.out[i0 + k] = assign_miss(w, ki.h[k], static_cast<int>(m & 0xFFFFu), E);
+      m += count_of(f);
+    }
+  }
+  write_lru<NT>(w, E, NH, M);
+  if (__syncthreads_or(pending)) {
+#pragma unroll
+    for (int k = 0; k < KT; ++k) {
+      if (pending && i0 + k < w.K && ki.h[k] >= 0 && flag_of(ki.bits, k) == 0u) {
+        const unsigned sl16 = w.hfs[ki.h[k]] & kNone16;
+        w.out[i0 + k] = sl16 == kNone16 ? -1 : w.row_base + static_cast<int>(sl16);
+      }
+    }
+  }
+  return make_uint2(tot.y >> 16, static_cast<unsigned>(M));
+}
+
+// Stages 3-5 for any H and K: the LRU order and then the keys in tiles of kResolveTile, each
+// tile one block scan. Returns (hits, misses).
+template <int NT>
+__device__ __forceinline__ uint2 finish_row_tiled(const RowScratch& w, unsigned* warp_tot) {
   constexpr int TILE = kResolveTile;
   constexpr int IT = TILE / NT;
-  static_assert(IT * NT == TILE && (IT == 4 || IT == 8), "scan items per thread");
+  const int tid = threadIdx.x;
+  // 3. Evictable slots to list[0..E), hit slots to list[H-1..H-NH]. Packed counters: low 16
+  //    bits evictable, high 16 bits hits (E + NH <= H < 0xFFFF never carries).
+  unsigned carry = 0;
+  for (int t0 = 0; t0 < w.H; t0 += TILE) {
+    const int p0 = t0 + tid * IT;
+    LruItems<IT> li;
+    const unsigned local = p0 < w.H ? lru_flags<IT>(w, p0, li) : 0u;
+    unsigned tot;
+    const unsigned run = carry + block_exclusive_scan<NT>(local, warp_tot, &tot);
+    if (p0 < w.H) lru_scatter<IT>(w, li, run);
+    carry += tot;
+  }
+  const int E = static_cast<int>(carry & 0xFFFFu);
+  const int NH = static_cast<int>(carry >> 16);
+  __syncthreads();
+  // 4. Number the misses by first occurrence; the m-th takes list[m]. Packed counters: low 16
+  //    bits misses, high 16 bits hits (distinct keys).
+  carry = 0;
+  for (int t0 = 0; t0 < w.K; t0 += TILE) {
+    const int i0 = t0 + tid * IT;
+    KeyItems<IT> ki;
+    const unsigned local = i0 < w.K ? miss_flags<IT>(w, i0, ki) : 0u;
+    unsigned tot;
+    unsigned run = carry + block_exclusive_scan<NT>(local, warp_tot, &tot);
+    if (i0 < w.K) {
+#pragma unroll
+      for (int k = 0; k < IT; ++k) {
+        const unsigned f = flag_of(ki.bits, k);
+        if (f == kFlagEvict) assign_miss(w, ki.h[k], static_cast<int>(run & 0xFFFFu), E);
+        run += count_of(f);
+      }
+    }
+    carry += tot;
+  }
+  const int M = min(static_cast<int>(carry & 0xFFFFu), E);
+  __syncthreads();
+  // 5. Outputs of hot entries (padding and resident entries were written in stage 1).
+  for (int i = tid; i < w.K; i += NT) {
+    const int h = w.hidx[i];
+    if (h >= 0) {
+      const unsigned sl16 = w.hfs[h] & kNone16;
+      w.out[i] = sl16 == kNone16 ? -1 : w.row_base + static_cast<int>(sl16);
+    }
+  }
+  write_lru<NT>(w, E, NH, M);
+  return make_uint2(carry >> 16, static_cast<unsigned>(M));
+}
+
+// One CTA per batch row (a fixed grid walks the rows when the batch is larger than the grid).
+// Per row: (0) every global read issued at once into scratch, (1) hash the selected keys while
+// the state row's slot keys and LRU order are still arriving, (2) find the hit slot of each
+// key, (3) split the LRU order into evictable and hit slots, (4) number the misses and assign
+// them evictable slots, (5) write outputs and the new order.
+// FUSED: the LRU order fits one scan tile and the keys half of one (fused_scans()); a template
+// parameter so each kernel keeps only one finishing path's registers. SMEM: the scratch is in
+// shared memory (else in the global workspace); a template parameter so that the compiler
+// knows every scratch pointer is a shared one and emits shared-memory loads, stores and
+// atomics instead of generic ones (which take the slower, long-scoreboard path).
+template <int NT, bool FUSED, bool SMEM>
+__global__ void __launch_bounds__(NT, 1024 / NT) resolve_kernel(const ResolveArgs a) {
+  constexpr int U = 4;  // hash probes in flight per thread
   extern __shared__ __align__(16) uint8_t smem[];
   __shared__ unsigned warp_tot[32];
+  __shared__ uint2 warp_tot2[32];
   const int tid = threadIdx.x;
   const int K = a.K, H = a.H;
   const int cap = 1 << a.cap_log2;
@@ -105,232 +412,153 @@ __global__ void __launch_bounds__(NT, 1024 / NT) resolve_kernel(const ResolveArg
   const unsigned mask = static_cast<unsigned>(cap - 1);
   const bool has_res = a.resident != nullptr;
   const ResolveLayout lay(K, H, cap, has_res);
-  uint8_t* base = a.workspace != nullptr ? a.workspace + int64_t(blockIdx.x) * a.ws_stride : smem;
-  int* hkey = reinterpret_cast<int*>(base);
-  unsigned* hfs = reinterpret_cast<unsigned*>(hkey + cap);  // first << 16 | slot
-  int* hidx = reinterpret_cast<int*>(base + lay.entries);  // key, then hash index / -1 / -2
-  int* sres = reinterpret_cast<int*>(base + lay.resident);
-  int* sslot = reinterpret_cast<int*>(base + lay.slots);  // slot key, then its hash index / -1
-  int16_t* sorder = reinterpret_cast<int16_t*>(base + lay.order);
-  int16_t* list = reinterpret_cast<int16_t*>(base + lay.list);
+  static_assert(SMEM || !FUSED, "the fused path runs on shared scratch only");
+  uint8_t* base = SMEM ? smem : a.workspace + int64_t(blockIdx.x) * a.ws_stride;
+  RowScratch w;
+  w.hkey = reinterpret_cast<int*>(base);
+  w.hfs = reinterpret_cast<unsigned*>(w.hkey + cap);
+  w.hidx = reinterpret_cast<int*>(base + lay.entries);
+  w.sslot = reinterpret_cast<int*>(base + lay.slots);
+  w.sorder = reinterpret_cast<int16_t*>(base + lay.order);
+  w.list = reinterpret_cast<int16_t*>(base + lay.list);
+  w.K = K;
+  w.H = H;
+  int* hkey = w.hkey;
+  unsigned* hfs = w.hfs;
+  int* hidx = w.hidx;
+  int* sslot = w.sslot;
+  const int* sres = reinterpret_cast<const int*>(base + lay.resident);
 
   for (int r = blockIdx.x; r < a.B; r += gridDim.x) {
-    // 0. Stage the row: keys, resident rows, slot keys and LRU order, all copies in flight
-    //    together (cp.async straight into shared memory). The keys go first: they do not
-    //    depend on the state row, so their load overlaps the read of state_rows[r]. The
-    //    duplicate-state-row check (rule 0) and clearing the hash overlap the copies.
-    const bool async = a.workspace == nullptr;
+    // 0. Stage the row (cp.async straight into shared memory). The keys go first, in their
+    //    own group: they do not depend on the state row, and stage 1 needs only them. The
+    //    state row and the earlier rows' state rows (rule 0) are read together.
     const int32_t* keys = a.top_k + int64_t(r) * K;
-    const int32_t* res = has_res ? a.resident + int64_t(r) * K : nullptr;
-    stage_copy<NT>(reinterpret_cast<uint8_t*>(hidx), keys, int64_t(K) * 4, async);
-    if (has_res) stage_copy<NT>(reinterpret_cast<uint8_t*>(sres), res, int64_t(K) * 4, async);
+    stage_copy<NT>(reinterpret_cast<uint8_t*>(hidx), keys, int64_t(K) * 4, SMEM);
+    if (has_res)
+      stage_copy<NT>(base + lay.resident, a.resident + int64_t(r) * K, int64_t(K) * 4, SMEM);
+    if (SMEM) cp_async_commit();
+    const int s_prev = tid < r ? a.state_rows[tid] : -1;
     const int s = a.state_rows[r];
     const bool in_range = s >= 0 && s < a.S;
-    int32_t* out = a.out_rows + int64_t(r) * K;
-    int32_t* sk = a.slot_keys + int64_t(in_range ? s : 0) * H;
-    int16_t* order = a.lru + int64_t(in_range ? s : 0) * H;
+    w.out = a.out_rows + int64_t(r) * K;
+    w.sk = a.slot_keys + int64_t(in_range ? s : 0) * H;
+    w.order = a.lru + int64_t(in_range ? s : 0) * H;
     bool dup = false;
     if (in_range) {
-      stage_copy<NT>(reinterpret_cast<uint8_t*>(sslot), sk, int64_t(H) * 4, async);
-      stage_copy<NT>(reinterpret_cast<uint8_t*>(sorder), order, int64_t(H) * 2, async);
-      for (int q = tid; q < r; q += NT) dup |= a.state_rows[q] == s;
+      stage_copy<NT>(reinterpret_cast<uint8_t*>(sslot), w.sk, int64_t(H) * 4, SMEM);
+      stage_copy<NT>(reinterpret_cast<uint8_t*>(w.sorder), w.order, int64_t(H) * 2, SMEM);
+      dup = s_prev == s;
+      for (int q = tid + NT; q < r; q += NT) dup |= a.state_rows[q] == s;
       for (int j = tid; j < cap / 4; j += NT) {  // cap >= 4
         reinterpret_cast<int4*>(hkey)[j] = make_int4(-1, -1, -1, -1);
         reinterpret_cast<uint4*>(hfs)[j] = make_uint4(~0u, ~0u, ~0u, ~0u);
       }
     }
-    if (async) cp_async_wait_all();
+    if (SMEM) {
+      cp_async_commit();
+      cp_async_wait_but_newest();  // the keys
+    }
     const bool live = in_range && !__syncthreads_or(dup);
     if (!live) {  // padding row: rule 0
-      for (int i = tid; i < K; i += NT) out[i] = -1;
+      for (int i = tid; i < K; i += NT) w.out[i] = -1;
       if (tid == 0) a.miss_count[r] = 0;
-      continue;  // the staged keys are not read; the next row restages after this barrier
+      if (SMEM) cp_async_wait_all();
+      __syncthreads();  // every copy has landed before the next row restages
+      continue;
     }
-    int32_t* msrc = a.miss_src + int64_t(r) * K;
-    int32_t* mdst = a.miss_dst + int64_t(r) * K;
-    const int row_base = a.hot_base + s * H;
+    w.msrc = a.miss_src + int64_t(r) * K;
+    w.mdst = a.miss_dst + int64_t(r) * K;
+    w.row_base = a.hot_base + s * H;
 
     // 1. Hash the selected keys; first occurrence by atomicMin (rules 1-3). Padding and
-    //    resident entries get their final output now.
-    for (int i = tid; i < K; i += NT) {
-      const int k = hidx[i];
-      int idx;
-      if (k < 0 || k >= a.num_keys) {
-        idx = -1;
-        out[i] = -1;
-      } else if (has_res && sres[i] >= 0) {
-        idx = -2;
-        out[i] = sres[i];
-      } else {
-        unsigned h = hash_slot(k, shift);
-        while (true) {
-          const int old = atomicCAS(&hkey[h], -1, k);
-          if (old == -1 || old == k) break;
-          h = (h + 1) & mask;
+    //    resident entries get their final output now. U entries per thread probe at once.
+    for (int i0 = tid; i0 < K; i0 += U * NT) {
+      int k[U];
+      unsigned h[U];
+      bool go[U];
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int i = i0 + u * NT;
+        k[u] = i < K ? hidx[i] : -1;
+        go[u] = false;
+        h[u] = 0;
+        if (i >= K) continue;
+        if (k[u] < 0 || k[u] >= a.num_keys) {
+          hidx[i] = -1;
+          w.out[i] = -1;
+        } else if (has_res && sres[i] >= 0) {
+          hidx[i] = -2;
+          w.out[i] = sres[i];
+        } else {
+          h[u] = hash_slot(k[u], shift);
+          go[u] = true;
         }
-        atomicMin(&hfs[h], (static_cast<unsigned>(i) << 16) | kNone16);
-        idx = static_cast<int>(h);
       }
-      hidx[i] = idx;
+      int old[U];
+#pragma unroll
+      for (int u = 0; u < U; ++u) old[u] = go[u] ? atomicCAS(&hkey[h[u]], -1, k[u]) : -1;
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        if (!go[u]) continue;
+        while (old[u] != -1 && old[u] != k[u]) {
+          h[u] = (h[u] + 1) & mask;
+          old[u] = atomicCAS(&hkey[h[u]], -1, k[u]);
+        }
+        const int i = i0 + u * NT;
+        atomicMin(&hfs[h[u]], (static_cast<unsigned>(i) << 16) | kNone16);
+        hidx[i] = static_cast<int>(h[u]);
+      }
     }
+    if (SMEM) cp_async_wait_all();
     __syncthreads();
 
-    // 2. Hits: the lowest slot holding a selected key. Each slot remembers its key's hash index.
-    for (int j = tid; j < H; j += NT) {
-      const int k = sslot[j];
-      int found = -1;
-      if (k >= 0) {  // the hash holds keys >= 0 only
-        unsigned h = hash_slot(k, shift);
-        while (true) {
-          const int hk = hkey[h];
-          if (hk == k) {
-            // the first-occurrence half is final (phase 1); only the slot half is lowered
-            atomicMin(&hfs[h], (hfs[h] & 0xFFFF0000u) | static_cast<unsigned>(j));
-            found = static_cast<int>(h);
+    // 2. Hits: the lowest slot holding a selected key. Each slot remembers its key's hash
+    //    index. The first probe of U slots is issued at once; longer chains continue after.
+    for (int j0 = tid; j0 < H; j0 += U * NT) {
+      int k[U];
+      unsigned h[U];
+      int found[U];
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int j = j0 + u * NT;
+        k[u] = j < H ? sslot[j] : -1;
+        h[u] = hash_slot(k[u], shift);
+        found[u] = -1;
+      }
+      int hk[U];
+#pragma unroll
+      for (int u = 0; u < U; ++u) hk[u] = k[u] >= 0 ? hkey[h[u]] : -1;  // keys >= 0 only
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        while (hk[u] != -1) {
+          if (hk[u] == k[u]) {
+            found[u] = static_cast<int>(h[u]);
             break;
           }
-          if (hk == -1) break;
-          h = (h + 1) & mask;
+          h[u] = (h[u] + 1) & mask;
+          hk[u] = hkey[h[u]];
         }
       }
-      sslot[j] = found;
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int j = j0 + u * NT;
+        if (j >= H) continue;
+        if (found[u] >= 0)  // the first-occurrence half is final; only the slot half is lowered
+          atomicMin(&hfs[found[u]], (hfs[found[u]] & 0xFFFF0000u) | static_cast<unsigned>(j));
+        sslot[j] = found[u];
+      }
     }
     __syncthreads();
 
-    // 3. Walk the LRU order: evictable slots to list[0..E), hit slots to list[H-1..H-NH]
-    //    (both in LRU order). A slot is a hit slot iff it is the hit slot of its own key.
-    //    Packed counters: low 16 bits evictable, high 16 bits hits.
-    static_assert(kMaxHotSize <= 0xFFFF, "E + NH <= H must not carry out of the low half");
-    unsigned carry = 0;
-    for (int t0 = 0; t0 < H; t0 += TILE) {
-      const int p0 = t0 + tid * IT;
-      int16_t sl[IT];
-      if (p0 < H) {
-        if constexpr (IT == 8) {
-          const uint4 w = *reinterpret_cast<const uint4*>(sorder + p0);
-          const int16_t* wv = reinterpret_cast<const int16_t*>(&w);
-#pragma unroll
-          for (int k = 0; k < IT; ++k) sl[k] = wv[k];
-        } else {
-          const uint2 w = *reinterpret_cast<const uint2*>(sorder + p0);
-          const int16_t* wv = reinterpret_cast<const int16_t*>(&w);
-#pragma unroll
-          for (int k = 0; k < IT; ++k) sl[k] = wv[k];
-        }
-      }
-      unsigned f[IT];
-      unsigned local = 0;
-#pragma unroll
-      for (int k = 0; k < IT; ++k) {
-        unsigned v = 0;
-        const int x = sl[k];
-        if (p0 + k < H && x >= 0 && x < H) {
-          const int h = sslot[x];
-          v = (h >= 0 && (hfs[h] & kNone16) == static_cast<unsigned>(x)) ? 0x10000u : 1u;
-        }
-        f[k] = v;
-        local += v;
-      }
-      unsigned tot;
-      unsigned run = carry + block_exclusive_scan<NT>(local, warp_tot, &tot);
-#pragma unroll
-      for (int k = 0; k < IT; ++k) {
-        if (f[k] == 1u)
-          list[run & 0xFFFFu] = sl[k];
-        else if (f[k] != 0u)
-          list[H - 1 - static_cast<int>(run >> 16)] = sl[k];
-        run += f[k];
-      }
-      carry += tot;
-    }
-    const int E = static_cast<int>(carry & 0xFFFFu);
-    const int NH = static_cast<int>(carry >> 16);
-    __syncthreads();
-
-    // 4. Number the misses by first occurrence; the m-th takes list[m] (rule 4). Packed
-    //    counters: low 16 bits misses, high 16 bits hits (distinct keys).
-    carry = 0;
-    for (int t0 = 0; t0 < K; t0 += TILE) {
-      const int i0 = t0 + tid * IT;
-      int hv[IT];
-      if (i0 < K) {
-#pragma unroll
-        for (int q = 0; q < IT; q += 4) {
-          const int4 w = *reinterpret_cast<const int4*>(hidx + i0 + q);
-          hv[q] = w.x;
-          hv[q + 1] = w.y;
-          hv[q + 2] = w.z;
-          hv[q + 3] = w.w;
-        }
-      }
-      unsigned f[IT];
-      unsigned local = 0;
-#pragma unroll
-      for (int k = 0; k < IT; ++k) {
-        unsigned v = 0;
-        if (i0 + k < K) {
-          const int h = hv[k];
-          if (h >= 0) {
-            const unsigned e = hfs[h];
-            if ((e >> 16) == static_cast<unsigned>(i0 + k))
-              v = (e & kNone16) == kNone16 ? 1u : 0x10000u;
-          }
-        }
-        f[k] = v;
-        local += v;
-      }
-      unsigned tot;
-      unsigned run = carry + block_exclusive_scan<NT>(local, warp_tot, &tot);
-#pragma unroll
-      for (int k = 0; k < IT; ++k) {
-        if (f[k] == 1u) {
-          const int m = static_cast<int>(run & 0xFFFFu);
-          if (m < E) {  // otherwise no evictable slot is left (corrupted LRU only)
-            const int h = hv[k];
-            const int slot = list[m];
-            const int key = hkey[h];
-            // only the first occurrence's thread writes hfs[h] here; the others read only its
-            // first-occurrence half, which does not change
-            hfs[h] = (hfs[h] & 0xFFFF0000u) | static_cast<unsigned>(slot);
-            sk[slot] = key;
-            msrc[m] = key;
-            mdst[m] = row_base + slot;
-          }
-        }
-        run += f[k];
-      }
-      carry += tot;
-    }
-    const int nhits = static_cast<int>(carry >> 16);
-    const int M = min(static_cast<int>(carry & 0xFFFFu), E);
-    __syncthreads();
-
-    // 5. Outputs of hot entries (rule 6); padding and resident entries were written in 1.
-    for (int i = tid; i < K; i += NT) {
-      const int h = hidx[i];
-      if (h >= 0) {
-        const unsigned sl = hfs[h] & kNone16;
-        out[i] = sl == kNone16 ? -1 : row_base + static_cast<int>(sl);
-      }
-    }
-    // 6. New LRU: untaken evictable, newly filled (miss order), hits (rule 5).
-    const int keep = E - M;
-    for (int p = tid; p < E + NH; p += NT) {
-      int16_t v;
-      if (p < keep)
-        v = list[M + p];
-      else if (p < E)
-        v = list[p - keep];
-      else
-        v = list[H - 1 - (p - E)];
-      order[p] = v;
-    }
+    const uint2 counts = FUSED ? finish_row_fused<NT>(w, warp_tot2)
+                               : finish_row_tiled<NT>(w, warp_tot);
     if (tid == 0) {
-      a.miss_count[r] = M;
-      atomicAdd(&a.stats[0], static_cast<unsigned long long>(nhits));
-      atomicAdd(&a.stats[1], static_cast<unsigned long long>(M));
+      a.miss_count[r] = static_cast<int>(counts.y);
+      atomicAdd(&a.stats[0], static_cast<unsigned long long>(counts.x));
+      atomicAdd(&a.stats[1], static_cast<unsigned long long>(counts.y));
     }
-    __syncthreads();  // scratch is reused by the next row
+    if (r + static_cast<int>(gridDim.x) < a.B) __syncthreads();  // scratch is reused
   }
 }
 
@@ -480,23 +708,47 @@ __global__ void __launch_bounds__(kInvalidateThreads)
   }
 }
 
+// The fused finishing path needs the LRU order in one scan tile and the keys in half of one.
+bool fused_scans(int K, int H) { return H <= kResolveTile && 2 * K <= kResolveTile; }
+
+template <int NT, bool FUSED, bool SMEM>
+void launch_one(const ResolveArgs& a, int grid, size_t smem, cudaStream_t stream) {
+  resolve_kernel<NT, FUSED, SMEM><<<grid, NT, SMEM ? smem : 0, stream>>>(a);
+}
+
+template <int NT>
+void launch_nt(const ResolveArgs& a, int grid, size_t smem, cudaStream_t stream) {
+  if (a.workspace != nullptr)
+    launch_one<NT, false, false>(a, grid, smem, stream);
+  else if (fused_scans(a.K, a.H))
+    launch_one<NT, true, true>(a, grid, smem, stream);
+  else
+    launch_one<NT, false, true>(a, grid, smem, stream);
+}
+
 }  // namespace
 
 cudaError_t launch_resolve(const ResolveArgs& a, bool wide, int grid, size_t smem,
                            cudaStream_t stream) {
   if (wide)
-    resolve_kernel<kResolveThreadsWide><<<grid, kResolveThreadsWide, smem, stream>>>(a);
+    launch_nt<kResolveThreadsWide>(a, grid, smem, stream);
   else
-    resolve_kernel<kResolveThreads><<<grid, kResolveThreads, smem, stream>>>(a);
+    launch_nt<kResolveThreads>(a, grid, smem, stream);
   return cudaGetLastError();
 }
 
 cudaError_t set_resolve_max_smem(int bytes) {
-  cudaError_t e = cudaFuncSetAttribute(resolve_kernel<kResolveThreads>,
-                                       cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
-  if (e != cudaSuccess) return e;
-  return cudaFuncSetAttribute(resolve_kernel<kResolveThreadsWide>,
-                              cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+  const void* kernels[] = {
+      reinterpret_cast<const void*>(resolve_kernel<kResolveThreads, false, true>),
+      reinterpret_cast<const void*>(resolve_kernel<kResolveThreads, true, true>),
+      reinterpret_cast<const void*>(resolve_kernel<kResolveThreadsWide, false, true>),
+      reinterpret_cast<const void*>(resolve_kernel<kResolveThreadsWide, true, true>)};
+  for (const void* k : kernels) {
+    const cudaError_t e =
+        cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+    if (e != cudaSuccess) return e;
+  }
+  return cudaSuccess;
 }
 
 template <int MAXL>
