@@ -22,10 +22,10 @@ MARKS = {
     2: ["    // 2. Hits:"],
     3: ["    // 3. Walk the LRU order", "    const uint2 counts ="],
 }
+KERNEL = "\n__global__ void __launch_bounds__(NT, 1024 / NT) resolve_kernel("
 HEADS = [
-    "template <int NT, bool FUSED, bool SMEM>\n__global__ void __launch_bounds__(NT, 1024 / NT) resolve_kernel(",
-    "template <int NT, bool FUSED>\n__global__ void __launch_bounds__(NT, 1024 / NT) resolve_kernel(",
-    "template <int NT>\n__global__ void __launch_bounds__(NT, 1024 / NT) resolve_kernel(",
+    f"template <{params}>{KERNEL}"
+    for params in ("int NT, bool FUSED, bool SMEM", "int NT, bool FUSED", "int NT")
 ]
 ENDS = [
     "    if (r + static_cast<int>(gridDim.x) < a.B) __syncthreads();  // scratch is reused\n  }\n}",
@@ -45,9 +45,8 @@ def stamp(src: str, arr: str) -> str:
     [1] hash, [2] hits, [3] the rest, [4] row end; the kernel gains a trailing `bool STAMP`."""
     for k, options in MARKS.items():
         m = first_of(src, options)
-        src = src.replace(
-            m, f"    if (STAMP && blockIdx.x == 0 && tid == 0 && r == 0) {arr}[{k}] = clock64();\n" + m
-        )
+        at = f"    if (STAMP && blockIdx.x == 0 && tid == 0 && r == 0) {arr}[{k}] = clock64();\n"
+        src = src.replace(m, at + m)
     head = first_of(src, HEADS)
     src = src.replace(head, head.replace(">\n__global__", ", bool STAMP = false>\n__global__"))
     loop = "  for (int r = blockIdx.x; r < a.B; r += gridDim.x) {\n"
