@@ -149,6 +149,7 @@ struct RowScratch {
   int32_t* sk;       // the state row's slot keys (global)
   int16_t* order;    // the state row's LRU order (global)
   int K, H, row_base;
+  bool unique_holders;  // no selected key is held by two slots of the state row
 };
 
 // Scan flags, two bits per item in one word (registers are the scarce resource here).
@@ -180,8 +181,9 @@ __device__ __forceinline__ unsigned lru_flags(const RowScratch& w, int p0, LruIt
     const int x = it.slot(k);
     if (p0 + k < w.H && x >= 0 && x < w.H) {
       const int h = w.sslot[x];
-      const unsigned f =
-          (h >= 0 && (w.hfs[h] & kNone16) == static_cast<unsigned>(x)) ? kFlagHit : kFlagEvict;
+      const bool hit =
+          h >= 0 && (w.unique_holders || (w.hfs[h] & kNone16) == static_cast<unsigned>(x));
+      const unsigned f = hit ? kFlagHit : kFlagEvict;
       bits |= f << (2 * k);
       local += count_of(f);
     }
@@ -210,6 +212,7 @@ __device__ __forceinline__ void lru_scatter(const RowScratch& w, const LruItems<
 template <int IT>
 struct KeyItems {
   int h[IT];
+  unsigned slot[IT];  // the hash entry's slot half as read (kNone16: none yet)
   unsigned bits;
 };
 
@@ -233,8 +236,10 @@ __device__ __forceinline__ unsigned miss_flags(const RowScratch& w, int i0, KeyI
   unsigned local = 0, bits = 0;
 #pragma unroll
   for (int k = 0; k < IT; ++k) {
+    it.slot[k] = kNone16;
     if (i0 + k < w.K && it.h[k] >= 0) {
       const unsigned e = w.hfs[it.h[k]];
+      it.slot[k] = e & kNone16;
       if ((e >> 16) == static_cast<unsigned>(i0 + k)) {
         const unsigned f = (e & kNone16) == kNone16 ? kFlagEvict : kFlagHit;
         bits |= f << (2 * k);
@@ -246,14 +251,14 @@ __device__ __forceinline__ unsigned miss_flags(const RowScratch& w, int i0, KeyI
   return local;
 }
 
-// The m-th miss (first occurrence at hash index h) takes the m-th evictable slot (rule 4).
-// Returns its output row, -1 when no evictable slot is left (corrupted LRU only).
-__device__ __forceinline__ int assign_miss(const RowScratch& w, int h, int m, int E) {
+// The m-th miss (first occurrence: entry i at hash index h) takes the m-th evictable slot
+// (rule 4). Returns its output row, -1 when no evictable slot is left (corrupted LRU only).
+__device__ __forceinline__ int assign_miss(const RowScratch& w, int h, int i, int m, int E) {
   if (m >= E) return -1;
   const int slot = w.list[m];
   const int key = w.hkey[h];
   // only the first occurrence's thread writes hfs[h]; others read only its (fixed) high half
-  w.hfs[h] = (w.hfs[h] & 0xFFFF0000u) | static_cast<unsigned>(slot);
+  w.hfs[h] = (static_cast<unsigned>(i) << 16) | static_cast<unsigned>(slot);
   w.sk[slot] = key;
   w.msrc[m] = key;
   w.mdst[m] = w.row_base + slot;
@@ -296,9 +301,8 @@ __device__ __forceinline__ uint2 finish_row_fused(const RowScratch& w, uint2* wa
 #pragma unroll
     for (int k = 0; k < KT; ++k) {  // hits (any occurrence): the hit slot is final
       if (i0 + k < w.K && ki.h[k] >= 0 && flag_of(ki.bits, k) != kFlagEvict) {
-        const unsigned sl16 = w.hfs[ki.h[k]] & kNone16;
-        if (sl16 != kNone16)
-          w.out[i0 + k] = w.row_base + static_cast<int>(sl16);
+        if (ki.slot[k] != kNone16)
+          w.out[i0 + k] = w.row_base + static_cast<int>(ki.slot[k]);
         else
           pending = true;
       }
@@ -317,7 +321,7 @@ __device__ __forceinline__ uint2 finish_row_fused(const RowScratch& w, uint2* wa
     for (int k = 0; k < KT; ++k) {
       const unsigned f = flag_of(ki.bits, k);
       if (f == kFlagEvict)
-        w.out[i0 + k] = assign_miss(w, ki.h[k], static_cast<int>(m & 0xFFFFu), E);
+        w.out[i0 + k] = assign_miss(w, ki.h[k], i0 + k, static_cast<int>(m & 0xFFFFu), E);
       m += count_of(f);
     }
   }
@@ -369,7 +373,8 @@ __device__ __forceinline__ uint2 finish_row_tiled(const RowScratch& w, unsigned*
 #pragma unroll
       for (int k = 0; k < IT; ++k) {
         const unsigned f = flag_of(ki.bits, k);
-        if (f == kFlagEvict) assign_miss(w, ki.h[k], static_cast<int>(run & 0xFFFFu), E);
+        if (f == kFlagEvict)
+          assign_miss(w, ki.h[k], i0 + k, static_cast<int>(run & 0xFFFFu), E);
         run += count_of(f);
       }
     }
@@ -432,7 +437,8 @@ __global__ void __launch_bounds__(NT, 1024 / NT) resolve_kernel(const ResolveArg
   for (int r = blockIdx.x; r < a.B; r += gridDim.x) {
     // 0. Stage the row (cp.async straight into shared memory). The keys go first, in their
     //    own group: they do not depend on the state row, and stage 1 needs only them. The
-    //    state row and the earlier rows' state rows (rule 0) are read together.
+    //    state row and the earlier rows' state rows (rule 0) are read together, and the hash
+    //    is cleared while they are in flight.
     const int32_t* keys = a.top_k + int64_t(r) * K;
     stage_copy<NT>(reinterpret_cast<uint8_t*>(hidx), keys, int64_t(K) * 4, SMEM);
     if (has_res)
@@ -440,6 +446,10 @@ __global__ void __launch_bounds__(NT, 1024 / NT) resolve_kernel(const ResolveArg
     if (SMEM) cp_async_commit();
     const int s_prev = tid < r ? a.state_rows[tid] : -1;
     const int s = a.state_rows[r];
+    for (int j = tid; j < cap / 4; j += NT) {  // cap >= 4
+      reinterpret_cast<int4*>(hkey)[j] = make_int4(-1, -1, -1, -1);
+      reinterpret_cast<uint4*>(hfs)[j] = make_uint4(~0u, ~0u, ~0u, ~0u);
+    }
     const bool in_range = s >= 0 && s < a.S;
     w.out = a.out_rows + int64_t(r) * K;
     w.sk = a.slot_keys + int64_t(in_range ? s : 0) * H;
@@ -450,10 +460,6 @@ __global__ void __launch_bounds__(NT, 1024 / NT) resolve_kernel(const ResolveArg
       stage_copy<NT>(reinterpret_cast<uint8_t*>(w.sorder), w.order, int64_t(H) * 2, SMEM);
       dup = s_prev == s;
       for (int q = tid + NT; q < r; q += NT) dup |= a.state_rows[q] == s;
-      for (int j = tid; j < cap / 4; j += NT) {  // cap >= 4
-        reinterpret_cast<int4*>(hkey)[j] = make_int4(-1, -1, -1, -1);
-        reinterpret_cast<uint4*>(hfs)[j] = make_uint4(~0u, ~0u, ~0u, ~0u);
-      }
     }
     if (SMEM) {
       cp_async_commit();
@@ -515,6 +521,7 @@ __global__ void __launch_bounds__(NT, 1024 / NT) resolve_kernel(const ResolveArg
 
     // 2. Hits: the lowest slot holding a selected key. Each slot remembers its key's hash
     //    index. The first probe of U slots is issued at once; longer chains continue after.
+    bool dup_holder = false;
     for (int j0 = tid; j0 < H; j0 += U * NT) {
       int k[U];
       unsigned h[U];
@@ -544,12 +551,16 @@ __global__ void __launch_bounds__(NT, 1024 / NT) resolve_kernel(const ResolveArg
       for (int u = 0; u < U; ++u) {
         const int j = j0 + u * NT;
         if (j >= H) continue;
-        if (found[u] >= 0)  // the first-occurrence half is final; only the slot half is lowered
-          atomicMin(&hfs[found[u]], (hfs[found[u]] & 0xFFFF0000u) | static_cast<unsigned>(j));
+        if (found[u] >= 0) {  // the first-occurrence half is final; only the slot half is lowered
+          const unsigned old = atomicMin(
+              &hfs[found[u]], (hfs[found[u]] & 0xFFFF0000u) | static_cast<unsigned>(j));
+          dup_holder |= (old & kNone16) != kNone16;
+        }
         sslot[j] = found[u];
       }
     }
-    __syncthreads();
+    // Without a key held by two slots, every slot holding a selected key is its hit slot.
+    w.unique_holders = !__syncthreads_or(dup_holder);
 
     const uint2 counts = FUSED ? finish_row_fused<NT>(w, warp_tot2)
                                : finish_row_tiled<NT>(w, warp_tot);
