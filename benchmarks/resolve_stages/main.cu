@@ -1,6 +1,6 @@
 // Resolve stages: the baseline revision's kernel vs the current one (see make.py); bit-exact
 // check on a drifting trace, then timing (L2 flushed + spin before each call, median of N) and clock64
-// stage breakdown of block 0's first row. PROF=64 or PROF=256 (for ncu): one workload, the old and
+// stage breakdown of block 0's first row. PROF=1, 64 or 256 (for ncu): one workload, the old and
 // the new kernel, no bit-exact check.
 #include "kold_stamp.cu"
 #include "knew_stamp.cu"
@@ -37,13 +37,14 @@ int main(int argc, char** argv) {
   std::mt19937 rng(1);
   std::uniform_real_distribution<double> U(0, 1);
   int bad = 0;
-  // PROF=64: batch 64 @0.1 % only (old1024, new1024c14); PROF=256: batch 256 @20 % only
-  // (old512, new512c13); no bit-exact check: for ncu.
+  // PROF=1: batch 1 cold, PROF=64: batch 64 @0.1 % (old1024c14, new1024c14); PROF=256:
+  // batch 256 @20 % (old512c13, new512c13); no bit-exact check: for ncu.
   const int prof_b = getenv("PROF") != nullptr ? atoi(getenv("PROF")) : 0;
   const bool prof = prof_b != 0;
   for (int B : {1, 64, 256}) for (double rate : {0.001, 0.2, 1.0}) {
     if (rate == 1.0 && B != 1) continue;
-    if (prof && (B != prof_b || rate != (prof_b == 256 ? 0.2 : 0.001))) continue;
+    if (prof && (B != prof_b || rate != (prof_b == 256 ? 0.2 : prof_b == 1 ? 1.0 : 0.001)))
+      continue;
     int *tk, *sr, *out[2], *ms[2], *md[2], *mc[2], *sk[2]; int16_t* lru[2]; unsigned long long* st[2];
     CK(cudaMalloc(&tk, B * K * 4)); CK(cudaMalloc(&sr, B * 4));
     for (int v = 0; v < 2; ++v) {
@@ -94,7 +95,7 @@ int main(int argc, char** argv) {
     // timing
     printf("B=%d rate=%.3f\n", B, rate);
     for (auto& c : cfgs) {
-      if (prof && strcmp(c.name, prof_b == 256 ? "old512" : "old1024") &&
+      if (prof && strcmp(c.name, prof_b == 256 ? "old512c13" : "old1024c14") &&
           strcmp(c.name, prof_b == 256 ? "new512c13" : "new1024c14"))
         continue;
       reset(1);

@@ -97,44 +97,6 @@ __device__ __forceinline__ void cp_async_wait_but_newest() {
   asm volatile("cp.async.wait_group 1;\n" ::: "memory");
 }
 
-// Block-wide exclusive prefix sum of two unsigneds per thread at once (one set of barriers for
-// both); `*total` receives the block sums. Two barriers: `warp_tot` must not be written again
-// before every thread has passed a later barrier.
-template <int NT>
-__device__ __forceinline__ uint2 block_exclusive_scan2(uint2 v, uint2* warp_tot, uint2* total) {
-  constexpr int NW = NT / 32;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  uint2 x = v;
-#pragma unroll
-  for (int d = 1; d < 32; d <<= 1) {
-    const unsigned y0 = __shfl_up_sync(0xffffffffu, x.x, d);
-    const unsigned y1 = __shfl_up_sync(0xffffffffu, x.y, d);
-    if (lane >= d) {
-      x.x += y0;
-      x.y += y1;
-    }
-  }
-  if (lane == 31) warp_tot[warp] = x;
-  __syncthreads();
-  if (warp == 0) {
-    uint2 w = lane < NW ? warp_tot[lane] : make_uint2(0u, 0u);
-#pragma unroll
-    for (int d = 1; d < 32; d <<= 1) {
-      const unsigned y0 = __shfl_up_sync(0xffffffffu, w.x, d);
-      const unsigned y1 = __shfl_up_sync(0xffffffffu, w.y, d);
-      if (lane >= d) {
-        w.x += y0;
-        w.y += y1;
-      }
-    }
-    if (lane < NW) warp_tot[lane] = w;  // inclusive warp totals
-  }
-  __syncthreads();
-  const uint2 before = warp > 0 ? warp_tot[warp - 1] : make_uint2(0u, 0u);
-  *total = warp_tot[NW - 1];
-  return make_uint2(x.x - v.x + before.x, x.y - v.y + before.y);
-}
-
 // Scratch and per-row values shared by the stages of one row.
 struct RowScratch {
   int* hkey;         // hash: key
@@ -160,6 +122,16 @@ __device__ __forceinline__ unsigned count_of(unsigned flag) {
   return flag == kFlagEvict ? 1u : flag == kFlagHit ? 0x10000u : 0u;
 }
 
+// The hit-slot test of one LRU entry: its flag (kFlagEvict, kFlagHit or 0 for an entry outside
+// the order or a corrupted one).
+__device__ __forceinline__ unsigned lru_flag(const RowScratch& w, int x) {
+  if (x < 0 || x >= w.H) return 0u;
+  const int h = w.sslot[x];
+  const bool hit =
+      h >= 0 && (w.unique_holders || (w.hfs[h] & kNone16) == static_cast<unsigned>(x));
+  return hit ? kFlagHit : kFlagEvict;
+}
+
 // LRU positions p0..p0+IT-1 of the order (p0 < H), as loaded, and their flags: evictable, the
 // hit slot of its key, or nothing (past the end or a corrupted entry).
 template <int IT>
@@ -178,15 +150,9 @@ __device__ __forceinline__ unsigned lru_flags(const RowScratch& w, int p0, LruIt
   unsigned local = 0, bits = 0;
 #pragma unroll
   for (int k = 0; k < IT; ++k) {
-    const int x = it.slot(k);
-    if (p0 + k < w.H && x >= 0 && x < w.H) {
-      const int h = w.sslot[x];
-      const bool hit =
-          h >= 0 && (w.unique_holders || (w.hfs[h] & kNone16) == static_cast<unsigned>(x));
-      const unsigned f = hit ? kFlagHit : kFlagEvict;
-      bits |= f << (2 * k);
-      local += count_of(f);
-    }
+    const unsigned f = p0 + k < w.H ? lru_flag(w, it.slot(k)) : 0u;
+    bits |= f << (2 * k);
+    local += count_of(f);
   }
   it.bits = bits;
   return local;
@@ -212,7 +178,6 @@ __device__ __forceinline__ void lru_scatter(const RowScratch& w, const LruItems<
 template <int IT>
 struct KeyItems {
   int h[IT];
-  unsigned slot[IT];  // the hash entry's slot half as read (kNone16: none yet)
   unsigned bits;
 };
 
@@ -236,10 +201,8 @@ __device__ __forceinline__ unsigned miss_flags(const RowScratch& w, int i0, KeyI
   unsigned local = 0, bits = 0;
 #pragma unroll
   for (int k = 0; k < IT; ++k) {
-    it.slot[k] = kNone16;
     if (i0 + k < w.K && it.h[k] >= 0) {
       const unsigned e = w.hfs[it.h[k]];
-      it.slot[k] = e & kNone16;
       if ((e >> 16) == static_cast<unsigned>(i0 + k)) {
         const unsigned f = (e & kNone16) == kNone16 ? kFlagEvict : kFlagHit;
         bits |= f << (2 * k);
@@ -281,57 +244,106 @@ __device__ __forceinline__ void write_lru(const RowScratch& w, int E, int NH, in
   }
 }
 
-// Stages 3-5 when the LRU order fits one scan tile and the keys half of one: both scans share
-// one set of barriers, hit entries get their output from the flags pass, the first occurrence
-// of each miss from the thread that assigns its slot. Returns (hits, misses).
+// Stages 3-5 when the LRU order fits one scan tile and the keys half of one. Warp v takes a
+// contiguous range of LRU positions (and of key entries) in rounds of 32, lane l taking the l-th
+// position of each round: the slot lookups of a run of consecutive slots in the LRU order then
+// fall in distinct banks (a thread owning consecutive positions would hit one bank per 32/IT
+// lanes). Ranks within the warp come from ballots; one block scan of the warp totals serves
+// both the LRU split and the miss numbering. Hit entries get their output in the flag pass, the
+// first occurrence of each miss from the thread that assigns its slot. Returns (hits, misses).
 template <int NT>
 __device__ __forceinline__ uint2 finish_row_fused(const RowScratch& w, uint2* warp_tot2) {
   constexpr int IT = kResolveTile / NT;  // LRU positions per thread
   constexpr int KT = IT / 2;             // key entries per thread
-  const int tid = threadIdx.x;
-  const int p0 = tid * IT, i0 = tid * KT;
-  LruItems<IT> li;
-  KeyItems<KT> ki;
-  ki.bits = 0;
-  uint2 local = make_uint2(0u, 0u);
-  if (p0 < w.H) local.x = lru_flags<IT>(w, p0, li);
-  bool pending = false;  // a later occurrence of a miss: its slot is known after the assignment
-  if (i0 < w.K) {
-    local.y = miss_flags<KT>(w, i0, ki);
+  constexpr int NW = NT / 32;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const unsigned below = (1u << lane) - 1u;
+  const int pw = warp * 32 * IT, iw = warp * 32 * KT;
+  // Packed ranks and counters: low 16 bits evictable slots / misses, high 16 bits hits.
+  unsigned lrank[IT], lbits = 0, lrun = 0;
 #pragma unroll
-    for (int k = 0; k < KT; ++k) {  // hits (any occurrence): the hit slot is final
-      if (i0 + k < w.K && ki.h[k] >= 0 && flag_of(ki.bits, k) != kFlagEvict) {
-        if (ki.slot[k] != kNone16)
-          w.out[i0 + k] = w.row_base + static_cast<int>(ki.slot[k]);
-        else
-          pending = true;
+  for (int k = 0; k < IT; ++k) {
+    const int p = pw + k * 32 + lane;
+    const unsigned f = p < w.H ? lru_flag(w, w.sorder[p]) : 0u;
+    const unsigned me = __ballot_sync(0xffffffffu, f == kFlagEvict);
+    const unsigned mh = __ballot_sync(0xffffffffu, f == kFlagHit);
+    lrank[k] = lrun + __popc(me & below) + (static_cast<unsigned>(__popc(mh & below)) << 16);
+    lrun += __popc(me) + (static_cast<unsigned>(__popc(mh)) << 16);
+    lbits |= f << (2 * k);
+  }
+  unsigned krank[KT], kbits = 0, krun = 0;
+  int kh[KT];
+  bool pending = false;  // a later occurrence of a miss: its slot is known after the assignment
+#pragma unroll
+  for (int k = 0; k < KT; ++k) {
+    const int i = iw + k * 32 + lane;
+    unsigned f = 0;
+    kh[k] = i < w.K ? w.hidx[i] : -1;
+    if (kh[k] >= 0) {
+      const unsigned e = w.hfs[kh[k]];
+      const unsigned sl16 = e & kNone16;
+      if ((e >> 16) == static_cast<unsigned>(i))
+        f = sl16 == kNone16 ? kFlagEvict : kFlagHit;
+      if (sl16 != kNone16)  // a hit, any occurrence: its slot is final
+        w.out[i] = w.row_base + static_cast<int>(sl16);
+      else if (f == 0u)
+        pending = true;
+    }
+    const unsigned me = __ballot_sync(0xffffffffu, f == kFlagEvict);
+    const unsigned mh = __ballot_sync(0xffffffffu, f == kFlagHit);
+    krank[k] = krun + __popc(me & below) + (static_cast<unsigned>(__popc(mh & below)) << 16);
+    krun += __popc(me) + (static_cast<unsigned>(__popc(mh)) << 16);
+    kbits |= f << (2 * k);
+  }
+  // Exclusive scan of the warp totals.
+  if (lane == 0) warp_tot2[warp] = make_uint2(lrun, krun);
+  __syncthreads();
+  if (warp == 0) {
+    uint2 v = lane < NW ? warp_tot2[lane] : make_uint2(0u, 0u);
+#pragma unroll
+    for (int d = 1; d < 32; d <<= 1) {
+      const unsigned y0 = __shfl_up_sync(0xffffffffu, v.x, d);
+      const unsigned y1 = __shfl_up_sync(0xffffffffu, v.y, d);
+      if (lane >= d) {
+        v.x += y0;
+        v.y += y1;
       }
     }
+    if (lane < NW) warp_tot2[lane] = v;  // inclusive
   }
-  uint2 tot;
-  const uint2 run = block_exclusive_scan2<NT>(local, warp_tot2, &tot);
+  __syncthreads();
+  const uint2 before = warp > 0 ? warp_tot2[warp - 1] : make_uint2(0u, 0u);
+  const uint2 tot = warp_tot2[NW - 1];
   const int E = static_cast<int>(tot.x & 0xFFFFu);
   const int NH = static_cast<int>(tot.x >> 16);
   const int M = min(static_cast<int>(tot.y & 0xFFFFu), E);
-  if (p0 < w.H) lru_scatter<IT>(w, li, run.x);
-  __syncthreads();  // the evictable list is complete
-  if (i0 < w.K) {
-    unsigned m = run.y;
 #pragma unroll
-    for (int k = 0; k < KT; ++k) {
-      const unsigned f = flag_of(ki.bits, k);
-      if (f == kFlagEvict)
-        w.out[i0 + k] = assign_miss(w, ki.h[k], i0 + k, static_cast<int>(m & 0xFFFFu), E);
-      m += count_of(f);
-    }
+  for (int k = 0; k < IT; ++k) {
+    const unsigned f = flag_of(lbits, k);
+    if (f == 0u) continue;
+    const int16_t x = w.sorder[pw + k * 32 + lane];
+    const unsigned r = before.x + lrank[k];
+    if (f == kFlagEvict)
+      w.list[r & 0xFFFFu] = x;
+    else
+      w.list[w.H - 1 - static_cast<int>(r >> 16)] = x;
+  }
+  __syncthreads();  // the evictable list is complete
+#pragma unroll
+  for (int k = 0; k < KT; ++k) {
+    if (flag_of(kbits, k) != kFlagEvict) continue;
+    const int i = iw + k * 32 + lane;
+    const int m = static_cast<int>((before.y + krank[k]) & 0xFFFFu);
+    w.out[i] = assign_miss(w, kh[k], i, m, E);
   }
   write_lru<NT>(w, E, NH, M);
   if (__syncthreads_or(pending)) {
 #pragma unroll
     for (int k = 0; k < KT; ++k) {
-      if (pending && i0 + k < w.K && ki.h[k] >= 0 && flag_of(ki.bits, k) == 0u) {
-        const unsigned sl16 = w.hfs[ki.h[k]] & kNone16;
-        w.out[i0 + k] = sl16 == kNone16 ? -1 : w.row_base + static_cast<int>(sl16);
+      const int i = iw + k * 32 + lane;
+      if (pending && kh[k] >= 0 && flag_of(kbits, k) == 0u) {
+        const unsigned sl16 = w.hfs[kh[k]] & kNone16;
+        w.out[i] = sl16 == kNone16 ? -1 : w.row_base + static_cast<int>(sl16);
       }
     }
   }
