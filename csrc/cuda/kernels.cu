@@ -55,10 +55,17 @@ __device__ __forceinline__ void cp_async4(void* dst, const void* src) {
 __device__ __forceinline__ void cp_async_wait_all() {
   asm volatile("cp.async.wait_all;\n" ::: "memory");
 }
+__device__ __forceinline__ void cp_async_commit() {
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
+// Waits until at most the newest group of this thread's copies is still in flight.
+__device__ __forceinline__ void cp_async_wait_but_newest() {
+  asm volatile("cp.async.wait_group 1;\n" ::: "memory");
+}
 
 // Copies `nbytes` (even) from global memory to 16-byte aligned scratch, block-wide. With
-// `async` the scratch is shared memory and the copies are cp.async (the caller waits with
-// cp_async_wait_all, then a barrier); otherwise plain loads and stores (global workspace).
+// `async` the scratch is shared memory and the copies are cp.async (the caller commits them as
+// a group and waits for it, then a barrier); otherwise plain loads and stores (global workspace).
 template <int NT>
 __device__ __forceinline__ void stage_copy(uint8_t* dst, const void* src_, int64_t nbytes,
                                            bool async) {
@@ -87,14 +94,6 @@ __device__ __forceinline__ void stage_copy(uint8_t* dst, const void* src_, int64
   }
   for (int64_t b = done + 2 * tid; b < nbytes; b += 2 * NT)
     *reinterpret_cast<int16_t*>(dst + b) = *reinterpret_cast<const int16_t*>(src + b);
-}
-
-__device__ __forceinline__ void cp_async_commit() {
-  asm volatile("cp.async.commit_group;\n" ::: "memory");
-}
-// Waits until at most the newest group of this thread's copies is still in flight.
-__device__ __forceinline__ void cp_async_wait_but_newest() {
-  asm volatile("cp.async.wait_group 1;\n" ::: "memory");
 }
 
 // Scratch and per-row values shared by the stages of one row.
@@ -132,8 +131,8 @@ __device__ __forceinline__ unsigned lru_flag(const RowScratch& w, int x) {
   return hit ? kFlagHit : kFlagEvict;
 }
 
-// LRU positions p0..p0+IT-1 of the order (p0 < H), as loaded, and their flags: evictable, the
-// hit slot of its key, or nothing (past the end or a corrupted entry).
+// Tiled path: LRU positions p0..p0+IT-1 of the order (p0 < H), as loaded, and their flags:
+// evictable, the hit slot of its key, or nothing (past the end or a corrupted entry).
 template <int IT>
 struct LruItems {
   typename std::conditional<IT == 8, uint4, uint2>::type raw;
@@ -173,8 +172,8 @@ __device__ __forceinline__ void lru_scatter(const RowScratch& w, const LruItems<
   }
 }
 
-// Key entries i0..i0+IT-1 (i0 < K): their hash indices and flags: first occurrence of a miss
-// (kFlagEvict's bit: it takes an evictable slot), first occurrence of a hit, or neither.
+// Tiled path: key entries i0..i0+IT-1 (i0 < K): their hash indices and flags: first occurrence
+// of a miss (kFlagEvict: it takes an evictable slot), first occurrence of a hit, or neither.
 template <int IT>
 struct KeyItems {
   int h[IT];
@@ -247,8 +246,8 @@ __device__ __forceinline__ void write_lru(const RowScratch& w, int E, int NH, in
 // Stages 3-5 when the LRU order fits one scan tile and the keys half of one. Warp v takes a
 // contiguous range of LRU positions (and of key entries) in rounds of 32, lane l taking the l-th
 // position of each round: the slot lookups of a run of consecutive slots in the LRU order then
-// fall in distinct banks (a thread owning consecutive positions would hit one bank per 32/IT
-// lanes). Ranks within the warp come from ballots; one block scan of the warp totals serves
+// fall in distinct banks (with IT consecutive positions per thread they were IT-way bank
+// conflicts). Ranks within the warp come from ballots; one block scan of the warp totals serves
 // both the LRU split and the miss numbering. Hit entries get their output in the flag pass, the
 // first occurrence of each miss from the thread that assigns its slot. Returns (hits, misses).
 template <int NT>
