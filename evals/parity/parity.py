@@ -45,6 +45,9 @@ class Scenario:
 # Two profiles of the same scenarios: "full" (the CLI default, minutes) and "ci" (seconds).
 # Sizes are chosen so that, at every profile, contexts are several times the hot buffer and the
 # indexer drifts enough to evict every step.
+# The small model every CI profile runs (the scenario fields below vary the cache and workload).
+_CI_MODEL = dict(hidden=32, vocab=128, indexer_dim=16)
+
 _SCENARIOS: Dict[str, Dict[str, Dict[str, object]]] = {
     "hot-eq-topk-g1": {
         "description": "hot buffer == top-k, index groups of 1, fast-drifting indexer: every "
@@ -62,13 +65,11 @@ _SCENARIOS: Dict[str, Dict[str, Dict[str, object]]] = {
             max_running=4,
         ),
         "ci": dict(
+            **_CI_MODEL,
             num_layers=2,
             index_share=1,
             top_k=16,
             hot_size=16,
-            hidden=32,
-            vocab=128,
-            indexer_dim=16,
             drift=0.5,
             recent_window=4,
             prompt_len=160,
@@ -93,13 +94,11 @@ _SCENARIOS: Dict[str, Dict[str, Dict[str, object]]] = {
             max_running=4,
         ),
         "ci": dict(
+            **_CI_MODEL,
             num_layers=4,
             index_share=4,
             top_k=16,
             hot_size=16,
-            hidden=32,
-            vocab=128,
-            indexer_dim=16,
             drift=0.5,
             recent_window=4,
             prompt_len=160,
@@ -125,14 +124,12 @@ _SCENARIOS: Dict[str, Dict[str, Dict[str, object]]] = {
             max_running=3,
         ),
         "ci": dict(
+            **_CI_MODEL,
             num_layers=4,
             index_share=4,
             row_layout="bf16",
             top_k=16,
             hot_size=24,
-            hidden=32,
-            vocab=128,
-            indexer_dim=16,
             drift=0.2,
             recent_window=4,
             prompt_len=384,
@@ -158,13 +155,11 @@ _SCENARIOS: Dict[str, Dict[str, Dict[str, object]]] = {
             max_running=3,
         ),
         "ci": dict(
+            **_CI_MODEL,
             num_layers=2,
             index_share=2,
             top_k=16,
             hot_size=16,
-            hidden=32,
-            vocab=128,
-            indexer_dim=16,
             drift=0.5,
             recent_window=4,
             prompt_len=96,
@@ -202,13 +197,11 @@ _SCENARIOS.update(
             ),
             "hybrid-ci": dict(
                 _HYBRID,
+                **_CI_MODEL,
                 num_layers=2,
                 index_share=1,
                 top_k=16,
                 hot_size=16,
-                hidden=32,
-                vocab=128,
-                indexer_dim=16,
                 drift=0.5,
                 recent_window=4,
                 prompt_len=40,
@@ -240,14 +233,12 @@ _SCENARIOS.update(
             ),
             "hybrid-ci": dict(
                 _HYBRID,
+                **_CI_MODEL,
                 num_layers=4,
                 index_share=4,
                 row_layout="bf16",
                 top_k=16,
                 hot_size=24,
-                hidden=32,
-                vocab=128,
-                indexer_dim=16,
                 drift=0.2,
                 recent_window=0,
                 prompt_len=48,
