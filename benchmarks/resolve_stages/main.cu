@@ -14,6 +14,12 @@
 __global__ void spin(long long n) { long long t = clock64(); while (clock64() - t < n) {} }
 using hisparse::cuda::ResolveArgs; using hisparse::cuda::ResolveLayout;
 typedef void (*KFn)(const ResolveArgs);
+// make.py defines BASE_TEMPLATED when the baseline kernel has the <NT, FUSED, SMEM> signature.
+#ifdef BASE_TEMPLATED
+#define OLD_KERNEL(NT) hisparse_old::cuda::resolve_kernel<NT, true, true, true>
+#else
+#define OLD_KERNEL(NT) hisparse_old::cuda::resolve_kernel<NT, true>
+#endif
 struct Cfg { const char* name; KFn fn; int nt; int capx; bool stamp2; };
 static float med(std::vector<float> v) { std::sort(v.begin(), v.end()); return v[v.size() / 2]; }
 int main(int argc, char** argv) {
@@ -21,10 +27,10 @@ int main(int argc, char** argv) {
   const int reps = argc > 1 ? atoi(argv[1]) : 100;
   int cap0 = 2; while ((1 << cap0) < 2 * K) ++cap0;
   std::vector<Cfg> cfgs = {
-    {"old512", (KFn)hisparse_old::cuda::resolve_kernel<512, true>, 512, 0, false},
-    {"old1024", (KFn)hisparse_old::cuda::resolve_kernel<1024, true>, 1024, 0, false},
-    {"old512c13", (KFn)hisparse_old::cuda::resolve_kernel<512, true>, 512, 1, false},
-    {"old1024c14", (KFn)hisparse_old::cuda::resolve_kernel<1024, true>, 1024, 2, false},
+    {"old512", (KFn)OLD_KERNEL(512), 512, 0, false},
+    {"old1024", (KFn)OLD_KERNEL(1024), 1024, 0, false},
+    {"old512c13", (KFn)OLD_KERNEL(512), 512, 1, false},
+    {"old1024c14", (KFn)OLD_KERNEL(1024), 1024, 2, false},
     {"new512c13", (KFn)hisparse::cuda::resolve_kernel<512, true, true, true>, 512, 1, true},
     {"new1024c13", (KFn)hisparse::cuda::resolve_kernel<1024, true, true, true>, 1024, 1, true},
     {"new512c14", (KFn)hisparse::cuda::resolve_kernel<512, true, true, true>, 512, 2, true},
@@ -58,7 +64,9 @@ int main(int argc, char** argv) {
     for (int s = 0; s < B; ++s) for (int j = 0; j < H; ++j) hl[s * H + j] = j;
     std::vector<int> cur(B * K); for (auto& k : cur) k = rng() % (1 << 30);
     // a few duplicates and padding entries so the rare paths run too
-    for (int r = 0; r < B; ++r) { cur[r * K + 5] = cur[r * K + 9]; cur[r * K + 7] = -1; }
+    // DUPS=0: rows without repeated keys (the rare-path pass for repeats is then skipped)
+    const bool dups = getenv("DUPS") == nullptr || atoi(getenv("DUPS")) != 0;
+    for (int r = 0; r < B; ++r) { if (dups) cur[r * K + 5] = cur[r * K + 9]; cur[r * K + 7] = -1; }
     auto reset = [&](int v) { CK(cudaMemcpy(sk[v], hsk.data(), B * H * 4, cudaMemcpyHostToDevice));
                               CK(cudaMemcpy(lru[v], hl.data(), B * H * 2, cudaMemcpyHostToDevice)); };
     auto drift = [&] { for (auto& k : cur) if (U(rng) < rate) k = rng() % (1 << 30);

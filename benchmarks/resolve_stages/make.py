@@ -97,9 +97,11 @@ def main() -> int:
     )
     (out / "knew_stamp.cu").write_text(stamp(nc, "g_stamp2"))
     exe = out / "resolve_stages"
+    templated = ["-DBASE_TEMPLATED"] if "bool FUSED, bool SMEM" in oc else []
     subprocess.run(
         [
             "nvcc",
+            *templated,
             "-O3",
             "-std=c++17",
             "-arch=sm_90",

@@ -72,6 +72,14 @@ __device__ __forceinline__ void stage_copy(uint8_t* dst, const void* src_, int64
   const uint8_t* src = static_cast<const uint8_t*>(src_);
   const int tid = threadIdx.x;
   const uintptr_t sa = reinterpret_cast<uintptr_t>(src);
+  if (async && ((sa | static_cast<uintptr_t>(nbytes)) & 15u) == 0 && nbytes <= INT_MAX) {
+    // The usual case (16-byte aligned rows), in 32-bit arithmetic and without the unrolled
+    // remainder handling of the general loop: staging is issue-bound on such overhead.
+    const int n = static_cast<int>(nbytes >> 4);
+#pragma unroll 1
+    for (int i = tid; i < n; i += NT) cp_async16(dst + 16 * i, src + 16 * i);
+    return;
+  }
   int64_t done = 0;
   if ((sa & 15u) == 0) {
     const int64_t n = nbytes >> 4;
@@ -103,7 +111,8 @@ struct RowScratch {
   int* hidx;         // per entry: key as loaded, then its hash index (-1 padding, -2 resident)
   int* sslot;        // per slot: key as loaded, then its hash index (-1: not selected)
   int16_t* sorder;   // the LRU order as loaded
-  int16_t* list;     // evictable slots (front) and hit slots (back), in LRU order
+  int16_t* list;     // evictable slots (front; fused path: only those a miss takes) and,
+                     // tiled path, hit slots (back), in LRU order
   int32_t* out;      // this row's outputs
   int32_t* msrc;
   int32_t* mdst;
@@ -294,40 +303,50 @@ __device__ __forceinline__ uint2 finish_row_fused(const RowScratch& w, uint2* wa
     krun += __popc(me) + (static_cast<unsigned>(__popc(mh)) << 16);
     kbits |= f << (2 * k);
   }
-  // Exclusive scan of the warp totals.
+  // Exclusive scan of the warp totals: every warp scans them itself after the barrier that
+  // publishes them (instead of one warp scanning between two barriers). The same barrier
+  // tells whether any later occurrence of a miss waits for its slot.
   if (lane == 0) warp_tot2[warp] = make_uint2(lrun, krun);
-  __syncthreads();
-  if (warp == 0) {
-    uint2 v = lane < NW ? warp_tot2[lane] : make_uint2(0u, 0u);
+  const bool any_pending = __syncthreads_or(pending);
+  uint2 v = lane < NW ? warp_tot2[lane] : make_uint2(0u, 0u);
 #pragma unroll
-    for (int d = 1; d < 32; d <<= 1) {
-      const unsigned y0 = __shfl_up_sync(0xffffffffu, v.x, d);
-      const unsigned y1 = __shfl_up_sync(0xffffffffu, v.y, d);
-      if (lane >= d) {
-        v.x += y0;
-        v.y += y1;
-      }
+  for (int d = 1; d < 32; d <<= 1) {
+    const unsigned y0 = __shfl_up_sync(0xffffffffu, v.x, d);
+    const unsigned y1 = __shfl_up_sync(0xffffffffu, v.y, d);
+    if (lane >= d) {
+      v.x += y0;
+      v.y += y1;
     }
-    if (lane < NW) warp_tot2[lane] = v;  // inclusive
   }
-  __syncthreads();
-  const uint2 before = warp > 0 ? warp_tot2[warp - 1] : make_uint2(0u, 0u);
-  const uint2 tot = warp_tot2[NW - 1];
+  const int prev = warp > 0 ? warp - 1 : 0;
+  uint2 before = make_uint2(__shfl_sync(0xffffffffu, v.x, prev),
+                            __shfl_sync(0xffffffffu, v.y, prev));
+  if (warp == 0) before = make_uint2(0u, 0u);
+  const uint2 tot =
+      make_uint2(__shfl_sync(0xffffffffu, v.x, NW - 1), __shfl_sync(0xffffffffu, v.y, NW - 1));
   const int E = static_cast<int>(tot.x & 0xFFFFu);
-  const int NH = static_cast<int>(tot.x >> 16);
   const int M = min(static_cast<int>(tot.y & 0xFFFFu), E);
+  // Rule 5 straight from the ranks, without a pass over a list: an evictable slot of rank e
+  // moves to e - M when no miss takes it and to E - M + e when the e-th miss does; a hit slot
+  // of rank h moves to E + h. Only the taken slots go through shared memory, for the misses.
+  const int keep = E - M;
 #pragma unroll
   for (int k = 0; k < IT; ++k) {
     const unsigned f = flag_of(lbits, k);
     if (f == 0u) continue;
     const int16_t x = w.sorder[pw + k * 32 + lane];
     const unsigned r = before.x + lrank[k];
-    if (f == kFlagEvict)
-      w.list[r & 0xFFFFu] = x;
-    else
-      w.list[w.H - 1 - static_cast<int>(r >> 16)] = x;
+    int pos;
+    if (f == kFlagEvict) {
+      const int e = static_cast<int>(r & 0xFFFFu);
+      if (e < M) w.list[e] = x;
+      pos = e < M ? keep + e : e - M;
+    } else {
+      pos = E + static_cast<int>(r >> 16);
+    }
+    w.order[pos] = x;
   }
-  __syncthreads();  // the evictable list is complete
+  __syncthreads();  // the taken slots are listed
 #pragma unroll
   for (int k = 0; k < KT; ++k) {
     if (flag_of(kbits, k) != kFlagEvict) continue;
@@ -335,8 +354,8 @@ __device__ __forceinline__ uint2 finish_row_fused(const RowScratch& w, uint2* wa
     const int m = static_cast<int>((before.y + krank[k]) & 0xFFFFu);
     w.out[i] = assign_miss(w, kh[k], i, m, E);
   }
-  write_lru<NT>(w, E, NH, M);
-  if (__syncthreads_or(pending)) {
+  if (any_pending) {
+    __syncthreads();  // every miss has its slot
 #pragma unroll
     for (int k = 0; k < KT; ++k) {
       const int i = iw + k * 32 + lane;
@@ -417,7 +436,10 @@ __device__ __forceinline__ uint2 finish_row_tiled(const RowScratch& w, unsigned*
 // atomics instead of generic ones (which take the slower, long-scoreboard path).
 template <int NT, bool FUSED, bool SMEM>
 __global__ void __launch_bounds__(NT, 1024 / NT) resolve_kernel(const ResolveArgs a) {
-  constexpr int U = 4;  // hash probes in flight per thread
+  // Probes in flight per thread: U for the slots; UK for the keys, which in a fused row are
+  // exactly one round (K <= UK * NT), so no thread carries dead probe slots.
+  constexpr int U = 4;
+  constexpr int UK = FUSED ? kResolveTile / NT / 2 : U;
   extern __shared__ __align__(16) uint8_t smem[];
   __shared__ unsigned warp_tot[32];
   __shared__ uint2 warp_tot2[32];
@@ -448,8 +470,10 @@ __global__ void __launch_bounds__(NT, 1024 / NT) resolve_kernel(const ResolveArg
   for (int r = blockIdx.x; r < a.B; r += gridDim.x) {
     // 0. Stage the row (cp.async straight into shared memory). The keys go first, in their
     //    own group: they do not depend on the state row, and stage 1 needs only them. The
-    //    state row and the earlier rows' state rows (rule 0) are read together, and the hash
-    //    is cleared while they are in flight.
+    //    state row and the earlier rows' state rows (rule 0) are read together. The state
+    //    row's slot keys and order (the second of two dependent reads) are issued before the
+    //    hash keys are cleared, so the clear's stores do not queue ahead of them. Only the
+    //    keys are cleared: an entry's other word is written by the thread inserting its key.
     const int32_t* keys = a.top_k + int64_t(r) * K;
     stage_copy<NT>(reinterpret_cast<uint8_t*>(hidx), keys, int64_t(K) * 4, SMEM);
     if (has_res)
@@ -457,10 +481,6 @@ __global__ void __launch_bounds__(NT, 1024 / NT) resolve_kernel(const ResolveArg
     if (SMEM) cp_async_commit();
     const int s_prev = tid < r ? a.state_rows[tid] : -1;
     const int s = a.state_rows[r];
-    for (int j = tid; j < cap / 4; j += NT) {  // cap >= 4
-      reinterpret_cast<int4*>(hkey)[j] = make_int4(-1, -1, -1, -1);
-      reinterpret_cast<uint4*>(hfs)[j] = make_uint4(~0u, ~0u, ~0u, ~0u);
-    }
     const bool in_range = s >= 0 && s < a.S;
     w.out = a.out_rows + int64_t(r) * K;
     w.sk = a.slot_keys + int64_t(in_range ? s : 0) * H;
@@ -470,12 +490,14 @@ __global__ void __launch_bounds__(NT, 1024 / NT) resolve_kernel(const ResolveArg
       stage_copy<NT>(reinterpret_cast<uint8_t*>(sslot), w.sk, int64_t(H) * 4, SMEM);
       stage_copy<NT>(reinterpret_cast<uint8_t*>(w.sorder), w.order, int64_t(H) * 2, SMEM);
       dup = s_prev == s;
+#pragma unroll 1
       for (int q = tid + NT; q < r; q += NT) dup |= a.state_rows[q] == s;
     }
-    if (SMEM) {
-      cp_async_commit();
-      cp_async_wait_but_newest();  // the keys
-    }
+    if (SMEM) cp_async_commit();
+#pragma unroll 1
+    for (int j = tid; j < cap / 4; j += NT)  // cap >= 4
+      reinterpret_cast<int4*>(hkey)[j] = make_int4(-1, -1, -1, -1);
+    if (SMEM) cp_async_wait_but_newest();  // the keys
     const bool live = in_range && !__syncthreads_or(dup);
     if (!live) {  // padding row: rule 0
       for (int i = tid; i < K; i += NT) w.out[i] = -1;
@@ -488,14 +510,17 @@ __global__ void __launch_bounds__(NT, 1024 / NT) resolve_kernel(const ResolveArg
     w.mdst = a.miss_dst + int64_t(r) * K;
     w.row_base = a.hot_base + s * H;
 
-    // 1. Hash the selected keys; first occurrence by atomicMin (rules 1-3). Padding and
-    //    resident entries get their final output now. U entries per thread probe at once.
-    for (int i0 = tid; i0 < K; i0 += U * NT) {
-      int k[U];
-      unsigned h[U];
-      bool go[U];
+    // 1. Hash the selected keys (rules 1-3). The thread that inserts a key writes its entry
+    //    index as the first occurrence; a key that occurs again gets the lowest of its entry
+    //    indices in a pass after the barrier (rare: top-k rows seldom repeat a key). Padding
+    //    and resident entries get their final output now. UK entries per thread probe at once.
+    bool repeated = false;
+    for (int i0 = tid; i0 < K; i0 += UK * NT) {
+      int k[UK];
+      unsigned h[UK];
+      bool go[UK];
 #pragma unroll
-      for (int u = 0; u < U; ++u) {
+      for (int u = 0; u < UK; ++u) {
         const int i = i0 + u * NT;
         k[u] = i < K ? hidx[i] : -1;
         go[u] = false;
@@ -512,23 +537,32 @@ __global__ void __launch_bounds__(NT, 1024 / NT) resolve_kernel(const ResolveArg
           go[u] = true;
         }
       }
-      int old[U];
+      int old[UK];
 #pragma unroll
-      for (int u = 0; u < U; ++u) old[u] = go[u] ? atomicCAS(&hkey[h[u]], -1, k[u]) : -1;
+      for (int u = 0; u < UK; ++u) old[u] = go[u] ? atomicCAS(&hkey[h[u]], -1, k[u]) : -1;
 #pragma unroll
-      for (int u = 0; u < U; ++u) {
+      for (int u = 0; u < UK; ++u) {
         if (!go[u]) continue;
         while (old[u] != -1 && old[u] != k[u]) {
           h[u] = (h[u] + 1) & mask;
           old[u] = atomicCAS(&hkey[h[u]], -1, k[u]);
         }
         const int i = i0 + u * NT;
-        atomicMin(&hfs[h[u]], (static_cast<unsigned>(i) << 16) | kNone16);
+        if (old[u] == -1)
+          hfs[h[u]] = (static_cast<unsigned>(i) << 16) | kNone16;
+        else
+          repeated = true;
         hidx[i] = static_cast<int>(h[u]);
       }
     }
     if (SMEM) cp_async_wait_all();
-    __syncthreads();
+    if (__syncthreads_or(repeated)) {
+      for (int i = tid; i < K; i += NT) {
+        const int h = hidx[i];
+        if (h >= 0) atomicMin(&hfs[h], (static_cast<unsigned>(i) << 16) | kNone16);
+      }
+      __syncthreads();
+    }
 
     // 2. Hits: the lowest slot holding a selected key. Each slot remembers its key's hash
     //    index. The first probe of U slots is issued at once; longer chains continue after.

@@ -58,7 +58,8 @@ __host__ __device__ __forceinline__ int64_t padded(int64_t x) {
 //   resident  K (padded to 8) int32: the row's resident rows as loaded (resident tier only)
 //   slots     H int32: the state row's slot keys as loaded, then each slot's hash index
 //   order     H (padded to 8) int16: the state row's LRU order as loaded
-//   list      H int16: evictable slots (front) and hit slots (back) in LRU order
+//   list      H int16: evictable slots (front) and hit slots (back) in LRU order (the fused
+//             path lists only the evictable slots that misses take)
 // Every global read of a row is issued at once into this scratch before any work starts.
 struct ResolveLayout {
   int64_t entries, resident, slots, order, list, total;
