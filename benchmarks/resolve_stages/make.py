@@ -7,7 +7,10 @@ each with clock64 stamps at the stage boundaries of block 0's first row, compile
 then runs it: a bit-exact check of every variant against the baseline over a drifting trace, and
 per variant the median of 100 event-timed calls (L2 flushed, GPU kept busy before each call)
 with the median cycles of each stage. Variants: 512 and 1024 threads, hash capacities 2^12..2^14
-for top-k 2048 (hot 4096). The baseline revision must be 182fe86 or later (the stage markers)."""
+for top-k 2048 (hot 4096). The baseline revision must be 182fe86 or later (the stage markers);
+a baseline whose kernel is templated on <NT, FUSED, SMEM> (89b6da0 and later) is detected. Rows
+repeat one key each (the rare path); DUPS=0 in the environment of the binary runs rows without.
+cold.cu and dispatch.cu next to it are the cold-call and launch experiments (their headers)."""
 
 import pathlib
 import subprocess
