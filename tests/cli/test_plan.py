@@ -8,6 +8,7 @@ import pytest
 
 from hisparse import cli
 from hisparse.plan import PlanError, PlanInputs, compute
+from tests.plan_helpers import SMALL_PLAN
 
 
 def _plan(capsys, *argv):
@@ -56,20 +57,7 @@ def test_deepseek_preset_by_hand(tmp_path, capsys):
 
 
 def test_small_explicit_case_gpu_then_host_limited():
-    base = dict(
-        layers=4,
-        row_bytes=32,
-        top_k=8,
-        index_share=2,
-        indexer_key_bytes=8,
-        gpu_mem_gib=1 / 1024,
-        host_mem_gib=8 / 1024,
-        context=1000,
-        hot_size=16,
-        miss_rate=0.25,
-        pcie_gbps=1.0,
-        batch=10,
-    )
+    base = SMALL_PLAN
     r = compute(PlanInputs(**base))
     assert r["index_groups"] == 2
     assert r["bytes_per_request"] == {

@@ -6,26 +6,12 @@ import pytest
 
 from hisparse import cli
 from hisparse.plan import PlanInputs, compute, hybrid_resident
-
-SMALL = dict(
-    layers=4,
-    row_bytes=32,
-    top_k=8,
-    index_share=2,
-    indexer_key_bytes=8,
-    gpu_mem_gib=1 / 1024,
-    host_mem_gib=8 / 1024,
-    context=1000,
-    hot_size=16,
-    miss_rate=0.25,
-    pcie_gbps=1.0,
-    batch=10,
-)
+from tests.plan_helpers import SMALL_PLAN
 
 
 def test_small_case_by_hand():
     # per request: resident 144_000 B, spilled 18_048 B on a 1_048_576-B GPU; host 128_000 B
-    hy = compute(PlanInputs(**SMALL))["hybrid"]
+    hy = compute(PlanInputs(**SMALL_PLAN))["hybrid"]
     # 10 running: (1_048_576 - 10 * 18_048) // (144_000 - 18_048) = 6 stay resident
     assert (hy["resident"], hy["spilled"]) == (6, 4)
     assert hy["host_pool_bytes"] == 4 * 128_000  # only spilled requests use the pool
@@ -37,7 +23,7 @@ def test_small_case_by_hand():
 
 def test_host_limit_is_looser_than_always_host():
     # a 4 MiB pool holds 32 requests: always-host stops at 32; hybrid at 35 (3 of them resident)
-    r = compute(PlanInputs(**{**SMALL, "host_mem_gib": 4 / 1024}))
+    r = compute(PlanInputs(**{**SMALL_PLAN, "host_mem_gib": 4 / 1024}))
     assert r["max_concurrency"]["hisparse"] == 32
     assert r["hybrid"]["max_concurrency"] == 35 and r["hybrid"]["limited_by"].startswith("host")
     assert hybrid_resident(35, 1_048_576, 144_000, 18_048) == 3
@@ -71,6 +57,6 @@ def test_deepseek_batch_30_by_hand(capsys):
 
 
 def test_batch_past_the_gpu_budget():
-    hy = compute(PlanInputs(**{**SMALL, "batch": 100}))["hybrid"]
+    hy = compute(PlanInputs(**{**SMALL_PLAN, "batch": 100}))["hybrid"]
     assert hy["resident"] is None and hy["h2d_bytes"] is None
     assert hybrid_resident(1, 10**9, 10, 10) == 1  # nothing to save: everyone stays resident
