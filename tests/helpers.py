@@ -7,6 +7,20 @@ import torch
 from hisparse import ops
 from hisparse.runtime import empty_residency
 
+# resolve_residency's tensor arguments in schema order (the error messages name them).
+RESOLVE_TENSOR_ARGS = [
+    "top_k",
+    "state_rows",
+    "resident_rows",
+    "slot_keys",
+    "lru",
+    "stats",
+    "out_rows",
+    "miss_src",
+    "miss_dst",
+    "miss_count",
+]
+
 
 def new_state(S, H, device="cpu"):
     slot_keys, lru = empty_residency(S, H, device)

@@ -13,6 +13,7 @@ import torch
 
 from hisparse import ops
 from tests import oracle
+from tests.helpers import RESOLVE_TENSOR_ARGS
 
 CALLS_PER_SEED = 250
 SEEDS = [11, 23, 37, 59]
@@ -115,19 +116,6 @@ def _break_tensor(t: torch.Tensor, rng: random.Random):
 
 
 # ---- resolve -----------------------------------------------------------------------------------
-
-NAMES_RESOLVE = [
-    "top_k",
-    "state_rows",
-    "resident_rows",
-    "slot_keys",
-    "lru",
-    "stats",
-    "out_rows",
-    "miss_src",
-    "miss_dst",
-    "miss_count",
-]
 
 
 def _valid_state(rng, S, H, num_keys):
@@ -240,7 +228,7 @@ def test_fuzz_resolve(seed):
                     t[choice], how = _break_tensor(t[choice], rng)
                 if how == "none" and choice == 2:
                     t[choice] = torch.zeros(1, 1, dtype=torch.float32)  # None is legal there
-                expect_name = NAMES_RESOLVE[choice]
+                expect_name = RESOLVE_TENSOR_ARGS[choice]
                 if how in ("meta", "shape") and choice in (0, 3):
                     # top_k fixes B and K, slot_keys S and H: the error may name the other side
                     expect_name = ""

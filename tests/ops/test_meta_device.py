@@ -9,24 +9,11 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from hisparse import ops  # noqa: F401  (registers the fakes)
-from tests.helpers import new_plan, new_state
+from tests.helpers import RESOLVE_TENSOR_ARGS, new_plan, new_state
 
 RESOLVE = torch.ops.hisparse.hisparse_resolve_residency
 GATHER = torch.ops.hisparse.hisparse_gather
 INVALIDATE = torch.ops.hisparse.hisparse_invalidate
-
-RESOLVE_NAMES = [
-    "top_k",
-    "state_rows",
-    "resident_rows",
-    "slot_keys",
-    "lru",
-    "stats",
-    "out_rows",
-    "miss_src",
-    "miss_dst",
-    "miss_count",
-]
 
 
 def _resolve_args():
@@ -60,7 +47,7 @@ def _invalidate_args():
 
 def _cases():
     # (op, args builder, index of the argument to make meta, element index or None, name)
-    for i, name in enumerate(RESOLVE_NAMES):
+    for i, name in enumerate(RESOLVE_TENSOR_ARGS):
         yield RESOLVE, _resolve_args, i, None, name
     for i, name in enumerate(["host", "hot"]):
         for j in range(2):
@@ -133,7 +120,7 @@ def test_meta_argument_is_refused_under_fake_tensor_tracing(op, build, i, j, nam
 
 
 def test_meta_argument_is_refused_under_make_fx():
-    args, _ = _with_meta(_resolve_args, RESOLVE_NAMES.index("lru"), None)
+    args, _ = _with_meta(_resolve_args, RESOLVE_TENSOR_ARGS.index("lru"), None)
 
     def step(*tensors):
         RESOLVE(*tensors, 100, 0)
