@@ -82,7 +82,7 @@ class KeyIndex {
 struct RowScratch {
   KeyIndex index;
   std::vector<int32_t> unique, entry_u, slot_of, miss_u;
-  std::vector<char> hit_slot;
+  std::vector<char> listed, hit_slot;
   std::vector<int16_t> evictable, hits_in_order;
 };
 
@@ -114,10 +114,18 @@ RowCounts resolve_row(RowScratch& w, const int32_t* keys, const int32_t* residen
   const int64_t U = static_cast<int64_t>(unique.size());
   std::vector<int32_t>& slot_of = w.slot_of;
   slot_of.assign(U + 1, -1);  // slot_of[U]: a sink for slot keys not selected (branch-free)
+  // Only slots the LRU order lists can be hit slots (all of them, unless the state is
+  // corrupted): the CUDA kernel finds hits by LRU position.
+  std::vector<char>& listed = w.listed;
+  listed.assign(H, 0);
+  for (int64_t p = 0; p < H; ++p) {
+    const int16_t slot = lru[p];
+    if (slot >= 0 && slot < H) listed[slot] = 1;
+  }
   std::vector<char>& hit_slot = w.hit_slot;
   hit_slot.resize(H);
   for (int64_t j = 0; j < H; ++j) {
-    const int32_t u = index.find(slot_keys[j]);
+    const int32_t u = listed[j] ? index.find(slot_keys[j]) : -1;
     const int64_t uu = u >= 0 ? u : U;
     const bool first = (u >= 0) & (slot_of[uu] < 0);
     slot_of[uu] = first ? static_cast<int32_t>(j) : slot_of[uu];

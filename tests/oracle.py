@@ -42,9 +42,10 @@ def resolve(top_k, state_rows, slot_keys, lru, stats, *, num_keys, hot_base, res
             elif key not in selected:
                 selected.append(key)
         keys_of_s = slot_keys[s]
+        listed = sorted({j for j in lru[s] if 0 <= j < H})  # every slot, unless corrupted
         hit_slot = {}
-        for key in selected:  # rule 3: lowest slot holding the key
-            for j in range(H):
+        for key in selected:  # rule 3: lowest listed slot holding the key
+            for j in listed:
                 if keys_of_s[j] == key:
                     hit_slot[key] = j
                     break

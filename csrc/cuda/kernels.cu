@@ -44,6 +44,40 @@ __device__ __forceinline__ unsigned hash_slot(int key, int shift) {
   return (static_cast<unsigned>(key) * 0x9E3779B1u) >> shift;
 }
 
+// Hash indices of N keys (-1: absent, or a key < 0); the first probe of every key is issued
+// before any chain is followed.
+template <int N>
+__device__ __forceinline__ void find_keys(const int* hkey, const int (&k)[N], int (&found)[N],
+                                          int shift, unsigned mask) {
+  unsigned h[N];
+  int hk[N];
+#pragma unroll
+  for (int u = 0; u < N; ++u) {
+    h[u] = hash_slot(k[u], shift);
+    found[u] = -1;
+  }
+#pragma unroll
+  for (int u = 0; u < N; ++u) hk[u] = k[u] >= 0 ? hkey[h[u]] : -1;  // keys >= 0 only
+#pragma unroll
+  for (int u = 0; u < N; ++u) {
+    while (hk[u] != -1) {
+      if (hk[u] == k[u]) {
+        found[u] = static_cast<int>(h[u]);
+        break;
+      }
+      h[u] = (h[u] + 1) & mask;
+      hk[u] = hkey[h[u]];
+    }
+  }
+}
+
+// Slot `slot` holds the key at hash index h: its hit slot becomes the lowest such slot (the
+// first-occurrence half is final by now). True when another slot had claimed it already.
+__device__ __forceinline__ bool claim_hit_slot(unsigned* hfs, int h, int slot) {
+  const unsigned old = atomicMin(&hfs[h], (hfs[h] & 0xFFFF0000u) | static_cast<unsigned>(slot));
+  return (old & kNone16) != kNone16;
+}
+
 __device__ __forceinline__ void cp_async16(void* dst, const void* src) {
   const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(dst));
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(d), "l"(src) : "memory");
@@ -109,17 +143,18 @@ struct RowScratch {
   int* hkey;         // hash: key
   unsigned* hfs;     // hash: first occurrence << 16 | hit or assigned slot
   int* hidx;         // per entry: key as loaded, then its hash index (-1 padding, -2 resident)
-  int* sslot;        // per slot: key as loaded, then its hash index (-1: not selected)
+  int* sslot;        // per slot: key as loaded, then (tiled path) its hash index (-1: none)
   int16_t* sorder;   // the LRU order as loaded
   int16_t* list;     // evictable slots (front; fused path: only those a miss takes) and,
-                     // tiled path, hit slots (back), in LRU order
+                     // tiled path, hit slots (back), in LRU order (tiled path: a bitmap of
+                     // the listed slots before that)
   int32_t* out;      // this row's outputs
   int32_t* msrc;
   int32_t* mdst;
   int32_t* sk;       // the state row's slot keys (global)
   int16_t* order;    // the state row's LRU order (global)
   int K, H, row_base;
-  bool unique_holders;  // no selected key is held by two slots of the state row
+  bool unique_holders;  // tiled path: no selected key is held by two slots of the state row
 };
 
 // Scan flags, two bits per item in one word (registers are the scarce resource here).
@@ -252,34 +287,83 @@ __device__ __forceinline__ void write_lru(const RowScratch& w, int E, int NH, in
   }
 }
 
-// Stages 3-5 when the LRU order fits one scan tile and the keys half of one. Warp v takes a
+// The flags of LRU positions pw + k * 32 + lane (k < IT): evictable, the hit slot of a selected
+// key, or nothing (past the end or a corrupted entry). The slot at each position is looked up in
+// the hash directly. With `claim` every slot holding a selected key claims it (claim_hit_slot)
+// and counts as its hit slot, which is final when no key has two holders (*dup stays false);
+// without, a holder is the hit slot only if it won the claim (the rare second pass).
+template <int IT>
+__device__ __forceinline__ unsigned position_flags(const RowScratch& w, int pw, int lane,
+                                                   int shift, unsigned mask, bool claim,
+                                                   bool* dup) {
+  int x[IT], key[IT], found[IT];
+#pragma unroll
+  for (int k = 0; k < IT; ++k) {
+    const int p = pw + k * 32 + lane;
+    x[k] = p < w.H ? w.sorder[p] : -1;
+  }
+#pragma unroll
+  for (int k = 0; k < IT; ++k) key[k] = x[k] >= 0 && x[k] < w.H ? w.sslot[x[k]] : -1;
+  find_keys<IT>(w.hkey, key, found, shift, mask);
+  unsigned bits = 0;
+#pragma unroll
+  for (int k = 0; k < IT; ++k) {
+    if (x[k] < 0 || x[k] >= w.H) continue;
+    bool hit = found[k] >= 0;
+    if (hit && claim)
+      *dup |= claim_hit_slot(w.hfs, found[k], x[k]);
+    else if (hit)
+      hit = (w.hfs[found[k]] & kNone16) == static_cast<unsigned>(x[k]);
+    bits |= (hit ? kFlagHit : kFlagEvict) << (2 * k);
+  }
+  return bits;
+}
+
+// Ranks of the flagged items of a warp, IT rounds of 32 (lane l the l-th item of each round),
+// from ballots. Packed: low 16 bits among the kFlagEvict items, high 16 bits among the
+// kFlagHit ones; *run receives the warp's totals.
+template <int IT>
+__device__ __forceinline__ void warp_ranks(unsigned bits, unsigned (&rank)[IT], unsigned* run) {
+  const unsigned below = (1u << (threadIdx.x & 31)) - 1u;
+  unsigned r = 0;
+#pragma unroll
+  for (int k = 0; k < IT; ++k) {
+    const unsigned f = flag_of(bits, k);
+    const unsigned me = __ballot_sync(0xffffffffu, f == kFlagEvict);
+    const unsigned mh = __ballot_sync(0xffffffffu, f == kFlagHit);
+    rank[k] = r + __popc(me & below) + (static_cast<unsigned>(__popc(mh & below)) << 16);
+    r += __popc(me) + (static_cast<unsigned>(__popc(mh)) << 16);
+  }
+  *run = r;
+}
+
+// Stages 2-5 when the LRU order fits one scan tile and the keys half of one. Warp v takes a
 // contiguous range of LRU positions (and of key entries) in rounds of 32, lane l taking the l-th
 // position of each round: the slot lookups of a run of consecutive slots in the LRU order then
 // fall in distinct banks (with IT consecutive positions per thread they were IT-way bank
-// conflicts). Ranks within the warp come from ballots; one block scan of the warp totals serves
-// both the LRU split and the miss numbering. Hit entries get their output in the flag pass, the
-// first occurrence of each miss from the thread that assigns its slot. Returns (hits, misses).
+// conflicts). Hits are found by LRU position, so the lookup itself yields each position's flag
+// (a slot the order does not list, on a corrupted state only, holds nothing). Ranks within the
+// warp come from ballots; one block scan of the warp totals serves both the LRU split and the
+// miss numbering. Hit entries get their output in the key pass, the first occurrence of each
+// miss from the thread that assigns its slot. Returns (hits, misses).
 template <int NT>
-__device__ __forceinline__ uint2 finish_row_fused(const RowScratch& w, uint2* warp_tot2) {
+__device__ __forceinline__ uint2 finish_row_fused(const RowScratch& w, uint2* warp_tot2,
+                                                  int shift, unsigned mask) {
   constexpr int IT = kResolveTile / NT;  // LRU positions per thread
   constexpr int KT = IT / 2;             // key entries per thread
   constexpr int NW = NT / 32;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const unsigned below = (1u << lane) - 1u;
   const int pw = warp * 32 * IT, iw = warp * 32 * KT;
   // Packed ranks and counters: low 16 bits evictable slots / misses, high 16 bits hits.
-  unsigned lrank[IT], lbits = 0, lrun = 0;
-#pragma unroll
-  for (int k = 0; k < IT; ++k) {
-    const int p = pw + k * 32 + lane;
-    const unsigned f = p < w.H ? lru_flag(w, w.sorder[p]) : 0u;
-    const unsigned me = __ballot_sync(0xffffffffu, f == kFlagEvict);
-    const unsigned mh = __ballot_sync(0xffffffffu, f == kFlagHit);
-    lrank[k] = lrun + __popc(me & below) + (static_cast<unsigned>(__popc(mh & below)) << 16);
-    lrun += __popc(me) + (static_cast<unsigned>(__popc(mh)) << 16);
-    lbits |= f << (2 * k);
+  bool dup_holder = false;
+  unsigned lbits = position_flags<IT>(w, pw, lane, shift, mask, true, &dup_holder);
+  unsigned lrank[IT], lrun;
+  warp_ranks<IT>(lbits, lrank, &lrun);
+  if (__syncthreads_or(dup_holder)) {  // a selected key held by two listed slots (rare)
+    lbits = position_flags<IT>(w, pw, lane, shift, mask, false, nullptr);
+    warp_ranks<IT>(lbits, lrank, &lrun);
   }
-  unsigned krank[KT], kbits = 0, krun = 0;
+  unsigned krank[KT], kbits = 0, krun;
   int kh[KT];
   bool pending = false;  // a later occurrence of a miss: its slot is known after the assignment
 #pragma unroll
@@ -297,12 +381,9 @@ __device__ __forceinline__ uint2 finish_row_fused(const RowScratch& w, uint2* wa
       else if (f == 0u)
         pending = true;
     }
-    const unsigned me = __ballot_sync(0xffffffffu, f == kFlagEvict);
-    const unsigned mh = __ballot_sync(0xffffffffu, f == kFlagHit);
-    krank[k] = krun + __popc(me & below) + (static_cast<unsigned>(__popc(mh & below)) << 16);
-    krun += __popc(me) + (static_cast<unsigned>(__popc(mh)) << 16);
     kbits |= f << (2 * k);
   }
+  warp_ranks<KT>(kbits, krank, &krun);
   // Exclusive scan of the warp totals: every warp scans them itself after the barrier that
   // publishes them (instead of one warp scanning between two barriers). The same barrier
   // tells whether any later occurrence of a miss waits for its slot.
@@ -368,13 +449,44 @@ __device__ __forceinline__ uint2 finish_row_fused(const RowScratch& w, uint2* wa
   return make_uint2(tot.y >> 16, static_cast<unsigned>(M));
 }
 
-// Stages 3-5 for any H and K: the LRU order and then the keys in tiles of kResolveTile, each
-// tile one block scan. Returns (hits, misses).
+// Stages 2-5 for any H and K: the hits by slot, then the LRU order and the keys in tiles of
+// kResolveTile, each tile one block scan. Returns (hits, misses).
 template <int NT>
-__device__ __forceinline__ uint2 finish_row_tiled(const RowScratch& w, unsigned* warp_tot) {
+__device__ __forceinline__ uint2 finish_row_tiled(RowScratch& w, unsigned* warp_tot, int shift,
+                                                  unsigned mask) {
   constexpr int TILE = kResolveTile;
   constexpr int IT = TILE / NT;
+  constexpr int U = 4;  // slot lookups in flight per thread
   const int tid = threadIdx.x;
+  // 2. Hits: the lowest slot holding a selected key, among the slots the LRU order lists (every
+  //    slot, unless the state is corrupted: the fused path finds hits by LRU position, and both
+  //    paths agree). `list` holds a bitmap of the listed slots until stage 3 (cleared while the
+  //    row was staged). Each slot remembers its key's hash index.
+  unsigned* listed = reinterpret_cast<unsigned*>(w.list);
+  for (int p = tid; p < w.H; p += NT) {
+    const int x = w.sorder[p];
+    if (x >= 0 && x < w.H) atomicOr(&listed[x >> 5], 1u << (x & 31));
+  }
+  __syncthreads();
+  bool dup_holder = false;
+  for (int j0 = tid; j0 < w.H; j0 += U * NT) {
+    int k[U], found[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int j = j0 + u * NT;
+      k[u] = j < w.H && ((listed[j >> 5] >> (j & 31)) & 1u) ? w.sslot[j] : -1;
+    }
+    find_keys<U>(w.hkey, k, found, shift, mask);
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int j = j0 + u * NT;
+      if (j >= w.H) continue;
+      if (found[u] >= 0) dup_holder |= claim_hit_slot(w.hfs, found[u], j);
+      w.sslot[j] = found[u];
+    }
+  }
+  // Without a key held by two slots, every slot holding a selected key is its hit slot.
+  w.unique_holders = !__syncthreads_or(dup_holder);
   // 3. Evictable slots to list[0..E), hit slots to list[H-1..H-NH]. Packed counters: low 16
   //    bits evictable, high 16 bits hits (E + NH <= H < 0xFFFF never carries).
   unsigned carry = 0;
@@ -497,6 +609,8 @@ __global__ void __launch_bounds__(NT, 1024 / NT) resolve_kernel(const ResolveArg
 #pragma unroll 1
     for (int j = tid; j < cap / 4; j += NT)  // cap >= 4
       reinterpret_cast<int4*>(hkey)[j] = make_int4(-1, -1, -1, -1);
+    if (!FUSED)  // the tiled path's bitmap of listed slots
+      for (int j = tid; j < (H + 31) / 32; j += NT) reinterpret_cast<unsigned*>(w.list)[j] = 0u;
     if (SMEM) cp_async_wait_but_newest();  // the keys
     const bool live = in_range && !__syncthreads_or(dup);
     if (!live) {  // padding row: rule 0
@@ -564,51 +678,9 @@ __global__ void __launch_bounds__(NT, 1024 / NT) resolve_kernel(const ResolveArg
       __syncthreads();
     }
 
-    // 2. Hits: the lowest slot holding a selected key. Each slot remembers its key's hash
-    //    index. The first probe of U slots is issued at once; longer chains continue after.
-    bool dup_holder = false;
-    for (int j0 = tid; j0 < H; j0 += U * NT) {
-      int k[U];
-      unsigned h[U];
-      int found[U];
-#pragma unroll
-      for (int u = 0; u < U; ++u) {
-        const int j = j0 + u * NT;
-        k[u] = j < H ? sslot[j] : -1;
-        h[u] = hash_slot(k[u], shift);
-        found[u] = -1;
-      }
-      int hk[U];
-#pragma unroll
-      for (int u = 0; u < U; ++u) hk[u] = k[u] >= 0 ? hkey[h[u]] : -1;  // keys >= 0 only
-#pragma unroll
-      for (int u = 0; u < U; ++u) {
-        while (hk[u] != -1) {
-          if (hk[u] == k[u]) {
-            found[u] = static_cast<int>(h[u]);
-            break;
-          }
-          h[u] = (h[u] + 1) & mask;
-          hk[u] = hkey[h[u]];
-        }
-      }
-#pragma unroll
-      for (int u = 0; u < U; ++u) {
-        const int j = j0 + u * NT;
-        if (j >= H) continue;
-        if (found[u] >= 0) {  // the first-occurrence half is final; only the slot half is lowered
-          const unsigned old = atomicMin(
-              &hfs[found[u]], (hfs[found[u]] & 0xFFFF0000u) | static_cast<unsigned>(j));
-          dup_holder |= (old & kNone16) != kNone16;
-        }
-        sslot[j] = found[u];
-      }
-    }
-    // Without a key held by two slots, every slot holding a selected key is its hit slot.
-    w.unique_holders = !__syncthreads_or(dup_holder);
-
-    const uint2 counts = FUSED ? finish_row_fused<NT>(w, warp_tot2)
-                               : finish_row_tiled<NT>(w, warp_tot);
+    // 2. Hits: each path finds them its own way (by LRU position when fused, else by slot).
+    const uint2 counts = FUSED ? finish_row_fused<NT>(w, warp_tot2, shift, mask)
+                               : finish_row_tiled<NT>(w, warp_tot, shift, mask);
     if (tid == 0) {
       a.miss_count[r] = static_cast<int>(counts.y);
       atomicAdd(&a.stats[0], static_cast<unsigned long long>(counts.x));

@@ -278,6 +278,32 @@ def test_resolve_corrupted_lru_is_memory_safe_and_matches_cpu():
     assert out["gpu"][3].tolist() == [2]
 
 
+@pytest.mark.parametrize(
+    "B,K,H",
+    [(1, 64, 128), (1, 2048, 4096), (140, 2048, 4096), (1, 300, 5000), (2, 9000, 9100)],
+    ids=["fused-small", "fused-wide", "fused-512", "tiled", "workspace"],
+)
+def test_resolve_slot_missing_from_a_corrupted_lru_is_never_a_hit_slot(B, K, H):
+    """Every resolve path finds hits only among the slots the LRU order lists."""
+    pair = Pair(B, H)
+    num_keys = 2**31 - 1
+    g = torch.Generator().manual_seed(K)
+    top_k = torch.randint(0, 1 << 30, (B, K), generator=g, dtype=torch.int64).to(I32)
+    rows = torch.arange(B, dtype=I32)
+    pair.resolve(top_k, rows, None, num_keys)  # all misses: key i of a row lands in slot i
+    for st in (pair.cpu, pair.gpu):
+        lru = st["lru"]
+        lru[lru == 3] = 5  # slot 3 (holding key 3) unlisted, slot 5 listed twice
+        st["slot_keys"][:, K + 1] = top_k[:, 7].to(st["slot_keys"].device)  # two holders of key 7
+    out = pair.resolve(top_k, rows, None, num_keys)
+    assert_plan_equal(out)
+    pair.assert_equal()
+    _, src, _, cnt = (t.cpu() for t in out["gpu"])
+    assert cnt.tolist() == [1] * B  # key 3 misses; key 7 hits its lowest holder
+    assert src[:, 0].tolist() == top_k[:, 3].tolist()
+    assert out["gpu"][0][:, 7].cpu().tolist() == [s * H + 7 for s in range(B)]
+
+
 def test_resolve_empty_batch_and_all_padding():
     pair = Pair(3, 16)
     out = pair.resolve(torch.empty(0, 8, dtype=I32), torch.empty(0, dtype=I32), None, 100)

@@ -144,6 +144,23 @@ def test_hits_after_repeat_and_lru_order_example():
     assert stats_list(stats) == [1, 3]
 
 
+def test_slot_missing_from_a_corrupted_lru_is_never_a_hit_slot():
+    """On a corrupted LRU only the listed slots can be hit slots, as the oracle says."""
+    slot_keys, lru, stats = new_state(1, 4)
+    slot_keys[0] = _i32([10, 11, 12, -1])
+    lru[0] = torch.tensor([0, 0, 2, 3], dtype=torch.int16)  # slot 1 unlisted, slot 0 twice
+    o_keys, o_lru, o_stats = slot_keys.tolist(), lru.tolist(), [0, 0]
+    out, src, dst, count = run_resolve(
+        _i32([[11, 12, 10]]), _i32([0]), slot_keys, lru, stats, num_keys=100
+    )
+    want = oracle.resolve([[11, 12, 10]], [0], o_keys, o_lru, o_stats, num_keys=100, hot_base=0)
+    # 11 sits in the unlisted slot 1: a miss, taking the first evictable listed slot (3)
+    assert out.tolist() == want[0] == [[3, 2, 0]]
+    assert count.tolist() == want[3] == [1] and src[0, :1].tolist() == want[1][0] == [11]
+    assert slot_keys.tolist() == o_keys == [[10, 11, 12, 11]]
+    assert lru.tolist() == o_lru and stats_list(stats) == o_stats == [2, 1]
+
+
 @st.composite
 def gather_cases(draw):
     L = draw(st.integers(1, 4))
