@@ -44,8 +44,9 @@ __device__ __forceinline__ unsigned hash_slot(int key, int shift) {
   return (static_cast<unsigned>(key) * 0x9E3779B1u) >> shift;
 }
 
-// Hash indices of N keys (-1: absent, or a key < 0); the first probe of every key is issued
-// before any chain is followed.
+// Hash indices of N keys (-1: absent, or a key < 0). The first probe of every key is issued
+// at once, and the chains that go on advance together, one probe each per round: a thread then
+// waits for its longest chain rather than for the sum of its chains.
 template <int N>
 __device__ __forceinline__ void find_keys(const int* hkey, const int (&k)[N], int (&found)[N],
                                           int shift, unsigned mask) {
@@ -54,21 +55,25 @@ __device__ __forceinline__ void find_keys(const int* hkey, const int (&k)[N], in
 #pragma unroll
   for (int u = 0; u < N; ++u) {
     h[u] = hash_slot(k[u], shift);
-    found[u] = -1;
+    hk[u] = k[u] >= 0 ? hkey[h[u]] : -1;  // keys >= 0 only
   }
+  unsigned more = 0;  // bit u: chain u goes on
 #pragma unroll
-  for (int u = 0; u < N; ++u) hk[u] = k[u] >= 0 ? hkey[h[u]] : -1;  // keys >= 0 only
+  for (int u = 0; u < N; ++u) more |= (hk[u] != -1 && hk[u] != k[u]) ? 1u << u : 0u;
+  while (more != 0) {
 #pragma unroll
-  for (int u = 0; u < N; ++u) {
-    while (hk[u] != -1) {
-      if (hk[u] == k[u]) {
-        found[u] = static_cast<int>(h[u]);
-        break;
+    for (int u = 0; u < N; ++u) {
+      if ((more >> u) & 1u) {
+        h[u] = (h[u] + 1) & mask;
+        hk[u] = hkey[h[u]];
       }
-      h[u] = (h[u] + 1) & mask;
-      hk[u] = hkey[h[u]];
     }
+    more = 0;
+#pragma unroll
+    for (int u = 0; u < N; ++u) more |= (hk[u] != -1 && hk[u] != k[u]) ? 1u << u : 0u;
   }
+#pragma unroll
+  for (int u = 0; u < N; ++u) found[u] = hk[u] != -1 ? static_cast<int>(h[u]) : -1;
 }
 
 // Slot `slot` holds the key at hash index h: its hit slot becomes the lowest such slot (the
@@ -287,14 +292,20 @@ __device__ __forceinline__ void write_lru(const RowScratch& w, int E, int NH, in
   }
 }
 
+// How a lookup by LRU position claims the hit slot of the key it finds (position_flags).
+enum class Claim {
+  kPlain,   // a 16-bit store of the slot: right when no key has two listed holders
+  kAtomic,  // atomicMin: the lowest holder wins; *dup tells whether any key had two
+  kCheck,   // no claim: a holder is the hit slot only if it won the atomic claims before
+};
+
 // The flags of LRU positions pw + k * 32 + lane (k < IT): evictable, the hit slot of a selected
 // key, or nothing (past the end or a corrupted entry). The slot at each position is looked up in
-// the hash directly. With `claim` every slot holding a selected key claims it (claim_hit_slot)
-// and counts as its hit slot, which is final when no key has two holders (*dup stays false);
-// without, a holder is the hit slot only if it won the claim (the rare second pass).
+// the hash directly. With kPlain and kAtomic every holder of a selected key claims it and counts
+// as its hit slot, which is final when no key has two holders.
 template <int IT>
 __device__ __forceinline__ unsigned position_flags(const RowScratch& w, int pw, int lane,
-                                                   int shift, unsigned mask, bool claim,
+                                                   int shift, unsigned mask, Claim claim,
                                                    bool* dup) {
   int x[IT], key[IT], found[IT];
 #pragma unroll
@@ -310,7 +321,9 @@ __device__ __forceinline__ unsigned position_flags(const RowScratch& w, int pw, 
   for (int k = 0; k < IT; ++k) {
     if (x[k] < 0 || x[k] >= w.H) continue;
     bool hit = found[k] >= 0;
-    if (hit && claim)
+    if (hit && claim == Claim::kPlain)  // the low half of the entry's second word
+      reinterpret_cast<uint16_t*>(w.hfs)[2 * found[k]] = static_cast<uint16_t>(x[k]);
+    else if (hit && claim == Claim::kAtomic)
       *dup |= claim_hit_slot(w.hfs, found[k], x[k]);
     else if (hit)
       hit = (w.hfs[found[k]] & kNone16) == static_cast<unsigned>(x[k]);
@@ -337,6 +350,66 @@ __device__ __forceinline__ void warp_ranks(unsigned bits, unsigned (&rank)[IT], 
   *run = r;
 }
 
+// Ranks of a fused row (packed: low 16 bits evictable slots / misses, high 16 bits hits):
+// of its LRU positions (warp_ranks of their flags), of its key entries (first occurrences of
+// misses and of hits, rank_keys), and the block-wide exclusive prefix and totals of both.
+template <int IT, int KT>
+struct FusedRanks {
+  unsigned lrank[IT], lrun, krank[KT], kbits;
+  int kh[KT];    // hash index of each key entry (-1 padding, -2 resident)
+  bool pending;  // this thread has a later occurrence of a miss (slot known after assignment)
+  bool any_pending;
+  uint2 before, tot;  // (positions, keys) in the warps before this one, and in the row
+};
+
+// The key entries' part of FusedRanks and the block scan, once the claims are in (o.lrank and
+// o.lrun are computed before the barrier, while other warps still claim).
+template <int NT, int IT, int KT>
+__device__ __forceinline__ void rank_keys(const RowScratch& w, uint2* warp_tot2,
+                                          FusedRanks<IT, KT>& o) {
+  constexpr int NW = NT / 32;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, iw = warp * 32 * KT;
+  unsigned krun;
+  o.kbits = 0;
+  o.pending = false;
+#pragma unroll
+  for (int k = 0; k < KT; ++k) {
+    const int i = iw + k * 32 + lane;
+    unsigned f = 0;
+    o.kh[k] = i < w.K ? w.hidx[i] : -1;
+    if (o.kh[k] >= 0) {
+      const unsigned e = w.hfs[o.kh[k]];
+      const unsigned sl16 = e & kNone16;
+      if ((e >> 16) == static_cast<unsigned>(i)) f = sl16 == kNone16 ? kFlagEvict : kFlagHit;
+      if (sl16 != kNone16)  // a hit, any occurrence: its slot is final
+        w.out[i] = w.row_base + static_cast<int>(sl16);
+      else if (f == 0u)
+        o.pending = true;
+    }
+    o.kbits |= f << (2 * k);
+  }
+  warp_ranks<KT>(o.kbits, o.krank, &krun);
+  // Exclusive scan of the warp totals: every warp scans them itself after the barrier that
+  // publishes them (instead of one warp scanning between two barriers). The same barrier
+  // tells whether any later occurrence of a miss waits for its slot.
+  if (lane == 0) warp_tot2[warp] = make_uint2(o.lrun, krun);
+  o.any_pending = __syncthreads_or(o.pending);
+  uint2 v = lane < NW ? warp_tot2[lane] : make_uint2(0u, 0u);
+#pragma unroll
+  for (int d = 1; d < 32; d <<= 1) {
+    const unsigned y0 = __shfl_up_sync(0xffffffffu, v.x, d);
+    const unsigned y1 = __shfl_up_sync(0xffffffffu, v.y, d);
+    if (lane >= d) {
+      v.x += y0;
+      v.y += y1;
+    }
+  }
+  const int prev = warp > 0 ? warp - 1 : 0;
+  o.before = make_uint2(__shfl_sync(0xffffffffu, v.x, prev), __shfl_sync(0xffffffffu, v.y, prev));
+  if (warp == 0) o.before = make_uint2(0u, 0u);
+  o.tot = make_uint2(__shfl_sync(0xffffffffu, v.x, NW - 1), __shfl_sync(0xffffffffu, v.y, NW - 1));
+}
+
 // Stages 2-5 when the LRU order fits one scan tile and the keys half of one. Warp v takes a
 // contiguous range of LRU positions (and of key entries) in rounds of 32, lane l taking the l-th
 // position of each round: the slot lookups of a run of consecutive slots in the LRU order then
@@ -351,60 +424,34 @@ __device__ __forceinline__ uint2 finish_row_fused(const RowScratch& w, uint2* wa
                                                   int shift, unsigned mask) {
   constexpr int IT = kResolveTile / NT;  // LRU positions per thread
   constexpr int KT = IT / 2;             // key entries per thread
-  constexpr int NW = NT / 32;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int pw = warp * 32 * IT, iw = warp * 32 * KT;
-  // Packed ranks and counters: low 16 bits evictable slots / misses, high 16 bits hits.
-  bool dup_holder = false;
-  unsigned lbits = position_flags<IT>(w, pw, lane, shift, mask, true, &dup_holder);
-  unsigned lrank[IT], lrun;
-  warp_ranks<IT>(lbits, lrank, &lrun);
-  if (__syncthreads_or(dup_holder)) {  // a selected key held by two listed slots (rare)
-    lbits = position_flags<IT>(w, pw, lane, shift, mask, false, nullptr);
-    warp_ranks<IT>(lbits, lrank, &lrun);
+  // The hit slots are claimed with plain stores first. Two holders of one key (a corrupted or
+  // hand-made state: resolve itself never fills a slot with a key a listed slot holds) show
+  // as more hit slots than hit keys in the scan totals; the claims are then reset and made
+  // again with atomicMin, and the lookups that lost are no longer hits.
+  FusedRanks<IT, KT> rk;
+  unsigned lbits = position_flags<IT>(w, pw, lane, shift, mask, Claim::kPlain, nullptr);
+  warp_ranks<IT>(lbits, rk.lrank, &rk.lrun);
+  __syncthreads();  // the claims are in
+  rank_keys<NT>(w, warp_tot2, rk);
+  if ((rk.tot.x >> 16) != (rk.tot.y >> 16)) {
+    __syncthreads();  // every warp has read the totals and the claims
+    for (unsigned h = tid; h <= mask; h += NT) w.hfs[h] |= kNone16;
+    __syncthreads();
+    bool dup = false;
+    lbits = position_flags<IT>(w, pw, lane, shift, mask, Claim::kAtomic, &dup);
+    if (__syncthreads_or(dup))
+      lbits = position_flags<IT>(w, pw, lane, shift, mask, Claim::kCheck, nullptr);
+    warp_ranks<IT>(lbits, rk.lrank, &rk.lrun);
+    rank_keys<NT>(w, warp_tot2, rk);
   }
-  unsigned krank[KT], kbits = 0, krun;
-  int kh[KT];
-  bool pending = false;  // a later occurrence of a miss: its slot is known after the assignment
-#pragma unroll
-  for (int k = 0; k < KT; ++k) {
-    const int i = iw + k * 32 + lane;
-    unsigned f = 0;
-    kh[k] = i < w.K ? w.hidx[i] : -1;
-    if (kh[k] >= 0) {
-      const unsigned e = w.hfs[kh[k]];
-      const unsigned sl16 = e & kNone16;
-      if ((e >> 16) == static_cast<unsigned>(i))
-        f = sl16 == kNone16 ? kFlagEvict : kFlagHit;
-      if (sl16 != kNone16)  // a hit, any occurrence: its slot is final
-        w.out[i] = w.row_base + static_cast<int>(sl16);
-      else if (f == 0u)
-        pending = true;
-    }
-    kbits |= f << (2 * k);
-  }
-  warp_ranks<KT>(kbits, krank, &krun);
-  // Exclusive scan of the warp totals: every warp scans them itself after the barrier that
-  // publishes them (instead of one warp scanning between two barriers). The same barrier
-  // tells whether any later occurrence of a miss waits for its slot.
-  if (lane == 0) warp_tot2[warp] = make_uint2(lrun, krun);
-  const bool any_pending = __syncthreads_or(pending);
-  uint2 v = lane < NW ? warp_tot2[lane] : make_uint2(0u, 0u);
-#pragma unroll
-  for (int d = 1; d < 32; d <<= 1) {
-    const unsigned y0 = __shfl_up_sync(0xffffffffu, v.x, d);
-    const unsigned y1 = __shfl_up_sync(0xffffffffu, v.y, d);
-    if (lane >= d) {
-      v.x += y0;
-      v.y += y1;
-    }
-  }
-  const int prev = warp > 0 ? warp - 1 : 0;
-  uint2 before = make_uint2(__shfl_sync(0xffffffffu, v.x, prev),
-                            __shfl_sync(0xffffffffu, v.y, prev));
-  if (warp == 0) before = make_uint2(0u, 0u);
-  const uint2 tot =
-      make_uint2(__shfl_sync(0xffffffffu, v.x, NW - 1), __shfl_sync(0xffffffffu, v.y, NW - 1));
+  const unsigned(&lrank)[IT] = rk.lrank;
+  const unsigned(&krank)[KT] = rk.krank;
+  const int(&kh)[KT] = rk.kh;
+  const unsigned kbits = rk.kbits;
+  const bool pending = rk.pending, any_pending = rk.any_pending;
+  const uint2 before = rk.before, tot = rk.tot;
   const int E = static_cast<int>(tot.x & 0xFFFFu);
   const int M = min(static_cast<int>(tot.y & 0xFFFFu), E);
   // Rule 5 straight from the ranks, without a pass over a list: an evictable slot of rank e
@@ -539,8 +586,9 @@ __device__ __forceinline__ uint2 finish_row_tiled(RowScratch& w, unsigned* warp_
 // One CTA per batch row (a fixed grid walks the rows when the batch is larger than the grid).
 // Per row: (0) every global read issued at once into scratch, (1) hash the selected keys while
 // the state row's slot keys and LRU order are still arriving, (2) find the hit slot of each
-// key, (3) split the LRU order into evictable and hit slots, (4) number the misses and assign
-// them evictable slots, (5) write outputs and the new order.
+// key (fused: by LRU position, in one pass with 3), (3) split the LRU order into evictable and
+// hit slots, (4) number the misses and assign them evictable slots, (5) write outputs and the
+// new order.
 // FUSED: the LRU order fits one scan tile and the keys half of one (fused_scans()); a template
 // parameter so each kernel keeps only one finishing path's registers. SMEM: the scratch is in
 // shared memory (else in the global workspace); a template parameter so that the compiler
@@ -548,10 +596,9 @@ __device__ __forceinline__ uint2 finish_row_tiled(RowScratch& w, unsigned* warp_
 // atomics instead of generic ones (which take the slower, long-scoreboard path).
 template <int NT, bool FUSED, bool SMEM>
 __global__ void __launch_bounds__(NT, 1024 / NT) resolve_kernel(const ResolveArgs a) {
-  // Probes in flight per thread: U for the slots; UK for the keys, which in a fused row are
-  // exactly one round (K <= UK * NT), so no thread carries dead probe slots.
-  constexpr int U = 4;
-  constexpr int UK = FUSED ? kResolveTile / NT / 2 : U;
+  // Key inserts in flight per thread: in a fused row exactly one round (K <= UK * NT), so no
+  // thread carries dead probe slots.
+  constexpr int UK = FUSED ? kResolveTile / NT / 2 : 4;
   extern __shared__ __align__(16) uint8_t smem[];
   __shared__ unsigned warp_tot[32];
   __shared__ uint2 warp_tot2[32];
@@ -582,10 +629,10 @@ __global__ void __launch_bounds__(NT, 1024 / NT) resolve_kernel(const ResolveArg
   for (int r = blockIdx.x; r < a.B; r += gridDim.x) {
     // 0. Stage the row (cp.async straight into shared memory). The keys go first, in their
     //    own group: they do not depend on the state row, and stage 1 needs only them. The
-    //    state row and the earlier rows' state rows (rule 0) are read together. The state
-    //    row's slot keys and order (the second of two dependent reads) are issued before the
-    //    hash keys are cleared, so the clear's stores do not queue ahead of them. Only the
-    //    keys are cleared: an entry's other word is written by the thread inserting its key.
+    //    state row and the earlier rows' state rows (rule 0) are read together, and the hash
+    //    is cleared while they are in flight; the state row's slot keys and order (the second
+    //    of two dependent reads) wait for them. Only the keys are cleared: an entry's other
+    //    word is written by the thread inserting its key.
     const int32_t* keys = a.top_k + int64_t(r) * K;
     stage_copy<NT>(reinterpret_cast<uint8_t*>(hidx), keys, int64_t(K) * 4, SMEM);
     if (has_res)
@@ -593,6 +640,11 @@ __global__ void __launch_bounds__(NT, 1024 / NT) resolve_kernel(const ResolveArg
     if (SMEM) cp_async_commit();
     const int s_prev = tid < r ? a.state_rows[tid] : -1;
     const int s = a.state_rows[r];
+#pragma unroll 1
+    for (int j = tid; j < cap / 4; j += NT)  // cap >= 4
+      reinterpret_cast<int4*>(hkey)[j] = make_int4(-1, -1, -1, -1);
+    if (!FUSED)  // the tiled path's bitmap of listed slots
+      for (int j = tid; j < (H + 31) / 32; j += NT) reinterpret_cast<unsigned*>(w.list)[j] = 0u;
     const bool in_range = s >= 0 && s < a.S;
     w.out = a.out_rows + int64_t(r) * K;
     w.sk = a.slot_keys + int64_t(in_range ? s : 0) * H;
@@ -606,11 +658,6 @@ __global__ void __launch_bounds__(NT, 1024 / NT) resolve_kernel(const ResolveArg
       for (int q = tid + NT; q < r; q += NT) dup |= a.state_rows[q] == s;
     }
     if (SMEM) cp_async_commit();
-#pragma unroll 1
-    for (int j = tid; j < cap / 4; j += NT)  // cap >= 4
-      reinterpret_cast<int4*>(hkey)[j] = make_int4(-1, -1, -1, -1);
-    if (!FUSED)  // the tiled path's bitmap of listed slots
-      for (int j = tid; j < (H + 31) / 32; j += NT) reinterpret_cast<unsigned*>(w.list)[j] = 0u;
     if (SMEM) cp_async_wait_but_newest();  // the keys
     const bool live = in_range && !__syncthreads_or(dup);
     if (!live) {  // padding row: rule 0
@@ -654,13 +701,25 @@ __global__ void __launch_bounds__(NT, 1024 / NT) resolve_kernel(const ResolveArg
       int old[UK];
 #pragma unroll
       for (int u = 0; u < UK; ++u) old[u] = go[u] ? atomicCAS(&hkey[h[u]], -1, k[u]) : -1;
+      // Chains that collided advance together, one probe each per round (as in find_keys).
+      unsigned more = 0;
+#pragma unroll
+      for (int u = 0; u < UK; ++u) more |= (old[u] != -1 && old[u] != k[u]) ? 1u << u : 0u;
+      while (more != 0) {
+#pragma unroll
+        for (int u = 0; u < UK; ++u) {
+          if ((more >> u) & 1u) {
+            h[u] = (h[u] + 1) & mask;
+            old[u] = atomicCAS(&hkey[h[u]], -1, k[u]);
+          }
+        }
+        more = 0;
+#pragma unroll
+        for (int u = 0; u < UK; ++u) more |= (old[u] != -1 && old[u] != k[u]) ? 1u << u : 0u;
+      }
 #pragma unroll
       for (int u = 0; u < UK; ++u) {
         if (!go[u]) continue;
-        while (old[u] != -1 && old[u] != k[u]) {
-          h[u] = (h[u] + 1) & mask;
-          old[u] = atomicCAS(&hkey[h[u]], -1, k[u]);
-        }
         const int i = i0 + u * NT;
         if (old[u] == -1)
           hfs[h[u]] = (static_cast<unsigned>(i) << 16) | kNone16;
