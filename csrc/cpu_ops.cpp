@@ -81,8 +81,7 @@ class KeyIndex {
 // model, and the row loop ran 1.85x slower that way (measured on one core).
 struct RowScratch {
   KeyIndex index;
-  std::vector<int32_t> unique, entry_u, slot_of, miss_u;
-  std::vector<char> listed, hit_slot;
+  std::vector<int32_t> unique, entry_u, slot_of, miss_u, pos_u;
   std::vector<int16_t> evictable, hits_in_order;
 };
 
@@ -112,24 +111,23 @@ RowCounts resolve_row(RowScratch& w, const int32_t* keys, const int32_t* residen
     if (inserted) unique.push_back(k);
   }
   const int64_t U = static_cast<int64_t>(unique.size());
+  // Hit slots by LRU position, as the CUDA kernel finds them: a key's hit slot is the lowest
+  // listed slot holding it (a slot the order does not list, on a corrupted state only, is never
+  // one). pos_u[p]: the selected key the slot at position p holds (U + p: none, or not a slot).
+  const int32_t no_slot = static_cast<int32_t>(H);  // above every slot
   std::vector<int32_t>& slot_of = w.slot_of;
-  slot_of.assign(U + 1, -1);  // slot_of[U]: a sink for slot keys not selected (branch-free)
-  // Only slots the LRU order lists can be hit slots (all of them, unless the state is
-  // corrupted): the CUDA kernel finds hits by LRU position.
-  std::vector<char>& listed = w.listed;
-  listed.assign(H, 0);
+  // slot_of[U + p]: a sink for position p when it holds no selected key (branch-free, and no
+  // chain of read-modify-writes through one sink entry)
+  slot_of.assign(U + H, no_slot);
+  std::vector<int32_t>& pos_u = w.pos_u;
+  pos_u.resize(H);
   for (int64_t p = 0; p < H; ++p) {
     const int16_t slot = lru[p];
-    if (slot >= 0 && slot < H) listed[slot] = 1;
-  }
-  std::vector<char>& hit_slot = w.hit_slot;
-  hit_slot.resize(H);
-  for (int64_t j = 0; j < H; ++j) {
-    const int32_t u = listed[j] ? index.find(slot_keys[j]) : -1;
-    const int64_t uu = u >= 0 ? u : U;
-    const bool first = (u >= 0) & (slot_of[uu] < 0);
-    slot_of[uu] = first ? static_cast<int32_t>(j) : slot_of[uu];
-    hit_slot[j] = first;
+    const bool valid = slot >= 0 && slot < H;
+    const int32_t u = valid ? index.find(slot_keys[slot]) : -1;
+    const int32_t uu = static_cast<int32_t>(u >= 0 ? u : U + p);
+    pos_u[p] = uu;
+    slot_of[uu] = std::min<int32_t>(slot_of[uu], valid ? slot : no_slot);
   }
   // Split the LRU order into evictable and hit slots (branch-free: both lists get every slot,
   // only the right one advances).
@@ -141,12 +139,13 @@ RowCounts resolve_row(RowScratch& w, const int32_t* keys, const int32_t* residen
   for (int64_t p = 0; p < H; ++p) {
     const int16_t slot = lru[p];
     const bool valid = slot >= 0 && slot < H;
-    const bool hit = valid && hit_slot[valid ? slot : 0];
+    const bool hit = valid & (pos_u[p] < U) & (slot_of[pos_u[p]] == slot);
     evictable[ne] = slot;
     hits_in_order[nh] = slot;
     ne += valid && !hit;
     nh += hit;
   }
+  for (int64_t u = 0; u < U; ++u) slot_of[u] = slot_of[u] == no_slot ? -1 : slot_of[u];
   evictable.resize(ne);
   hits_in_order.resize(nh);
   // Misses in first-occurrence order (compacted branch-free); the m-th takes evictable[m]
