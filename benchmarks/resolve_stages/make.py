@@ -10,7 +10,8 @@ with the median cycles of each stage. Variants: 512 and 1024 threads, hash capac
 for top-k 2048 (hot 4096). The baseline revision must be 182fe86 or later (the stage markers);
 a baseline whose kernel is templated on <NT, FUSED, SMEM> (89b6da0 and later) is detected. Rows
 repeat one key each (the rare path); DUPS=0 in the environment of the binary runs rows without.
-cold.cu and dispatch.cu next to it are the cold-call and launch experiments (their headers)."""
+cold.cu and dispatch.cu next to it are the cold-call and launch experiments (their headers);
+blocks.py builds a per-CTA timing variant of this harness."""
 
 import pathlib
 import subprocess
