@@ -44,9 +44,32 @@ __device__ __forceinline__ unsigned hash_slot(int key, int shift) {
   return (static_cast<unsigned>(key) * 0x9E3779B1u) >> shift;
 }
 
-// Hash indices of N keys (-1: absent, or a key < 0). The first probe of every key is issued
-// at once, and the chains that go on advance together, one probe each per round: a thread then
-// waits for its longest chain rather than for the sum of its chains.
+// Linear probing for N keys at once: v[u] is what the probe at h[u] saw. A chain ends at an
+// empty entry (-1) or at its own key; the chains that go on advance together, one probe(h, u)
+// each per round, so a thread waits for its longest chain rather than for the sum of its
+// chains. Shared by the lookups (probe = a load) and the inserts (probe = atomicCAS).
+template <int N, class Probe>
+__device__ __forceinline__ void follow_chains(unsigned (&h)[N], int (&v)[N], const int (&k)[N],
+                                              unsigned mask, Probe probe) {
+  unsigned more = 0;  // bit u: chain u goes on
+#pragma unroll
+  for (int u = 0; u < N; ++u) more |= (v[u] != -1 && v[u] != k[u]) ? 1u << u : 0u;
+  while (more != 0) {
+#pragma unroll
+    for (int u = 0; u < N; ++u) {
+      if ((more >> u) & 1u) {
+        h[u] = (h[u] + 1) & mask;
+        v[u] = probe(h[u], u);
+      }
+    }
+    more = 0;
+#pragma unroll
+    for (int u = 0; u < N; ++u) more |= (v[u] != -1 && v[u] != k[u]) ? 1u << u : 0u;
+  }
+}
+
+// Hash indices of N keys (-1: absent, or a key < 0); the first probe of every key is issued
+// at once.
 template <int N>
 __device__ __forceinline__ void find_keys(const int* hkey, const int (&k)[N], int (&found)[N],
                                           int shift, unsigned mask) {
@@ -57,21 +80,7 @@ __device__ __forceinline__ void find_keys(const int* hkey, const int (&k)[N], in
     h[u] = hash_slot(k[u], shift);
     hk[u] = k[u] >= 0 ? hkey[h[u]] : -1;  // keys >= 0 only
   }
-  unsigned more = 0;  // bit u: chain u goes on
-#pragma unroll
-  for (int u = 0; u < N; ++u) more |= (hk[u] != -1 && hk[u] != k[u]) ? 1u << u : 0u;
-  while (more != 0) {
-#pragma unroll
-    for (int u = 0; u < N; ++u) {
-      if ((more >> u) & 1u) {
-        h[u] = (h[u] + 1) & mask;
-        hk[u] = hkey[h[u]];
-      }
-    }
-    more = 0;
-#pragma unroll
-    for (int u = 0; u < N; ++u) more |= (hk[u] != -1 && hk[u] != k[u]) ? 1u << u : 0u;
-  }
+  follow_chains<N>(h, hk, k, mask, [&](unsigned hh, int) { return hkey[hh]; });
 #pragma unroll
   for (int u = 0; u < N; ++u) found[u] = hk[u] != -1 ? static_cast<int>(h[u]) : -1;
 }
@@ -701,22 +710,8 @@ __global__ void __launch_bounds__(NT, 1024 / NT) resolve_kernel(const ResolveArg
       int old[UK];
 #pragma unroll
       for (int u = 0; u < UK; ++u) old[u] = go[u] ? atomicCAS(&hkey[h[u]], -1, k[u]) : -1;
-      // Chains that collided advance together, one probe each per round (as in find_keys).
-      unsigned more = 0;
-#pragma unroll
-      for (int u = 0; u < UK; ++u) more |= (old[u] != -1 && old[u] != k[u]) ? 1u << u : 0u;
-      while (more != 0) {
-#pragma unroll
-        for (int u = 0; u < UK; ++u) {
-          if ((more >> u) & 1u) {
-            h[u] = (h[u] + 1) & mask;
-            old[u] = atomicCAS(&hkey[h[u]], -1, k[u]);
-          }
-        }
-        more = 0;
-#pragma unroll
-        for (int u = 0; u < UK; ++u) more |= (old[u] != -1 && old[u] != k[u]) ? 1u << u : 0u;
-      }
+      follow_chains<UK>(h, old, k, mask,
+                        [&](unsigned hh, int u) { return atomicCAS(&hkey[hh], -1, k[u]); });
 #pragma unroll
       for (int u = 0; u < UK; ++u) {
         if (!go[u]) continue;
