@@ -85,7 +85,13 @@ def main() -> int:
     main_cu = patched(main_cu, COLLECT_AT, COLLECT_AT + COLLECT)
     main_cu = patched(main_cu, DECL_AT, DECL_AT + " std::vector<long long> bk[4];")
     main_cu = patched(main_cu, PRINT_AT, PRINT_AT + PRINT)
-    out = BUILD / "blocks"
+    build_variant("blocks", kernel, main_cu)
+    return 0
+
+
+def build_variant(name: str, kernel: str, main_cu: str) -> None:
+    """Compiles a patched current kernel and harness into build/NAME/rs (make.py's baseline)."""
+    out = BUILD / name
     out.mkdir(exist_ok=True)
     (out / "knew_stamp.cu").write_text(kernel)
     (out / "main.cu").write_text(main_cu)
@@ -96,7 +102,6 @@ def main() -> int:
     cmd += ["-o", str(out / "rs")]
     subprocess.run(cmd, check=True)
     print(f"built {out / 'rs'}")
-    return 0
 
 
 if __name__ == "__main__":

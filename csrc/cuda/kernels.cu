@@ -47,7 +47,9 @@ __device__ __forceinline__ unsigned hash_slot(int key, int shift) {
 // Linear probing for N keys at once: v[u] is what the probe at h[u] saw. A chain ends at an
 // empty entry (-1) or at its own key; the chains that go on advance together, one probe(h, u)
 // each per round, so a thread waits for its longest chain rather than for the sum of its
-// chains. Shared by the lookups (probe = a load) and the inserts (probe = atomicCAS).
+// chains. Shared by the lookups (probe = a load) and the inserts (probe = atomicCAS). Every lane
+// of the warp must call it: the warp reconverges at the end (the code after the chains otherwise
+// ran once per group of lanes that left the loop together, measured 2.4 times per warp).
 template <int N, class Probe>
 __device__ __forceinline__ void follow_chains(unsigned (&h)[N], int (&v)[N], const int (&k)[N],
                                               unsigned mask, Probe probe) {
@@ -66,10 +68,11 @@ __device__ __forceinline__ void follow_chains(unsigned (&h)[N], int (&v)[N], con
 #pragma unroll
     for (int u = 0; u < N; ++u) more |= (v[u] != -1 && v[u] != k[u]) ? 1u << u : 0u;
   }
+  __syncwarp();
 }
 
 // Hash indices of N keys (-1: absent, or a key < 0); the first probe of every key is issued
-// at once.
+// at once. Every lane of the warp must call it (follow_chains).
 template <int N>
 __device__ __forceinline__ void find_keys(const int* hkey, const int (&k)[N], int (&found)[N],
                                           int shift, unsigned mask) {
@@ -317,18 +320,20 @@ __device__ __forceinline__ unsigned position_flags(const RowScratch& w, int pw, 
                                                    int shift, unsigned mask, Claim claim,
                                                    bool* dup) {
   int x[IT], key[IT], found[IT];
+  bool listed[IT];  // a slot id in range (x in [0, H) as one unsigned compare)
 #pragma unroll
   for (int k = 0; k < IT; ++k) {
     const int p = pw + k * 32 + lane;
     x[k] = p < w.H ? w.sorder[p] : -1;
+    listed[k] = static_cast<unsigned>(x[k]) < static_cast<unsigned>(w.H);
   }
 #pragma unroll
-  for (int k = 0; k < IT; ++k) key[k] = x[k] >= 0 && x[k] < w.H ? w.sslot[x[k]] : -1;
+  for (int k = 0; k < IT; ++k) key[k] = listed[k] ? w.sslot[x[k]] : -1;
   find_keys<IT>(w.hkey, key, found, shift, mask);
   unsigned bits = 0;
 #pragma unroll
   for (int k = 0; k < IT; ++k) {
-    if (x[k] < 0 || x[k] >= w.H) continue;
+    if (!listed[k]) continue;
     bool hit = found[k] >= 0;
     if (hit && claim == Claim::kPlain)  // the low half of the entry's second word
       reinterpret_cast<uint16_t*>(w.hfs)[2 * found[k]] = static_cast<uint16_t>(x[k]);
@@ -398,25 +403,17 @@ __device__ __forceinline__ void rank_keys(const RowScratch& w, uint2* warp_tot2,
     o.kbits |= f << (2 * k);
   }
   warp_ranks<KT>(o.kbits, o.krank, &krun);
-  // Exclusive scan of the warp totals: every warp scans them itself after the barrier that
-  // publishes them (instead of one warp scanning between two barriers). The same barrier
-  // tells whether any later occurrence of a miss waits for its slot.
+  // The warps before this one and the row, from the warp totals: every warp sums them itself
+  // after the barrier that publishes them, lane l holding warp l's (four warp reductions in
+  // place of a five-step shuffle scan of two values). The packed halves never carry: each
+  // sums to at most H. The same barrier tells whether any later occurrence of a miss waits
+  // for its slot.
   if (lane == 0) warp_tot2[warp] = make_uint2(o.lrun, krun);
   o.any_pending = __syncthreads_or(o.pending);
-  uint2 v = lane < NW ? warp_tot2[lane] : make_uint2(0u, 0u);
-#pragma unroll
-  for (int d = 1; d < 32; d <<= 1) {
-    const unsigned y0 = __shfl_up_sync(0xffffffffu, v.x, d);
-    const unsigned y1 = __shfl_up_sync(0xffffffffu, v.y, d);
-    if (lane >= d) {
-      v.x += y0;
-      v.y += y1;
-    }
-  }
-  const int prev = warp > 0 ? warp - 1 : 0;
-  o.before = make_uint2(__shfl_sync(0xffffffffu, v.x, prev), __shfl_sync(0xffffffffu, v.y, prev));
-  if (warp == 0) o.before = make_uint2(0u, 0u);
-  o.tot = make_uint2(__shfl_sync(0xffffffffu, v.x, NW - 1), __shfl_sync(0xffffffffu, v.y, NW - 1));
+  const uint2 v = lane < NW ? warp_tot2[lane] : make_uint2(0u, 0u);
+  o.before = make_uint2(__reduce_add_sync(0xffffffffu, lane < warp ? v.x : 0u),
+                        __reduce_add_sync(0xffffffffu, lane < warp ? v.y : 0u));
+  o.tot = make_uint2(__reduce_add_sync(0xffffffffu, v.x), __reduce_add_sync(0xffffffffu, v.y));
 }
 
 // Stages 2-5 when the LRU order fits one scan tile and the keys half of one. Warp v takes a
@@ -525,7 +522,8 @@ __device__ __forceinline__ uint2 finish_row_tiled(RowScratch& w, unsigned* warp_
   }
   __syncthreads();
   bool dup_holder = false;
-  for (int j0 = tid; j0 < w.H; j0 += U * NT) {
+  for (int b = 0; b < w.H; b += U * NT) {  // the same rounds for every lane (find_keys)
+    const int j0 = b + tid;
     int k[U], found[U];
 #pragma unroll
     for (int u = 0; u < U; ++u) {
@@ -636,19 +634,20 @@ __global__ void __launch_bounds__(NT, 1024 / NT) resolve_kernel(const ResolveArg
   const int* sres = reinterpret_cast<const int*>(base + lay.resident);
 
   for (int r = blockIdx.x; r < a.B; r += gridDim.x) {
-    // 0. Stage the row (cp.async straight into shared memory). The keys go first, in their
-    //    own group: they do not depend on the state row, and stage 1 needs only them. The
-    //    state row and the earlier rows' state rows (rule 0) are read together, and the hash
-    //    is cleared while they are in flight; the state row's slot keys and order (the second
-    //    of two dependent reads) wait for them. Only the keys are cleared: an entry's other
-    //    word is written by the thread inserting its key.
+    // 0. Stage the row (cp.async straight into shared memory). The state row index is read
+    //    first: the state row's slot keys and order (the second of two dependent reads) wait
+    //    for it; issued after the keys' copies it arrived ~400 cycles later. The keys go next,
+    //    in their own group: they do not depend on the state row, and stage 1 needs only them.
+    //    The earlier rows' state rows (rule 0) are read with the state row index, and the hash
+    //    is cleared while they are in flight. Only the keys are cleared: an entry's other word
+    //    is written by the thread inserting its key.
+    const int s = a.state_rows[r];
+    const int s_prev = tid < r ? a.state_rows[tid] : -1;
     const int32_t* keys = a.top_k + int64_t(r) * K;
     stage_copy<NT>(reinterpret_cast<uint8_t*>(hidx), keys, int64_t(K) * 4, SMEM);
     if (has_res)
       stage_copy<NT>(base + lay.resident, a.resident + int64_t(r) * K, int64_t(K) * 4, SMEM);
     if (SMEM) cp_async_commit();
-    const int s_prev = tid < r ? a.state_rows[tid] : -1;
-    const int s = a.state_rows[r];
 #pragma unroll 1
     for (int j = tid; j < cap / 4; j += NT)  // cap >= 4
       reinterpret_cast<int4*>(hkey)[j] = make_int4(-1, -1, -1, -1);
@@ -685,15 +684,15 @@ __global__ void __launch_bounds__(NT, 1024 / NT) resolve_kernel(const ResolveArg
     //    indices in a pass after the barrier (rare: top-k rows seldom repeat a key). Padding
     //    and resident entries get their final output now. UK entries per thread probe at once.
     bool repeated = false;
-    for (int i0 = tid; i0 < K; i0 += UK * NT) {
+    for (int b = 0; b < K; b += UK * NT) {  // the same rounds for every lane (follow_chains)
+      const int i0 = b + tid;
       int k[UK];
       unsigned h[UK];
-      bool go[UK];
+      unsigned go = 0;  // bit u: entry u inserts its key (a mask: bool arrays cost byte shuffles)
 #pragma unroll
       for (int u = 0; u < UK; ++u) {
         const int i = i0 + u * NT;
         k[u] = i < K ? hidx[i] : -1;
-        go[u] = false;
         h[u] = 0;
         if (i >= K) continue;
         if (k[u] < 0 || k[u] >= a.num_keys) {
@@ -704,17 +703,17 @@ __global__ void __launch_bounds__(NT, 1024 / NT) resolve_kernel(const ResolveArg
           w.out[i] = sres[i];
         } else {
           h[u] = hash_slot(k[u], shift);
-          go[u] = true;
+          go |= 1u << u;
         }
       }
       int old[UK];
 #pragma unroll
-      for (int u = 0; u < UK; ++u) old[u] = go[u] ? atomicCAS(&hkey[h[u]], -1, k[u]) : -1;
+      for (int u = 0; u < UK; ++u) old[u] = (go >> u) & 1u ? atomicCAS(&hkey[h[u]], -1, k[u]) : -1;
       follow_chains<UK>(h, old, k, mask,
                         [&](unsigned hh, int u) { return atomicCAS(&hkey[hh], -1, k[u]); });
 #pragma unroll
       for (int u = 0; u < UK; ++u) {
-        if (!go[u]) continue;
+        if (!((go >> u) & 1u)) continue;
         const int i = i0 + u * NT;
         if (old[u] == -1)
           hfs[h[u]] = (static_cast<unsigned>(i) << 16) | kNone16;

@@ -47,8 +47,12 @@ struct ResolveArgs {
   int num_keys, hot_base, cap_log2;
 };
 
-__host__ __device__ __forceinline__ int64_t round16(int64_t x) { return (x + 15) & ~int64_t(15); }
-__host__ __device__ __forceinline__ int64_t padded(int64_t x) {
+template <class I>
+__host__ __device__ __forceinline__ I round16(I x) {
+  return (x + 15) & ~I(15);
+}
+template <class I>
+__host__ __device__ __forceinline__ I padded(I x) {
   return (x + kResolvePad - 1) / kResolvePad * kResolvePad;
 }
 
@@ -61,17 +65,20 @@ __host__ __device__ __forceinline__ int64_t padded(int64_t x) {
 //   list      H int16: evictable slots (front) and hit slots (back) in LRU order (the fused
 //             path lists only the evictable slots that misses take)
 // Every global read of a row is issued at once into this scratch before any work starts.
+// In 32-bit arithmetic (64-bit offsets cost every warp of the kernel prologue instructions):
+// K <= H <= kMaxHotSize and cap <= kResolveMaxCapPerKey * K keep every offset below 2^22.
 struct ResolveLayout {
-  int64_t entries, resident, slots, order, list, total;
+  int entries, resident, slots, order, list, total;
   __host__ __device__ ResolveLayout(int K, int H, int cap, bool has_res) {
-    entries = round16(int64_t(cap) * 8);
+    entries = round16(cap * 8);
     resident = entries + round16(padded(K) * 4);
     slots = resident + (has_res ? round16(padded(K) * 4) : 0);
-    order = slots + round16(int64_t(H) * 4);
+    order = slots + round16(H * 4);
     list = order + round16(padded(H) * 2);
-    total = list + round16(int64_t(H) * 2);
+    total = list + round16(H * 2);
   }
 };
+static_assert(kMaxHotSize * kResolveMaxCapPerKey * 8 * 2 < INT_MAX / 4, "resolve scratch offsets must fit an int");
 
 // gather and save_rows share one row-copy kernel: work items are (layer, batch row, chunk of
 // up to 32 planned rows), one warp per item; a warp moves each row in 16-byte words laid on the
