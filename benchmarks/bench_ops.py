@@ -205,12 +205,17 @@ def graph_resolve(st, rate, reps, timer, pre=None):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         st.call()
+    return timed_steps(st, rate, reps, timer, graph.replay, pre)
+
+
+def timed_steps(st, rate, reps, timer, fn, pre=None):
+    """Median µs of `fn`, timed once after each of `reps` steps of the trace (`pre` before each)."""
     times = []
     for _ in range(reps):
         st.advance(rate)
         if pre is not None:
             pre()
-        times.append(timer.time_us(graph.replay))
+        times.append(timer.time_us(fn))
     return median(times)
 
 

@@ -11,7 +11,8 @@ for top-k 2048 (hot 4096). The baseline revision must be 182fe86 or later (the s
 a baseline whose kernel is templated on <NT, FUSED, SMEM> (89b6da0 and later) is detected. Rows
 repeat one key each (the rare path); DUPS=0 in the environment of the binary runs rows without.
 cold.cu and dispatch.cu next to it are the cold-call and launch experiments (their headers);
-blocks.py builds a per-CTA timing variant of this harness."""
+blocks.py builds a per-CTA timing variant of this harness, warps.py a per-warp timeline of one
+row; ncu_count.py turns an ncu source page of it into instructions per warp per stage."""
 
 import pathlib
 import subprocess

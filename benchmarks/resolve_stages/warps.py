@@ -16,8 +16,8 @@ from blocks import BUILD, HERE, build_variant, patched
 STEPS = [
     ("row start", "    const int s = a.state_rows[r];\n", False),
     ("hash cleared", "    const bool in_range = s >= 0 && s < a.S;\n", False),
-    ("state row index in", "    if (SMEM) cp_async_wait_but_newest();  // the keys\n", False),
-    ("keys in", "    const bool live = in_range && !__syncthreads_or(dup);\n", False),
+    ("state row index in", "    if (SMEM) cp_async_wait_but_newest();  // the keys", False),
+    ("at barrier: live", "    const bool live = in_range && !__syncthreads_or(dup);\n", False),
     ("barrier: live", "    const bool live = in_range && !__syncthreads_or(dup);\n", True),
     ("keys inserted", "    if (SMEM) cp_async_wait_all();\n    if (__syncthreads_or(rep", False),
     ("state row in", "    if (__syncthreads_or(repeated)) {\n      for (int i = tid;", False),

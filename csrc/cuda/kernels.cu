@@ -333,15 +333,14 @@ __device__ __forceinline__ unsigned position_flags(const RowScratch& w, int pw, 
   unsigned bits = 0;
 #pragma unroll
   for (int k = 0; k < IT; ++k) {
-    if (!listed[k]) continue;
-    bool hit = found[k] >= 0;
+    bool hit = found[k] >= 0;  // only a listed slot has a key to find
     if (hit && claim == Claim::kPlain)  // the low half of the entry's second word
       reinterpret_cast<uint16_t*>(w.hfs)[2 * found[k]] = static_cast<uint16_t>(x[k]);
     else if (hit && claim == Claim::kAtomic)
       *dup |= claim_hit_slot(w.hfs, found[k], x[k]);
     else if (hit)
       hit = (w.hfs[found[k]] & kNone16) == static_cast<unsigned>(x[k]);
-    bits |= (hit ? kFlagHit : kFlagEvict) << (2 * k);
+    bits |= (hit ? kFlagHit : listed[k] ? kFlagEvict : 0u) << (2 * k);
   }
   return bits;
 }
@@ -636,15 +635,23 @@ __global__ void __launch_bounds__(NT, 1024 / NT) resolve_kernel(const ResolveArg
   for (int r = blockIdx.x; r < a.B; r += gridDim.x) {
     // 0. Stage the row (cp.async straight into shared memory). The state row index is read
     //    first: the state row's slot keys and order (the second of two dependent reads) wait
-    //    for it; issued after the keys' copies it arrived ~400 cycles later. The keys go next,
-    //    in their own group: they do not depend on the state row, and stage 1 needs only them.
-    //    The earlier rows' state rows (rule 0) are read with the state row index, and the hash
-    //    is cleared while they are in flight. Only the keys are cleared: an entry's other word
-    //    is written by the thread inserting its key.
+    //    for it, and read after the keys' copies were issued it arrived ~600 cycles later.
+    //    The keys go next: a fused row (one insert round) reads them straight into registers
+    //    (no copies to issue, no shared-memory round trip); the tiled path copies them in
+    //    their own group, which does not depend on the state row. The earlier rows' state rows
+    //    (rule 0) are read with the state row index, and the hash is cleared while they are in
+    //    flight. Only the hash's key words are cleared: an entry's other word is written by
+    //    the thread inserting its key.
     const int s = a.state_rows[r];
     const int s_prev = tid < r ? a.state_rows[tid] : -1;
     const int32_t* keys = a.top_k + int64_t(r) * K;
-    stage_copy<NT>(reinterpret_cast<uint8_t*>(hidx), keys, int64_t(K) * 4, SMEM);
+    int kreg[UK];
+    if (FUSED) {
+#pragma unroll
+      for (int u = 0; u < UK; ++u) kreg[u] = tid + u * NT < K ? __ldg(keys + tid + u * NT) : -1;
+    } else {
+      stage_copy<NT>(reinterpret_cast<uint8_t*>(hidx), keys, int64_t(K) * 4, SMEM);
+    }
     if (has_res)
       stage_copy<NT>(base + lay.resident, a.resident + int64_t(r) * K, int64_t(K) * 4, SMEM);
     if (SMEM) cp_async_commit();
@@ -666,7 +673,7 @@ __global__ void __launch_bounds__(NT, 1024 / NT) resolve_kernel(const ResolveArg
       for (int q = tid + NT; q < r; q += NT) dup |= a.state_rows[q] == s;
     }
     if (SMEM) cp_async_commit();
-    if (SMEM) cp_async_wait_but_newest();  // the keys
+    if (SMEM) cp_async_wait_but_newest();  // the keys (tiled) and resident rows
     const bool live = in_range && !__syncthreads_or(dup);
     if (!live) {  // padding row: rule 0
       for (int i = tid; i < K; i += NT) w.out[i] = -1;
@@ -692,7 +699,7 @@ __global__ void __launch_bounds__(NT, 1024 / NT) resolve_kernel(const ResolveArg
 #pragma unroll
       for (int u = 0; u < UK; ++u) {
         const int i = i0 + u * NT;
-        k[u] = i < K ? hidx[i] : -1;
+        k[u] = i >= K ? -1 : FUSED ? kreg[u] : hidx[i];  // fused: one round, i0 = tid
         h[u] = 0;
         if (i >= K) continue;
         if (k[u] < 0 || k[u] >= a.num_keys) {

@@ -58,13 +58,15 @@ __host__ __device__ __forceinline__ I padded(I x) {
 
 // Per-row scratch of resolve, in this order (each part 16-byte aligned):
 //   hash      cap x key, then cap x (first occurrence << 16 | hit/assigned slot)
-//   entries   K (padded to 8) int32: the row's keys as loaded, then each entry's hash index
+//   entries   K (padded to 8) int32: each entry's hash index (tiled path: first the row's keys
+//             as loaded; a fused row reads its keys into registers)
 //   resident  K (padded to 8) int32: the row's resident rows as loaded (resident tier only)
 //   slots     H int32: the state row's slot keys as loaded, then each slot's hash index
 //   order     H (padded to 8) int16: the state row's LRU order as loaded
 //   list      H int16: evictable slots (front) and hit slots (back) in LRU order (the fused
 //             path lists only the evictable slots that misses take)
-// Every global read of a row is issued at once into this scratch before any work starts.
+// Every global read of a row is issued at once (into this scratch; a fused row's keys into
+// registers) before any work starts.
 // In 32-bit arithmetic (64-bit offsets cost every warp of the kernel prologue instructions):
 // K <= H <= kMaxHotSize and cap <= kResolveMaxCapPerKey * K keep every offset below 2^22.
 struct ResolveLayout {
