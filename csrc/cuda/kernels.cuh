@@ -67,7 +67,7 @@ __host__ __device__ __forceinline__ I padded(I x) {
 //             path lists only the evictable slots that misses take)
 // Every global read of a row is issued at once (into this scratch; a fused row's keys into
 // registers) before any work starts.
-// In 32-bit arithmetic (64-bit offsets cost every warp of the kernel prologue instructions):
+// In 32-bit arithmetic (64-bit offsets cost extra prologue instructions in every warp):
 // K <= H <= kMaxHotSize and cap <= kResolveMaxCapPerKey * K keep every offset below 2^22.
 struct ResolveLayout {
   int entries, resident, slots, order, list, total;
@@ -80,7 +80,10 @@ struct ResolveLayout {
     total = list + round16(H * 2);
   }
 };
-static_assert(kMaxHotSize * kResolveMaxCapPerKey * 8 * 2 < INT_MAX / 4, "resolve scratch offsets must fit an int");
+// The largest row: the hash (8 bytes an entry, at most kResolveMaxCapPerKey per key) plus at most
+// 16 bytes per slot and per key for the other parts, and their padding.
+static_assert(int64_t(kResolveMaxCapPerKey) * kMaxHotSize * 8 + 32 * kMaxHotSize + 256 < INT_MAX,
+              "resolve scratch offsets must fit an int");
 
 // gather and save_rows share one row-copy kernel: work items are (layer, batch row, chunk of
 // up to 32 planned rows), one warp per item; a warp moves each row in 16-byte words laid on the
