@@ -53,7 +53,7 @@ class FakeOpenAIServer:
         self.requests: List[dict] = []
         self.max_in_flight = 0
         self._in_flight = 0
-        self._lock = threading.Lock()
+        self._overlap = threading.Condition()
         outer = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -109,32 +109,33 @@ class FakeOpenAIServer:
                 if self.path != "/v1/completions":
                     self._send(404, {"error": f"no route {self.path}"})
                     return
-                with outer._lock:
+                with outer._overlap:
                     outer.requests.append(body)
                     outer._in_flight += 1
                     outer.max_in_flight = max(outer.max_in_flight, outer._in_flight)
-                try:
-                    time.sleep(0.05)  # let concurrent requests overlap
-                    if body.get("model") != outer.model:
-                        self._send(404, {"error": f"model {body.get('model')!r} not served"})
-                        return
-                    question = last_question(body.get("prompt", ""))
-                    if question in outer.fail_questions:
-                        self._send(500, {"error": "injected failure"})
-                        return
-                    text = outer.answers.get(question, outer.default)
-                    self._send(
-                        200,
-                        {
-                            "object": "text_completion",
-                            "model": outer.model,
-                            "choices": [{"index": 0, "text": text, "finish_reason": "stop"}],
-                            "usage": {"completion_tokens": len(text.split())},
-                        },
-                    )
-                finally:
-                    with outer._lock:
-                        outer._in_flight -= 1
+                    outer._overlap.notify_all()
+                    # Hold the request until another one is in flight (bounded), so a test sees
+                    # overlap however loaded the machine is, not only when the timing is kind.
+                    outer._overlap.wait_for(lambda: outer._in_flight > 1, timeout=0.5)
+                    code, reply = self._reply(body)
+                    # Leave the in-flight set before the reply is sent: once the client has the
+                    # reply it may send its next request, which must not count this one too.
+                    outer._in_flight -= 1
+                self._send(code, reply)
+
+            def _reply(self, body: dict):
+                if body.get("model") != outer.model:
+                    return 404, {"error": f"model {body.get('model')!r} not served"}
+                question = last_question(body.get("prompt", ""))
+                if question in outer.fail_questions:
+                    return 500, {"error": "injected failure"}
+                text = outer.answers.get(question, outer.default)
+                return 200, {
+                    "object": "text_completion",
+                    "model": outer.model,
+                    "choices": [{"index": 0, "text": text, "finish_reason": "stop"}],
+                    "usage": {"completion_tokens": len(text.split())},
+                }
 
         self.httpd = ThreadingHTTPServer((host, port), Handler)
         self.httpd.daemon_threads = True
