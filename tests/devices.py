@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hisparse import _ext
+from hisparse.ops import extension as _ext
 
 
 def cuda_ready() -> bool:

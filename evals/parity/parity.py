@@ -458,7 +458,7 @@ def compare_pair(sc: Scenario, cfg, resident, hisparse, kind: str) -> PairResult
             break
     attention_ok = layers_total > 0 and layers_same == layers_total
     parity_ok = same == total and total > 0 and hidden_ok and attention_ok
-    st = hisparse.stats
+    st = hisparse.connector.stats
     cov, problems = _coverage(sc, cfg, st, resident.stats)
     return PairResult(
         scenario=sc.name,
@@ -587,7 +587,7 @@ def _negative_control(run_workload, sc: Scenario, cfg, resident, device) -> Pair
     at bind time; the same fault is then applied to a resident run, which has no such check,
     to show that the parity comparison itself catches the corrupted outputs. A faulty run that
     raises anything else also counts as detected."""
-    from hisparse.binding import BindingError
+    from hisparse.runtime.views import BindingError
 
     t = time.monotonic()
     note = None

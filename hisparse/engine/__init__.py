@@ -2,8 +2,8 @@
 says which module holds what)."""
 
 from hisparse.engine.config import EngineConfig, request_lengths
-from hisparse.engine.kvformat import ROW_LAYOUTS
 from hisparse.engine.run import MODES, Parity, RunResult, RunStats, compare_runs, run_workload
+from hisparse.models.rows import ROW_LAYOUTS
 
 __all__ = [
     "EngineConfig",

@@ -7,8 +7,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Tuple
 
-from hisparse.engine.kvformat import ROW_LAYOUTS
-from hisparse.limits import MAX_HOT_SIZE, check_int
+from hisparse.models.rows import ROW_LAYOUTS
+from hisparse.ops.limits import MAX_HOT_SIZE, check_int
 
 DTYPES = ("float64", "float32")
 RESIDENCIES = ("host", "hybrid")

@@ -14,8 +14,8 @@ from hisparse.engine.hybrid import HybridKV
 from hisparse.engine.indexer import Indexer
 from hisparse.engine.kvstore import BINDING_FAULTS, SPILL_FAULTS, KVStore, ResidentKV
 from hisparse.engine.layer import LayerPass
-from hisparse.engine.model import Model
 from hisparse.engine.requests import Request
+from hisparse.models.reference import Model
 
 MODES = ("resident", "hisparse")
 

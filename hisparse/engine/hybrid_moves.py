@@ -76,7 +76,7 @@ class ResidencyMoves:
     def _spill_snapshot(self):
         """The spill counters' increase since the last snapshot, as a stats object (None if
         nothing moved)."""
-        from hisparse.stats import HiSparseKVConnectorStats
+        from hisparse.connector.stats import HiSparseKVConnectorStats
 
         delta = {k: self.counts[k] - self._reported[k] for k in self.counts}
         if not any(delta.values()):

@@ -11,7 +11,7 @@ import torch
 from hisparse.engine import prefill
 from hisparse.engine.batch import StepBatch
 from hisparse.engine.config import EngineConfig
-from hisparse.engine.model import Model, ema_matrix, select_top_k
+from hisparse.models.reference import Model, ema_matrix, select_top_k
 
 
 class Indexer:

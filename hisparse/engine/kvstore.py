@@ -17,8 +17,8 @@ from typing import Dict, List, Optional, Protocol, Sequence, Tuple, runtime_chec
 
 import torch
 
-from hisparse.binding import PackedLayout, bind_layers, layer_view
 from hisparse.engine.config import EngineConfig
+from hisparse.runtime.views import PackedLayout, bind_layers, layer_view
 
 BINDING_FAULTS = (None, "base_offset")
 # Negative control of the hybrid spill path: a spill copies one row too few to the host pool.

@@ -12,9 +12,9 @@ import torch
 from hisparse.engine import prefill
 from hisparse.engine.batch import StepBatch
 from hisparse.engine.config import EngineConfig
-from hisparse.engine.kvformat import decode_rows, encode_rows
 from hisparse.engine.kvstore import KVStore
-from hisparse.engine.model import Model
+from hisparse.models.reference import Model
+from hisparse.models.rows import decode_rows, encode_rows
 
 
 @dataclass

@@ -8,8 +8,8 @@ from typing import Callable, Tuple
 
 import torch
 
-from hisparse.engine.kvformat import LATENT_DIM
-from hisparse.engine.model import select_top_k
+from hisparse.models.reference import select_top_k
+from hisparse.models.rows import LATENT_DIM
 
 # Max elements of one prefill attention gather ([chunk, top_k, 576] values). Read at call time,
 # so tests can shrink it to force chunking.

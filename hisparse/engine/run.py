@@ -13,10 +13,10 @@ import torch
 
 from hisparse.engine.config import EngineConfig
 from hisparse.engine.forward import MODES, Engine
-from hisparse.engine.kvformat import LATENT_DIM
 from hisparse.engine.loop import LoopTotals, run_steps
 from hisparse.engine.requests import Request, make_requests
 from hisparse.engine.results import Parity, RunResult, RunStats, compare_runs
+from hisparse.models.rows import LATENT_DIM
 
 # Names other modules and tests reach through ``hisparse.engine.run``.
 _Request = Request
@@ -79,7 +79,7 @@ def run_workload(
     stats. ``metrics``: an object with ``observe(stats)`` (e.g. the CLI's Prometheus side)."""
     cfg = config
     dev = _resolve_device(device)
-    from hisparse.stats import HiSparseKVConnectorStats  # noqa: F401  (connector's container)
+    from hisparse.connector.stats import HiSparseKVConnectorStats  # noqa: F401  (connector's container)
 
     relay = _StatsRelay(metrics)
     eng = Engine(

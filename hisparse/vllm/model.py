@@ -23,9 +23,9 @@ from torch import nn
 from vllm.config import VllmConfig
 from vllm.forward_context import get_forward_context
 
-from hisparse.engine.kvformat import LATENT_DIM, decode_rows, encode_rows
-from hisparse.engine.model import Model, select_top_k
-from hisparse.model_export import config_from_hf, weights_by_name
+from hisparse.models.checkpoint import config_from_hf, weights_by_name
+from hisparse.models.reference import Model, select_top_k
+from hisparse.models.rows import LATENT_DIM, decode_rows, encode_rows
 from hisparse.vllm.layers import IndexerCache, SparseMLACache, StepMetadata
 
 # Bound on one prefill attention gather ([tokens, top_k, 576] values).

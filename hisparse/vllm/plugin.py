@@ -6,7 +6,7 @@ names the model class by its import path, so nothing heavy is imported here.
 
 from __future__ import annotations
 
-from hisparse.model_export import ARCHITECTURE
+from hisparse.models.checkpoint import ARCHITECTURE
 
 MODEL_CLASS = "hisparse.vllm.model:HiSparseMLAForCausalLM"
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hisparse.binding import (
+from hisparse.runtime.views import (
     BindingError,
     PackedLayout,
     bind_layers,

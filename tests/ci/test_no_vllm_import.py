@@ -1,4 +1,4 @@
-"""`import hisparse` never imports vLLM; hisparse.stats/connector use vLLM's bases only when vLLM
+"""`import hisparse` never imports vLLM; hisparse.connector.stats/connector use vLLM's bases only when vLLM
 imports, and fall back to their own otherwise. Each case runs in a fresh interpreter."""
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ def test_import_hisparse_never_imports_vllm(tmp_path):
     out = _run(
         """
         import sys
-        import hisparse, hisparse.config, hisparse.runtime, hisparse.ops
+        import hisparse, hisparse.connector.config, hisparse.runtime, hisparse.ops
         loaded = [m for m in sys.modules if m == 'vllm' or m.startswith('vllm.')]
         assert not loaded, sorted(sys.modules)
         print('ok')
@@ -59,13 +59,13 @@ def test_import_hisparse_never_imports_vllm(tmp_path):
 def test_broken_vllm_falls_back_to_own_bases(tmp_path):
     out = _run(
         """
-        from hisparse import _vllm_compat as c
+        from hisparse.vllm import compat as c
         from hisparse.connector import HiSparseConnector
-        from hisparse.stats import HiSparseKVConnectorStats
+        from hisparse.connector.stats import HiSparseKVConnectorStats
         assert not c.HAVE_VLLM
         assert 'vllm was imported' in c.VLLM_UNAVAILABLE_REASON, c.VLLM_UNAVAILABLE_REASON
         assert issubclass(HiSparseKVConnectorStats, c.KVConnectorStats)
-        assert HiSparseKVConnectorStats.__mro__[1].__module__ == 'hisparse._vllm_compat'
+        assert HiSparseKVConnectorStats.__mro__[1].__module__ == 'hisparse.vllm.compat'
         print('ok')
     """,
         tmp_path,
@@ -78,8 +78,8 @@ def test_no_vllm_env_skips_vllm_entirely(tmp_path):
     out = _run(
         """
         import sys
-        import hisparse.connector, hisparse.metrics, hisparse.worker
-        from hisparse import _vllm_compat as c
+        import hisparse.connector, hisparse.connector.exporter, hisparse.connector.worker
+        from hisparse.vllm import compat as c
         assert not c.HAVE_VLLM and c.VLLM_UNAVAILABLE_REASON == 'HISPARSE_NO_VLLM is set'
         assert 'vllm' not in sys.modules
         print('ok')
@@ -154,9 +154,9 @@ def test_subclasses_vllm_bases_when_vllm_imports(tmp_path):
         assert 'vllm' not in sys.modules  # still nothing at package import
         from vllm.distributed.kv_transfer.kv_connector.v1 import base, metrics
         from hisparse.connector import HiSparseConnector
-        from hisparse.stats import HiSparseKVConnectorStats, HiSparsePromMetrics
-        from hisparse.worker import HiSparseConnectorMetadata
-        from hisparse import _vllm_compat as c
+        from hisparse.connector.stats import HiSparseKVConnectorStats, HiSparsePromMetrics
+        from hisparse.connector.worker import HiSparseConnectorMetadata
+        from hisparse.vllm import compat as c
         assert c.HAVE_VLLM
         assert issubclass(HiSparseConnector, base.KVConnectorBase_V1)
         assert issubclass(HiSparseConnector, base.SupportsHMA)

@@ -104,7 +104,7 @@ def test_demo_needs_none_of_the_extras():
         "        if name.split('.')[0] in ('matplotlib', 'yaml', 'ninja'):\n"
         "            raise ImportError('blocked ' + name)\n"
         "sys.meta_path.insert(0, Block())\n"
-        "import hisparse.bench, hisparse.plan, hisparse.metrics\n"
+        "import hisparse.cli.bench, hisparse.cli.capacity, hisparse.connector.exporter\n"
         "from hisparse import cli\n"
         "sys.exit(cli.main(sys.argv[1:]))\n"
     )

@@ -14,7 +14,8 @@ import urllib.request
 
 import pytest
 
-from hisparse import cli, demo
+from hisparse import cli
+from hisparse.cli import demo
 from hisparse.engine import EngineConfig
 from tests import REPO_ROOT
 from tests.engine_helpers import SMALL_FLAGS
@@ -213,7 +214,7 @@ def test_plot_without_matplotlib_is_one_line_before_the_sweep(tmp_path):
         "    def find_spec(self, name, path, target=None):\n"
         "        if name.split('.')[0] == 'matplotlib': raise ImportError('blocked')\n"
         "sys.meta_path.insert(0, Block())\n"
-        "import hisparse.bench as b\n"
+        "import hisparse.cli.bench as b\n"
         "b.hot_size_sweep = lambda *a, **k: sys.exit('the sweep must not run')\n"
         "from hisparse import cli\n"
         "sys.exit(cli.main(sys.argv[1:]))\n"
@@ -234,7 +235,7 @@ def test_plot_without_matplotlib_is_one_line_before_the_sweep(tmp_path):
 
 def test_python_m_hisparse_metrics_serves_until_interrupted():
     p = subprocess.Popen(
-        [sys.executable, "-m", "hisparse.metrics", "--port", "0", "--model-name", "m1"],
+        [sys.executable, "-m", "hisparse.connector.exporter", "--port", "0", "--model-name", "m1"],
         cwd=ROOT,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -267,7 +268,13 @@ def test_python_m_hisparse_metrics_busy_port_exits_2():
     s.listen(1)
     try:
         p = subprocess.run(
-            [sys.executable, "-m", "hisparse.metrics", "--port", str(s.getsockname()[1])],
+            [
+                sys.executable,
+                "-m",
+                "hisparse.connector.exporter",
+                "--port",
+                str(s.getsockname()[1]),
+            ],
             capture_output=True,
             text=True,
             cwd=ROOT,
@@ -276,5 +283,7 @@ def test_python_m_hisparse_metrics_busy_port_exits_2():
     finally:
         s.close()
     assert p.returncode == 2
-    assert p.stderr.startswith("python -m hisparse.metrics: error: argument --port: cannot serve")
+    assert p.stderr.startswith(
+        "python -m hisparse.connector.exporter: error: argument --port: cannot serve"
+    )
     assert len(p.stderr.strip().splitlines()) == 1

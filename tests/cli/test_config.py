@@ -5,8 +5,13 @@ from __future__ import annotations
 
 import pytest
 
-from hisparse.config import MAX_HOST_POOL_GIB, MAX_INT_SETTING, HiSparseConfig, HiSparseConfigError
-from hisparse.limits import MAX_HOT_SIZE
+from hisparse.connector.config import (
+    MAX_HOST_POOL_GIB,
+    MAX_INT_SETTING,
+    HiSparseConfig,
+    HiSparseConfigError,
+)
+from hisparse.ops.limits import MAX_HOT_SIZE
 
 
 @pytest.mark.parametrize("key", ["max_num_seqs", "block_size", "index_share", "metrics_interval"])

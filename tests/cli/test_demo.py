@@ -12,7 +12,7 @@ import urllib.request
 import pytest
 
 from hisparse import cli
-from hisparse.demo import run_demo, scrape_counters
+from hisparse.cli.demo import run_demo, scrape_counters
 from tests.devices import needs_cuda
 from tests.engine_helpers import SMALL_FLAGS
 
@@ -43,7 +43,7 @@ def test_demo_end_to_end_parity_hits_json_and_metrics(tmp_path, capsys):
 
 
 def test_summary_counters_equal_an_independent_scrape():
-    from hisparse.metrics import HiSparseMetricsExporter
+    from hisparse.connector.exporter import HiSparseMetricsExporter
 
     exp = HiSparseMetricsExporter(model_name="test")
     port = exp.start(0)

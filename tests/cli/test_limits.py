@@ -1,4 +1,4 @@
-"""hisparse.limits: its numbers are the built extension's, it imports without torch, one integer
+"""hisparse.ops.limits: its numbers are the built extension's, it imports without torch, one integer
 validator, and the empty residency state every caller builds."""
 
 from __future__ import annotations
@@ -10,7 +10,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from hisparse import _ext, limits, ops
+from hisparse import ops
+from hisparse.ops import extension as _ext
+from hisparse.ops import limits
 from hisparse.runtime import empty_residency, reset_residency
 
 
@@ -31,7 +33,7 @@ def test_a_build_with_other_limits_is_refused_by_name():
 
 
 def test_limits_and_the_cli_import_without_torch():
-    code = "import sys, hisparse.limits, hisparse.cli; assert 'torch' not in sys.modules"
+    code = "import sys, hisparse.ops.limits, hisparse.cli; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 
 

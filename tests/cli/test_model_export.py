@@ -13,14 +13,14 @@ import pytest
 import tomllib
 import torch
 
-from hisparse.engine.model import Model
-from hisparse.model_export import (
+from hisparse.models.checkpoint import (
     ARCHITECTURE,
     ExportError,
     config_from_hf,
     export_model,
     model_config,
 )
+from hisparse.models.reference import Model
 from tests import REPO_ROOT
 
 ROOT = REPO_ROOT

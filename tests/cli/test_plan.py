@@ -7,7 +7,7 @@ import json
 import pytest
 
 from hisparse import cli
-from hisparse.plan import PlanError, PlanInputs, compute
+from hisparse.cli.capacity import PlanError, PlanInputs, compute
 from tests.plan_helpers import SMALL_PLAN
 
 

@@ -8,10 +8,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from hisparse.config import HiSparseConfig, HiSparseConfigError
 from hisparse.connector import HiSparseConnector, KVConnectorRole, StepSchedule
-from hisparse.stats import HiSparseKVConnectorStats
-from hisparse.worker import HiSparseConnectorMetadata
+from hisparse.connector.config import HiSparseConfig, HiSparseConfigError
+from hisparse.connector.stats import HiSparseKVConnectorStats
+from hisparse.connector.worker import HiSparseConnectorMetadata
 from tests.telemetry_helpers import make_pair
 
 

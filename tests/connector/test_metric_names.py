@@ -7,8 +7,8 @@ from __future__ import annotations
 import json
 import re
 
-from hisparse.metrics import HiSparseMetricsExporter
-from hisparse.stats import METRIC_NAMES
+from hisparse.connector.exporter import HiSparseMetricsExporter
+from hisparse.connector.stats import METRIC_NAMES
 from tests import REPO_ROOT
 
 ROOT = REPO_ROOT

@@ -9,7 +9,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from hisparse.connector import HiSparseConnector
-from hisparse.metrics import HiSparseMetricsExporter
+from hisparse.connector.exporter import HiSparseMetricsExporter
 from tests.telemetry_helpers import Workload, make_pair
 
 

@@ -11,7 +11,7 @@ import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from hisparse.connector import HiSparseConnector
-from hisparse.stats import COUNTER_NAMES, HiSparseKVConnectorStats, HiSparsePromMetrics
+from hisparse.connector.stats import COUNTER_NAMES, HiSparseKVConnectorStats, HiSparsePromMetrics
 
 
 def test_empty_on_creation():

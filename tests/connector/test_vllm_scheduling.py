@@ -10,10 +10,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from hisparse.config import HiSparseConfig
 from hisparse.connector import HiSparseConnector
-from hisparse.vllm.binding import HiSparseModelError, find_model_layers, model_hisparse_layers
-from hisparse.worker import HiSparseConnectorWorker
+from hisparse.connector.config import HiSparseConfig
+from hisparse.connector.worker import HiSparseConnectorWorker
+from hisparse.vllm.model_check import HiSparseModelError, find_model_layers, model_hisparse_layers
 
 BS = 4
 
@@ -120,7 +120,7 @@ def _worker(S=2, H=4, K=2, rb=16, layers=("l0", "l1")):
 
 
 def _meta(req_ids, rows, anchors, resets=()):
-    from hisparse.worker import HiSparseConnectorMetadata
+    from hisparse.connector.worker import HiSparseConnectorMetadata
 
     return HiSparseConnectorMetadata(
         req_ids=tuple(req_ids),
@@ -268,7 +268,7 @@ def test_invalidate_keys_and_metadata_values_are_checked():
         w.start_step(_meta(["a"], [7], [5]))
     with pytest.raises(ValueError, match="distinct"):
         w.start_step(_meta(["a", "b"], [1, 1], [5, 6]))
-    from hisparse.worker import HiSparseConnectorMetadata
+    from hisparse.connector.worker import HiSparseConnectorMetadata
 
     over = HiSparseConnectorMetadata(req_ids=("a",), state_rows=(0,), host_rows_in_use=41)
     with pytest.raises(ValueError, match=r"\['host_pool_gib'\]"):
@@ -304,7 +304,7 @@ def test_host_rows_in_use_count_shared_prefix_blocks_once():
 
 @pytest.mark.parametrize("bad", ["top_k=4", [("top_k", 4)]])
 def test_non_mapping_extra_config_is_one_named_error(bad):
-    from hisparse.config import HiSparseConfigError
+    from hisparse.connector.config import HiSparseConfigError
 
     with pytest.raises(HiSparseConfigError, match="kv_connector_extra_config must be a mapping"):
         HiSparseConnector.from_extra_config(bad, role="worker")

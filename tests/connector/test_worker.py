@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hisparse.binding import BindingError
-from hisparse.config import HiSparseConfig, HiSparseConfigError
 from hisparse.connector import StepSchedule
-from hisparse.sampler import DeviceHooks
-from hisparse.worker import HiSparseConnectorMetadata, HiSparseConnectorWorker
+from hisparse.connector.config import HiSparseConfig, HiSparseConfigError
+from hisparse.connector.sampler import DeviceHooks
+from hisparse.connector.worker import HiSparseConnectorMetadata, HiSparseConnectorWorker
+from hisparse.runtime.views import BindingError
 from tests.telemetry_helpers import Workload, make_pair
 
 
@@ -403,9 +403,9 @@ def test_follower_gathers_after_its_own_save_in_per_layer_order():
 def test_register_refuses_overlapping_caches_and_misfit_pinning():
     import pytest
 
-    from hisparse.binding import BindingError
-    from hisparse.config import HiSparseConfigError
     from hisparse.connector import HiSparseConnector
+    from hisparse.connector.config import HiSparseConfigError
+    from hisparse.runtime.views import BindingError
 
     extra = {
         "top_k": 4,

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from hisparse.engine import ROW_LAYOUTS, EngineConfig, compare_runs, run_workload
-from hisparse.engine.kvformat import KV_DIM, decode_rows, encode_rows
-from hisparse.engine.model import select_top_k
+from hisparse.models.reference import select_top_k
+from hisparse.models.rows import KV_DIM, decode_rows, encode_rows
 from tests.engine_helpers import small_config
 
 
@@ -129,7 +129,7 @@ def test_negative_control_breaks_parity():
     par = compare_runs(good, bad)
     assert not par.ok and not par.tokens_equal
     # HiSparse registers its caches through the connector, which refuses overlapping layers
-    from hisparse.binding import BindingError
+    from hisparse.runtime.views import BindingError
 
     with pytest.raises(BindingError, match="overlap"):
         run_workload(cfg, "hisparse", binding_fault="base_offset")

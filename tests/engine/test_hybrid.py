@@ -183,7 +183,7 @@ def test_spill_counters_reach_a_prometheus_scrape(cfg, resident):
     the exporter's scrape under the exported names."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    from hisparse.metrics import HiSparseMetricsExporter
+    from hisparse.connector.exporter import HiSparseMetricsExporter
 
     exp = HiSparseMetricsExporter()
     hy = run_workload(hybrid(cfg), mode="hisparse", metrics=exp)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from hisparse import cli
-from hisparse.plan import PlanInputs, compute, hybrid_resident
+from hisparse.cli.capacity import PlanInputs, compute, hybrid_resident
 from tests.plan_helpers import SMALL_PLAN
 
 

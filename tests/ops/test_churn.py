@@ -11,8 +11,8 @@ import random
 import pytest
 import torch
 
-from hisparse.binding import PackedLayout, bind_layers
 from hisparse.runtime import HiSparseIndexGroup, HiSparseRuntime, StateRowAllocator
+from hisparse.runtime.views import PackedLayout, bind_layers
 
 S, H, K = 6, 48, 32  # state rows, hot slots, top-k
 BLOCK, BLOCKS = 8, 96  # host pool: 96 blocks of 8 rows = 768 keys

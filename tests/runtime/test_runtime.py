@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hisparse.binding import BindingError, PackedLayout, bind_layers
-from hisparse.host_pool import HostPool, HostPoolError, available_host_bytes
 from hisparse.runtime import HiSparseIndexGroup, HiSparseRuntime, StateRowAllocator
+from hisparse.runtime.host_pool import HostPool, HostPoolError, available_host_bytes
+from hisparse.runtime.views import BindingError, PackedLayout, bind_layers
 from tests import oracle
 
 S, H, K, ROWS, RB = 3, 8, 4, 64, 32

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hisparse.binding import PackedLayout, bind_layers
-from hisparse.host_pool import HostPool
 from hisparse.runtime import HiSparseIndexGroup, HiSparseRuntime
+from hisparse.runtime.host_pool import HostPool
+from hisparse.runtime.views import PackedLayout, bind_layers
 from tests.devices import needs_cuda
 
 pytestmark = [pytest.mark.cuda, needs_cuda]

@@ -35,10 +35,10 @@ from vllm.v1.metrics.stats import SchedulerStats
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 
 import hisparse
-from hisparse import _vllm_compat
-from hisparse.config import HiSparseConfigError
 from hisparse.connector import HiSparseConnector, HiSparseOOTConnector, StepSchedule
-from hisparse.stats import HiSparseKVConnectorStats, HiSparsePromMetrics
+from hisparse.connector.config import HiSparseConfigError
+from hisparse.connector.stats import HiSparseKVConnectorStats, HiSparsePromMetrics
+from hisparse.vllm import compat as _vllm_compat
 
 EXTRA = {
     "top_k": 4,

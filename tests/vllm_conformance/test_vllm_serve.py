@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 
-from hisparse.model_export import export_model, model_config
+from hisparse.models.checkpoint import export_model, model_config
 
 ROOT = Path(__file__).resolve().parents[2]
 BLOCK = 16

@@ -78,7 +78,7 @@ def test_config_connector_resolves_to_a_class_in_this_repo(path):
 def test_config_extra_config_is_accepted_by_the_connector(path):
     """kv_connector_extra_config goes to HiSparseConfig.from_extra_config on the server; a typo
     there must fail in CI, not 20 minutes into a nightly."""
-    from hisparse.config import HiSparseConfig
+    from hisparse.connector.config import HiSparseConfig
 
     extra = load_config(path).kv_transfer_config()["kv_connector_extra_config"]
     cfg = HiSparseConfig.from_extra_config(extra)

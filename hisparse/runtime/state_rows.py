@@ -1,11 +1,11 @@
 """State rows: which request holds which row of the per-request residency state. Scheduler-side
-bookkeeping, free of torch; the rows themselves live in each index group (hisparse.runtime)."""
+bookkeeping, free of torch; the rows themselves live in each index group (hisparse.runtime.index_group)."""
 
 from __future__ import annotations
 
 from typing import Optional
 
-from hisparse.limits import check_int
+from hisparse.ops.limits import check_int
 
 
 class StateRowAllocator:

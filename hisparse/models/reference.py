@@ -12,7 +12,7 @@ from typing import List
 import torch
 
 from hisparse.engine.config import EngineConfig
-from hisparse.engine.kvformat import KV_DIM, LATENT_DIM, ROPE_DIM
+from hisparse.models.rows import KV_DIM, LATENT_DIM, ROPE_DIM
 
 NEG_INF = float("-inf")
 

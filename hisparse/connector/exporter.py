@@ -22,7 +22,7 @@ from typing import Any, Optional, Sequence
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import start_http_server
 
-from hisparse.stats import HiSparsePromMetrics
+from hisparse.connector.stats import HiSparsePromMetrics
 
 
 class HiSparseMetricsExporter:
@@ -96,7 +96,7 @@ class HiSparseMetricsExporter:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """``python -m hisparse.metrics``: serve the HiSparse series (zero until a server observes
+    """``python -m hisparse.connector.exporter``: serve the HiSparse series (zero until a server observes
     stats into them) so a Prometheus scrape config or the Grafana board can be wired up and
     checked before a real server runs."""
     import sys
@@ -105,7 +105,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from hisparse.cli import _Parser  # one-line usage errors, exit status 2
 
     parser = _Parser(
-        prog="python -m hisparse.metrics",
+        prog="python -m hisparse.connector.exporter",
         description="Serve the HiSparse Prometheus metrics on /metrics until interrupted.",
     )
     parser.add_argument(

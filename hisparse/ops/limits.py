@@ -1,7 +1,7 @@
 """The ops' limits and the one integer validator every settings class uses.
 
 The numbers are csrc/hisparse_limits.h's; the built extension exports its own copy, and
-``check_extension`` (run when ``hisparse._ext`` loads it) refuses a build whose numbers differ,
+``check_extension`` (run when ``hisparse.ops.extension`` loads it) refuses a build whose numbers differ,
 so Python and the kernels cannot disagree. They are written out here rather than read from the
 extension because this module must import without it, and without torch: the CLI builds its
 parser from them and must not pay seconds of torch import for ``--help``.

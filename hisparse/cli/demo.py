@@ -11,9 +11,8 @@ from typing import Optional
 
 import torch
 
-from hisparse.binding import BindingError
-from hisparse.cli_commands import CommandError
-from hisparse.demo_report import (
+from hisparse.cli.commands import CommandError
+from hisparse.cli.demo_report import (
     COUNTER_SERIES,
     fmt_bytes,
     scrape_counters,
@@ -21,7 +20,8 @@ from hisparse.demo_report import (
     tokens_digest,
 )
 from hisparse.engine import EngineConfig, compare_runs, run_workload
-from hisparse.limits import MAX_HOT_SIZE
+from hisparse.ops.limits import MAX_HOT_SIZE
+from hisparse.runtime.views import BindingError
 
 
 def engine_config_from_args(args, **over) -> EngineConfig:
@@ -68,7 +68,7 @@ def check_memory(
 ) -> dict:
     """Refuse, before anything is allocated, a workload whose KV cannot fit: the allocator
     would otherwise fail deep inside the run (a 27-line traceback, or the OOM killer)."""
-    from hisparse.host_pool import _RESERVE_BYTES, available_host_bytes
+    from hisparse.runtime.host_pool import _RESERVE_BYTES, available_host_bytes
 
     need = memory_needs(cfg)
     if host_free is None:
@@ -146,7 +146,7 @@ def run_demo(args, *, exporter=None, out=None) -> DemoOutcome:
 
 
 def _start_exporter(port: int):
-    from hisparse.metrics import HiSparseMetricsExporter
+    from hisparse.connector.exporter import HiSparseMetricsExporter
 
     exporter = HiSparseMetricsExporter(model_name="hisparse-demo")
     try:

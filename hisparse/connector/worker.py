@@ -1,6 +1,6 @@
 """The worker side of the HiSparse connector: one object per worker (TP rank) that composes
-binding/allocation (``hisparse.registration``), per-step driving (``hisparse.step_driver``, with
-``hisparse.host_save`` for the host writes) and the counter sampler (``hisparse.sampler``).
+binding/allocation (``hisparse.connector.registration``), per-step driving (``hisparse.connector.step_driver``, with
+``hisparse.connector.host_save`` for the host writes) and the counter sampler (``hisparse.connector.sampler``).
 
 ``HiSparseConnectorWorker`` is built from a validated ``HiSparseConfig``; ``register_kv_caches``
 then allocates the (pinned) host pool, binds every layer's host view and hot view, and builds the
@@ -14,15 +14,15 @@ from typing import Mapping, Optional, Sequence
 
 import torch
 
-from hisparse.config import HiSparseConfig
-from hisparse.host_pool import HostPool
-from hisparse.host_save import SlotMapping, save_kv_rows
-from hisparse.metadata import HiSparseConnectorMetadata
-from hisparse.registration import register
+from hisparse.connector.config import HiSparseConfig
+from hisparse.connector.host_save import SlotMapping, save_kv_rows
+from hisparse.connector.metadata import HiSparseConnectorMetadata
+from hisparse.connector.registration import register
+from hisparse.connector.sampler import CounterSampler, DeviceHooks
+from hisparse.connector.stats import HiSparseKVConnectorStats
+from hisparse.connector.step_driver import StepDriver
 from hisparse.runtime import HiSparseRuntime
-from hisparse.sampler import CounterSampler, DeviceHooks
-from hisparse.stats import HiSparseKVConnectorStats
-from hisparse.step_driver import StepDriver
+from hisparse.runtime.host_pool import HostPool
 
 __all__ = ["HiSparseConnectorMetadata", "HiSparseConnectorWorker"]
 
@@ -41,7 +41,7 @@ class HiSparseConnectorWorker:
         if not isinstance(config, HiSparseConfig):
             raise TypeError(f"config must be a HiSparseConfig, got {type(config).__name__}")
         self.config = config
-        # What register_kv_caches binds (hisparse.registration), fixed until shutdown.
+        # What register_kv_caches binds (hisparse.connector.registration), fixed until shutdown.
         self.device: Optional[torch.device] = None
         self.layer_names: tuple = ()
         self.groups: list = []
@@ -165,7 +165,7 @@ class HiSparseConnectorWorker:
     # ------------------------------------------------------------ telemetry
     def get_kv_connector_stats(self) -> Optional[HiSparseKVConnectorStats]:
         """Call once per engine step: the two-phase, event-gated counter snapshot (see
-        ``hisparse.sampler``). Never synchronises the host with the device."""
+        ``hisparse.connector.sampler``). Never synchronises the host with the device."""
         if not self.registered or self._shut_down:
             return None
         return self.sampler.step()

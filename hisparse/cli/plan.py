@@ -1,13 +1,12 @@
 """`hisparse plan`: its flags, reading them into ``PlanInputs``, and the printed report (the
-numbers come from hisparse.plan)."""
+numbers come from hisparse.cli.capacity)."""
 
 from __future__ import annotations
 
 import json
 import os
 
-from hisparse.limits import MAX_HOT_SIZE, ROW_ALIGN
-from hisparse.plan import (
+from hisparse.cli.capacity import (
     DEFAULTS,
     GIB,
     MODEL_FIELDS,
@@ -16,6 +15,7 @@ from hisparse.plan import (
     PlanInputs,
     compute,
 )
+from hisparse.ops.limits import MAX_HOT_SIZE, ROW_ALIGN
 
 
 def _gib(n: float) -> str:

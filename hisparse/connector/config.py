@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields
 from typing import Any, Mapping, Optional
 
-from hisparse.limits import INT32_MAX, MAX_HOT_SIZE, check_int
+from hisparse.ops.limits import INT32_MAX, MAX_HOT_SIZE, check_int
 
 #: Upper bounds of the integer settings. Hot rows are addressed with int32, so
 #: max_num_seqs * device_buffer_size is bounded as well (checked below).

@@ -16,7 +16,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from hisparse.stats import HiSparseKVConnectorStats
+from hisparse.connector.stats import HiSparseKVConnectorStats
 
 
 class CompletedEvent:

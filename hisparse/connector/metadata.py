@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hisparse._vllm_compat import KVConnectorMetadata
+from hisparse.vllm.compat import KVConnectorMetadata
 
 
 @dataclass(frozen=True)

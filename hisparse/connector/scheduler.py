@@ -7,10 +7,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional
 
-from hisparse.config import HiSparseConfig
-from hisparse.metadata import HiSparseConnectorMetadata
-from hisparse.state_rows import StateRowAllocator
-from hisparse.stats import HiSparseKVConnectorStats
+from hisparse.connector.config import HiSparseConfig
+from hisparse.connector.metadata import HiSparseConnectorMetadata
+from hisparse.connector.stats import HiSparseKVConnectorStats
+from hisparse.runtime.state_rows import StateRowAllocator
 
 
 @dataclass

@@ -3,7 +3,7 @@
 ``HiSparseKVConnectorStats.data`` is a dict of plain lists (IPC-safe). Every entry of a counter
 list is the delta of one snapshot; gauge lists hold one sample per snapshot. Where vLLM is
 installed the classes subclass vLLM's ``KVConnectorStats`` / ``KVConnectorPromMetrics``,
-otherwise hisparse's own bases with the same contract (``hisparse._vllm_compat``).
+otherwise hisparse's own bases with the same contract (``hisparse.vllm.compat``).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from hisparse._vllm_compat import KVConnectorPromMetrics, KVConnectorStats
+from hisparse.vllm.compat import KVConnectorPromMetrics, KVConnectorStats
 
 # (data key, Prometheus name, help). Prometheus exposes counters with a `_total` suffix.
 COUNTERS = (

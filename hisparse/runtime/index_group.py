@@ -14,14 +14,14 @@ from typing import Optional, Sequence, Union
 import torch
 
 from hisparse import ops
-from hisparse.binding import BindingError
-from hisparse.limits import INT32_MAX, MAX_HOT_SIZE, check_int
-from hisparse.state_rows import StateRowAllocator
+from hisparse.ops.limits import INT32_MAX, MAX_HOT_SIZE, check_int
+from hisparse.runtime.state_rows import StateRowAllocator
+from hisparse.runtime.views import BindingError
 
 __all__ = [
     "HiSparseIndexGroup",
     "HiSparseRuntime",
-    "StateRowAllocator",  # lives in hisparse.state_rows; importable from here as before
+    "StateRowAllocator",  # lives in hisparse.runtime.state_rows; importable from here as before
     "empty_residency",
     "reset_residency",
 ]

@@ -9,7 +9,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from hisparse import _ext
+from hisparse.ops import extension as _ext
 
 
 def _device_type(t: torch.Tensor) -> str:

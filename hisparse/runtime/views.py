@@ -13,7 +13,7 @@ from typing import Optional
 
 import torch
 
-from hisparse.limits import ROW_ALIGN
+from hisparse.ops.limits import ROW_ALIGN
 
 
 class BindingError(ValueError):

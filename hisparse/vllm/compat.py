@@ -1,6 +1,6 @@
 """vLLM's KV-connector base classes when vLLM is installed, hisparse's own otherwise.
 
-Only ``hisparse.stats`` and ``hisparse.connector`` import this module; ``import hisparse`` never
+Only ``hisparse.connector.stats`` and ``hisparse.connector`` import this module; ``import hisparse`` never
 does, so importing the package never imports vLLM. Set ``HISPARSE_NO_VLLM=1`` to use hisparse's
 own bases even where vLLM is installed.
 

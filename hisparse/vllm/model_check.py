@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
-from hisparse.config import HiSparseConfig, HiSparseConfigError
+from hisparse.connector.config import HiSparseConfig, HiSparseConfigError
 
 
 @dataclass(frozen=True)

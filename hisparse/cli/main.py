@@ -1,7 +1,7 @@
 """The `hisparse` command line: `info`, `demo`, `bench`, `plan`, `export-model`.
 
 This module declares the commands and runs one (``main``, the console script). Flag types and
-shared flag groups are in hisparse.cli_flags, what each command does in hisparse.cli_commands.
+shared flag groups are in hisparse.cli.flags, what each command does in hisparse.cli.commands.
 Every bad value exits with status 2 and one line naming the flag.
 """
 
@@ -13,7 +13,7 @@ import sys
 from typing import Callable, Optional, Sequence
 
 from hisparse import __version__
-from hisparse.cli_commands import (
+from hisparse.cli.commands import (
     CommandError,
     cmd_bench,
     cmd_demo,
@@ -21,7 +21,7 @@ from hisparse.cli_commands import (
     cmd_info,
     cmd_plan,
 )
-from hisparse.cli_flags import (
+from hisparse.cli.flags import (
     _Parser,
     add_model_flags,
     add_workload_flags,
@@ -32,7 +32,7 @@ from hisparse.cli_flags import (
     output_path,
     port,
 )
-from hisparse.limits import MAX_HOT_SIZE
+from hisparse.ops.limits import MAX_HOT_SIZE
 
 # Importable from here as before the split (tests, scripts).
 __all__ = ["CommandError", "build_parser", "check_engine_flags", "main"]
@@ -135,7 +135,7 @@ def _add_plan_command(sub) -> None:
         description="Size a deployment: max concurrent requests with and without HiSparse, the "
         "host pool they need, and host->device traffic per decode step. Formulas: docs/plan.md.",
     )
-    from hisparse.plan_command import add_plan_flags
+    from hisparse.cli.plan import add_plan_flags
 
     add_plan_flags(p, int_range=int_range, float_range=float_range, output_path=output_path)
     p.set_defaults(func=cmd_plan, _parser=p)

@@ -13,7 +13,7 @@ import os
 import tempfile
 from typing import Callable, Optional, Sequence
 
-from hisparse.limits import MAX_HOT_SIZE
+from hisparse.ops.limits import MAX_HOT_SIZE
 
 
 class _Parser(argparse.ArgumentParser):
@@ -255,7 +255,7 @@ def _add_request_flags(g, *, requests: int, concurrency: int, prompt_len: int, o
 
 def check_engine_flags(parser: argparse.ArgumentParser, args: argparse.Namespace, **over):
     """Build the EngineConfig; a cross-flag problem becomes one line naming the flags."""
-    from hisparse.demo import engine_config_from_args
+    from hisparse.cli.demo import engine_config_from_args
 
     if getattr(args, "hot_size", None) is not None and args.hot_size < args.top_k:
         parser.error(f"argument --hot-size: must be >= --top-k ({args.top_k}), got {args.hot_size}")

@@ -1,7 +1,7 @@
 """What each `hisparse` command does once its flags parsed: `info`, `demo`, `bench`, `plan`,
 `export-model`. Cross-flag checks that argparse cannot express happen here, before any work;
-the work itself lives in hisparse.demo, hisparse.bench, hisparse.plan_command and
-hisparse.model_export, imported only when their command runs (they import torch).
+the work itself lives in hisparse.cli.demo, hisparse.cli.bench, hisparse.cli.plan and
+hisparse.models.checkpoint, imported only when their command runs (they import torch).
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import argparse
 import platform
 
 from hisparse import __version__
-from hisparse.cli_flags import check_engine_flags
+from hisparse.cli.flags import check_engine_flags
 
 
 class CommandError(Exception):
@@ -25,7 +25,7 @@ class CommandError(Exception):
 def cmd_info(args: argparse.Namespace) -> int:
     import torch
 
-    from hisparse import _ext
+    from hisparse.ops import extension as _ext
 
     backends = _ext.built_backends()
     lines = [
@@ -57,7 +57,7 @@ def _require_backend(device: str) -> None:
     """The kernels for ``device`` must be built (a source tree without a build has none)."""
     import torch
 
-    from hisparse import _ext
+    from hisparse.ops import extension as _ext
 
     if device == "cuda" and not torch.cuda.is_available():
         raise CommandError("argument --device: torch sees no CUDA GPU (use --device cpu)", 2)
@@ -70,7 +70,7 @@ def _require_backend(device: str) -> None:
 def cmd_demo(args: argparse.Namespace) -> int:
     cfg = check_engine_flags(args._parser, args)
     _require_backend(args.device)
-    from hisparse import demo
+    from hisparse.cli import demo
 
     demo.check_memory(cfg, args.device)
     return demo.main(args)
@@ -92,13 +92,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
                 "(pip install 'hisparse[plot]')"
             )
     _require_backend(args.device)
-    from hisparse import bench
+    from hisparse.cli import bench
 
     return bench.main(args)
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from hisparse import plan_command as plan
+    from hisparse.cli import plan
 
     try:
         return plan.main(args)
@@ -108,7 +108,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_export_model(args: argparse.Namespace) -> int:
-    from hisparse.model_export import ExportError, export_model, model_config
+    from hisparse.models.checkpoint import ExportError, export_model, model_config
 
     try:
         cfg = model_config(

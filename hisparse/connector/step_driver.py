@@ -3,7 +3,7 @@ resolve each index group once and gather every member layer exactly once.
 
 ``StepDriver`` holds only what lives for one step (state rows, anchors, who resolved and who
 gathered) on top of a fixed ``Registration``; writing new rows into the host pool is
-``hisparse.host_save``.
+``hisparse.connector.host_save``.
 """
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ from typing import Optional
 
 import torch
 
-from hisparse.config import HiSparseConfig
-from hisparse.metadata import HiSparseConnectorMetadata
-from hisparse.registration import Registration
+from hisparse.connector.config import HiSparseConfig
+from hisparse.connector.metadata import HiSparseConnectorMetadata
+from hisparse.connector.registration import Registration
 from hisparse.runtime import HiSparseRuntime
 
 

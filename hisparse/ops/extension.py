@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 
-from hisparse import limits
+from hisparse.ops import limits
 
 BUILD_HINT = (
     "build it from the source tree with `pip install --no-build-isolation -e .` "

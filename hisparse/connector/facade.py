@@ -1,6 +1,6 @@
 """``HiSparseConnector``: HiSparse on vLLM's KV-connector contract.
 
-Loaded by vLLM with ``kv_connector_module_path="hisparse.connector"`` and
+Loaded by vLLM with ``kv_connector_module_path="hisparse.connector.facade"`` and
 ``kv_connector="HiSparseOOTConnector"`` (vLLM 0.32 reserves the name ``HiSparseConnector`` for its
 in-tree connector); driven the same way by hisparse's reference engine. See docs/connector.md and
 docs/vllm.md. Importing this module imports vLLM's base classes when vLLM is installed
@@ -14,17 +14,17 @@ from typing import Any, Mapping, Optional
 
 import torch
 
-from hisparse._vllm_compat import (
+from hisparse.connector.config import HiSparseConfig
+from hisparse.connector.metadata import HiSparseConnectorMetadata
+from hisparse.connector.scheduler import HiSparseScheduler, StepSchedule
+from hisparse.connector.stats import HiSparseKVConnectorStats, HiSparsePromMetrics
+from hisparse.connector.worker import HiSparseConnectorWorker
+from hisparse.vllm.compat import (
     HAVE_VLLM,
     KVConnectorBase_V1,
     KVConnectorRole,
     SupportsHMA,
 )
-from hisparse.config import HiSparseConfig
-from hisparse.metadata import HiSparseConnectorMetadata
-from hisparse.scheduler import HiSparseScheduler, StepSchedule
-from hisparse.stats import HiSparseKVConnectorStats, HiSparsePromMetrics
-from hisparse.worker import HiSparseConnectorWorker
 
 __all__ = [
     "HAVE_VLLM",
@@ -85,7 +85,7 @@ class HiSparseConnector(KVConnectorBase_V1, SupportsHMA):
         self, vllm_config: Any, role: Any, kv_cache_config: Any = None, *, device_hooks=None
     ) -> None:
         """``device_hooks``: stand-ins for the worker's stream/event/capture plumbing
-        (``hisparse.sampler.DeviceHooks``), for tests; vLLM never passes them."""
+        (``hisparse.connector.sampler.DeviceHooks``), for tests; vLLM never passes them."""
         role = _role(role)
         super().__init__(vllm_config, role, kv_cache_config)
         extra = getattr(self._kv_transfer_config, "kv_connector_extra_config", None)
@@ -94,7 +94,7 @@ class HiSparseConnector(KVConnectorBase_V1, SupportsHMA):
         layers = None
         in_engine = getattr(vllm_config, "model_config", None) is not None
         if in_engine and role == KVConnectorRole.WORKER:
-            from hisparse.vllm.binding import model_hisparse_layers
+            from hisparse.vllm.model_check import model_hisparse_layers
 
             layers = model_hisparse_layers(vllm_config)
         self.config = HiSparseConfig.from_extra_config(_defaults_from_vllm(vllm_config, extra))
@@ -102,7 +102,7 @@ class HiSparseConnector(KVConnectorBase_V1, SupportsHMA):
         self._scheduler: Optional[HiSparseScheduler] = None
         self._model_layers = None
         if layers is not None:
-            from hisparse.vllm.binding import find_model_layers
+            from hisparse.vllm.model_check import find_model_layers
 
             self._model_layers = find_model_layers(
                 vllm_config, kv_cache_config, self.config, extra, layers
@@ -122,7 +122,7 @@ class HiSparseConnector(KVConnectorBase_V1, SupportsHMA):
         """Build without a vLLM config (reference engine, tests)."""
         kv = SimpleNamespace(
             kv_connector="HiSparseConnector",
-            kv_connector_module_path="hisparse.connector",
+            kv_connector_module_path="hisparse.connector.facade",
             kv_role="kv_both",
             # Handed on as given: HiSparseConfig names a non-mapping (a string, a list of
             # pairs) instead of dict() silently accepting pairs.

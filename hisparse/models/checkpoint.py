@@ -17,7 +17,7 @@ from typing import Dict, Mapping, Union
 import torch
 
 from hisparse.engine.config import EngineConfig
-from hisparse.limits import MAX_HOT_SIZE
+from hisparse.ops.limits import MAX_HOT_SIZE
 
 ARCHITECTURE = "HiSparseMLAForCausalLM"
 CONFIG_KEY = "hisparse"
@@ -113,13 +113,13 @@ def config_from_hf(hf: Union[Mapping, object]) -> EngineConfig:
 
 def model_weights(cfg: EngineConfig) -> Dict[str, torch.Tensor]:
     """The seeded weights by name (the same draws as the reference engine's ``Model``)."""
-    from hisparse.engine.model import Model
+    from hisparse.models.reference import Model
 
     return weights_by_name(Model(cfg, torch.device("cpu")))
 
 
 def weights_by_name(m) -> Dict[str, torch.Tensor]:
-    """A ``hisparse.engine.model.Model``'s weight tensors (the live ones) by file name."""
+    """A ``hisparse.models.reference.Model``'s weight tensors (the live ones) by file name."""
     out = {"emb": m.emb, "head": m.head, "index_pos": m.index_pos}
     for i, layer in enumerate(m.layers):
         out.update({f"layers.{i}.{k}": v for k, v in layer.items()})

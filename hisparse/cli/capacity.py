@@ -1,5 +1,5 @@
 """The capacity model behind `hisparse plan` (formulas in docs/plan.md); the command's flags and
-its report are in hisparse.plan_command.
+its report are in hisparse.cli.plan.
 
 Per GPU (the MLA latent KV of a request is held whole by every rank that serves it, so the
 per-GPU answer is also the per-tensor-parallel-group answer), for a decode batch at steady state.
@@ -11,7 +11,7 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Optional
 
-from hisparse.limits import MAX_HOT_SIZE, ROW_ALIGN, check_int
+from hisparse.ops.limits import MAX_HOT_SIZE, ROW_ALIGN, check_int
 
 GIB = 2**30
 

@@ -1,0 +1,21 @@
+"""The runtime layer: one index group's resolve across its layers, which request holds which
+state row, packed per-layer views of one allocation, the pinned host pool.
+
+May import: ``hisparse.ops``. Knows nothing of vLLM, the connector or the engine.
+"""
+
+from hisparse.runtime.index_group import (
+    HiSparseIndexGroup,
+    HiSparseRuntime,
+    empty_residency,
+    reset_residency,
+)
+from hisparse.runtime.state_rows import StateRowAllocator
+
+__all__ = [
+    "HiSparseIndexGroup",
+    "HiSparseRuntime",
+    "StateRowAllocator",
+    "empty_residency",
+    "reset_residency",
+]
