@@ -1,0 +1,30 @@
+"""A GPU-bound decode step at DeepSeek-V3.2's attention shapes, captured and replayed as a CUDA
+graph, in resident, always-host (HiSparse) and hybrid modes with bit-identical results.
+
+Modules: `config` (shapes, the device-memory budget behind capacity), `model` (weights and the
+bf16 math), `kv` (the indexer cache, resident rows, hot region and pinned host pool shared by all
+modes), `step` (one decode step over batch parts; HiSparse parts go through
+`hisparse.runtime`'s index groups), `replay` (selection drift, graph capture, timing, hit rate,
+the eager phase profile). benchmarks/bench_decode_tpot.py drives it.
+"""
+
+from hisparse.engine.graph.config import GraphConfig, MemoryBudget
+from hisparse.engine.graph.kv import KVStore
+from hisparse.engine.graph.model import Weights
+from hisparse.engine.graph.replay import Drift, GraphStep, counters, hit_rate, profile_eager
+from hisparse.engine.graph.step import MODES, DecodeStep, make_parts
+
+__all__ = [
+    "MODES",
+    "DecodeStep",
+    "Drift",
+    "GraphConfig",
+    "GraphStep",
+    "KVStore",
+    "MemoryBudget",
+    "Weights",
+    "counters",
+    "hit_rate",
+    "make_parts",
+    "profile_eager",
+]

@@ -1,0 +1,79 @@
+"""KV state shared by every mode of the GPU-bound decode step, built once per run.
+
+Per layer:
+* `idx_keys[l]`  [max_batch, ctx, idx_dim] bf16 on the device: the DSA indexer cache, which stays
+  on the device in every mode (the indexer reads the whole context each step);
+* `dev_rows[l]`  uint8 [max_batch * ctx + max_batch * hot_size, 656] on the device: the resident
+  region (request b's context at rows b*ctx ...) followed by the hot region (request b's hot
+  buffer at rows hot_base + b*hot_size ...), one row space so `resolve`'s out_rows and resident
+  row ids index the same tensor;
+* `host_views[l]` uint8 [max_batch * ctx, 656] in one pinned host pool, layer-major: request b's
+  context is the contiguous host region b*ctx ... (misses come from the request's own region).
+
+The resident and host regions hold the same bytes, so every mode reads identical rows. Each mode
+uses only its part of the allocation; the capacity figures count what each mode would need
+(`config.MemoryBudget`), not this shared allocation.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hisparse.engine.graph.config import ROW_BYTES, GraphConfig
+from hisparse.models.rows import encode_rows
+from hisparse.runtime.host_pool import HostPool
+
+# Requests' rows repeat a per-layer template of this many distinct rows at per-request offsets
+# (encoding 128k x 576 values per layer on the device would only cost setup time).
+TEMPLATE_ROWS = 16384
+HOT_POISON = 0x55  # hot rows nothing gathered yet: a read of one shows up as a parity failure
+
+
+class KVStore:
+    def __init__(self, cfg: GraphConfig, max_batch: int, device) -> None:
+        cfg.check()
+        self.cfg, self.max_batch = cfg, max_batch
+        self.device = torch.device(device)
+        B, ctx, H = max_batch, cfg.ctx_len, cfg.hot_size
+        self.hot_base = B * ctx
+        on_cuda = self.device.type == "cuda"
+        layer_bytes = B * ctx * ROW_BYTES
+        self.pool = HostPool(layer_bytes * cfg.layers, pin=on_cuda, what="graph engine host pool")
+        g = torch.Generator(device=self.device).manual_seed(cfg.seed + 1)
+        self.idx_keys, self.dev_rows, self.host_views = [], [], []
+        for layer in range(cfg.layers):
+            keys = torch.randn(B, ctx, cfg.idx_dim, generator=g, device=self.device)
+            self.idx_keys.append(keys.to(torch.bfloat16))
+            rows = torch.empty(B * ctx + B * H, ROW_BYTES, dtype=torch.uint8, device=self.device)
+            rows[self.hot_base :].fill_(HOT_POISON)
+            host = self.pool.raw[layer * layer_bytes : (layer + 1) * layer_bytes]
+            host = host.view(B * ctx, ROW_BYTES)
+            self._fill(rows, host, g)
+            self.dev_rows.append(rows)
+            self.host_views.append(host)
+        if on_cuda:
+            torch.cuda.synchronize(self.device)
+
+    def _fill(self, rows: torch.Tensor, host: torch.Tensor, g: torch.Generator) -> None:
+        """Same bytes into the resident region and the host region, a few requests at a time."""
+        cfg, ctx = self.cfg, self.cfg.ctx_len
+        n_t = min(TEMPLATE_ROWS, ctx)
+        kv = torch.randn(n_t, cfg.kv_dim, generator=g, device=self.device)
+        template = encode_rows(kv, "fp8")
+        pos = torch.arange(ctx, device=self.device)
+        chunk = max(1, (1 << 28) // (ctx * ROW_BYTES))  # ~256 MiB of rows per copy
+        for b0 in range(0, self.max_batch, chunk):
+            b1 = min(self.max_batch, b0 + chunk)
+            offs = torch.arange(b0, b1, device=self.device)[:, None] * 7919
+            part = template[((pos[None, :] + offs) % n_t).reshape(-1)]
+            rows[b0 * ctx : b1 * ctx].copy_(part)
+            host[b0 * ctx : b1 * ctx].copy_(part)
+
+    def hot_view(self, layer: int) -> torch.Tensor:
+        return self.dev_rows[layer]
+
+    def release(self) -> None:
+        self.idx_keys.clear()
+        self.dev_rows.clear()
+        self.host_views.clear()
+        self.pool.release()

@@ -1,0 +1,173 @@
+"""One decode step of the GPU-bound engine, in a form a CUDA graph can capture.
+
+The batch is cut into parts; each part is resident (attention reads rows of the resident region
+by id b*ctx + position) or host (the part's own `HiSparseIndexGroup` per layer resolves the same
+ids into hot rows and its `HiSparseRuntime` gathers the misses from the pinned host pool). Modes:
+
+* ``resident``: every request resident;
+* ``hisparse``: every request on the host pool (always-host);
+* ``hybrid``: the first `resident` requests resident, the rest on the host pool.
+
+``split=2`` cuts resident / hisparse batches into two halves. Per layer the step runs every
+part's indexer and top-k first, starting each host part's gather as soon as its top-k is resolved,
+then the query projection for the whole batch, then each part's attention: part 0's copy runs
+under part 1's indexer and the query projection, part 1's under part 0's attention. The only
+sync with the copies is each part's `wait_ready` right before its attention reads the rows.
+
+Everything the step reads that changes between steps (the selection bias) lives in static
+buffers staged before a replay; the step writes its next input (the embedding of the token it
+picked) itself, so replays chain with no host work.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from hisparse.engine.graph import model as M
+from hisparse.engine.graph.config import GraphConfig
+from hisparse.engine.graph.kv import HOT_POISON, KVStore
+from hisparse.runtime import HiSparseIndexGroup, HiSparseRuntime
+
+MODES = ("resident", "hisparse", "hybrid")
+
+
+@dataclass
+class Part:
+    start: int
+    end: int
+    host: bool
+    state_rows: Optional[torch.Tensor] = None
+    runtimes: list = field(default_factory=list)  # one per layer (host parts)
+
+    @property
+    def size(self) -> int:
+        return self.end - self.start
+
+
+def make_parts(mode: str, batch: int, split: int = 1, resident: int = 0) -> list:
+    """[(start, end, host)] of a mode; see the module docstring. In resident and hisparse mode
+    `resident` > 0 cuts the batch where hybrid would (the same parts, for parity with it)."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    if (mode == "hybrid" or resident) and not 0 < resident < batch:
+        raise ValueError(f"a cut needs 0 < resident < batch, got {resident} of {batch}")
+    if mode == "hybrid":
+        return [(0, resident, False), (resident, batch, True)]
+    if split not in (1, 2) or (split == 2 and batch < 2):
+        raise ValueError(f"split must be 1, or 2 with batch >= 2; got {split} at batch {batch}")
+    cuts = [0, batch] if split == 1 else [0, batch // 2, batch]
+    cuts = [0, resident, batch] if resident else cuts
+    return [(a, b, mode == "hisparse") for a, b in zip(cuts[:-1], cuts[1:])]
+
+
+class DecodeStep:
+    """Static buffers plus `forward()`, the captured work of one step for `batch` requests."""
+
+    def __init__(
+        self,
+        cfg: GraphConfig,
+        weights: M.Weights,
+        kv: KVStore,
+        mode: str,
+        batch: int,
+        *,
+        split: int = 1,
+        resident: int = 0,
+    ) -> None:
+        if not 1 <= batch <= kv.max_batch:
+            raise ValueError(f"batch must lie in [1, {kv.max_batch}], got {batch}")
+        self.cfg, self.w, self.kv, self.mode, self.batch = cfg, weights, kv, mode, batch
+        dev = kv.device
+        self.parts = [Part(a, b, h) for a, b, h in make_parts(mode, batch, split, resident)]
+        for i, p in enumerate(self.parts):
+            if p.host:
+                self._bind(i, p)
+        self.req_base = torch.arange(batch, device=dev, dtype=torch.int64)[:, None] * cfg.ctx_len
+        self.x = torch.zeros(batch, cfg.hidden, dtype=M.DT, device=dev)
+        self.bias = torch.zeros(batch, cfg.ctx_len, dtype=torch.float32, device=dev)
+        self.tokens = torch.zeros(batch, dtype=torch.int64, device=dev)
+        self.hidden = torch.zeros(batch, cfg.hidden, dtype=M.DT, device=dev)
+        self.probe = None  # profile.Probe in the eager profile run; None when captured
+
+    def _bind(self, i: int, p: Part) -> None:
+        """One index group per layer for the part's requests: state row j is request start + j,
+        its hot buffer the rows hot_base + (start + j) * hot_size ... of the shared hot region."""
+        cfg, kv = self.cfg, self.kv
+        p.state_rows = torch.arange(p.size, dtype=torch.int32, device=kv.device)
+        base, H = kv.hot_base, cfg.hot_size
+        for layer in range(cfg.layers):
+            # Fresh state rows hold nothing: poison their hot rows so that a read of a row no
+            # gather wrote (left by another step on the shared region) breaks parity.
+            kv.dev_rows[layer][base + p.start * H : base + p.end * H].fill_(HOT_POISON)
+            g = HiSparseIndexGroup(
+                f"layer{layer}.part{i}",
+                num_state_rows=p.size,
+                hot_size=cfg.hot_size,
+                top_k=cfg.top_k,
+                max_batch=p.size,
+                num_keys=kv.max_batch * cfg.ctx_len,
+                device=kv.device,
+                hot_base=kv.hot_base + p.start * cfg.hot_size,
+            )
+            rt = HiSparseRuntime(f"layer{layer}", g, kv.host_views[layer], kv.hot_view(layer))
+            p.runtimes.append(rt)
+
+    @property
+    def groups(self) -> list:
+        return [rt.index_group for p in self.parts if p.host for rt in p.runtimes]
+
+    def stage(self, bias: torch.Tensor) -> None:
+        """What changes between steps, copied in before a replay (outside the graph)."""
+        self.bias.copy_(bias[: self.batch])
+
+    def forward(self) -> None:
+        h = self.x
+        for layer in range(self.cfg.layers):
+            h = self._layer(layer, h)
+        logits = M.rms_norm(h, self.w.final_norm) @ self.w.embed.t()
+        tok = logits.argmax(dim=-1)
+        self.tokens.copy_(tok)
+        self.hidden.copy_(h)
+        self.x.copy_(self.w.embed.index_select(0, tok))
+
+    def _layer(self, layer: int, h: torch.Tensor) -> torch.Tensor:
+        cfg, w = self.cfg, self.w.layers[layer]
+        a = M.rms_norm(h, w["attn_norm"])
+        qr = M.rms_norm(a @ w["q_a"], w["q_norm"])
+        rows = [self._rows(layer, i, p, qr, a) for i, p in enumerate(self.parts)]
+        q = M.query(cfg, w, qr)
+        mixes = []
+        for i, (p, r) in enumerate(zip(self.parts, rows)):
+            if p.host:
+                self._mark("wait0", layer, i)
+                p.runtimes[layer].wait_ready()
+                self._mark("wait1", layer, i)
+            kv_rows = self.kv.dev_rows[layer].index_select(0, r.reshape(-1))
+            kv_rows = kv_rows.view(p.size, cfg.top_k, -1)
+            mixes.append(M.attend(cfg, q[p.start : p.end], kv_rows))
+        mix = mixes[0] if len(mixes) == 1 else torch.cat(mixes)
+        h = h + M.attn_out(cfg, w, mix)
+        return h + M.mlp(cfg, w, h)
+
+    def _rows(self, layer: int, i: int, p: Part, qr, a) -> torch.Tensor:
+        """Rows attention reads for the part [n, top_k]; starts a host part's gather."""
+        s, e, w = p.start, p.end, self.w.layers[layer]
+        scores = M.indexer_scores(self.cfg, w, qr[s:e], a[s:e], self.kv.idx_keys[layer][s:e])
+        pos = M.select(scores, self.bias[s:e], self.cfg.top_k)
+        ids = pos + self.req_base[s:e]  # resident row id == host row id of (request, position)
+        if not p.host:
+            return ids
+        rt = p.runtimes[layer]
+        self._mark("res0", layer, i)
+        out = rt.resolve(ids.to(torch.int32), p.state_rows)
+        self._mark("res1", layer, i)
+        rt.gather()
+        self._mark("copy1", layer, i, rt.index_group.copy_stream)
+        return out
+
+    def _mark(self, what: str, layer: int, i: int, stream=None) -> None:
+        if self.probe is not None:
+            self.probe.mark((what, layer, i), stream)
