@@ -4,6 +4,6 @@ behind each (the demo, the benchmark, the capacity model, the model export).
 May import everything below it; nothing imports this package.
 """
 
-from hisparse.cli.main import main
+from hisparse.cli.app import main
 
 __all__ = ["main"]

@@ -14,18 +14,17 @@ from typing import Callable, Optional, Sequence
 
 from hisparse import __version__
 from hisparse.cli.commands import (
-    CommandError,
     cmd_bench,
     cmd_demo,
     cmd_export_model,
     cmd_info,
     cmd_plan,
 )
+from hisparse.cli.errors import CommandError
 from hisparse.cli.flags import (
     _Parser,
     add_model_flags,
     add_workload_flags,
-    check_engine_flags,
     float_range,
     int_list,
     int_range,
@@ -35,7 +34,7 @@ from hisparse.cli.flags import (
 from hisparse.ops.limits import MAX_HOT_SIZE
 
 # Importable from here as before the split (tests, scripts).
-__all__ = ["CommandError", "build_parser", "check_engine_flags", "main"]
+__all__ = ["build_parser", "main"]
 
 
 def build_parser() -> argparse.ArgumentParser:

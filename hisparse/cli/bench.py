@@ -184,7 +184,7 @@ def plot_sweep(sweep: list, cfg, path: str) -> None:
 
 
 def main(args) -> int:
-    from hisparse.cli.demo import engine_config_from_args
+    from hisparse.cli.engine_args import engine_config_from_args
 
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("hisparse bench: --device cuda: torch sees no CUDA GPU (use --device cpu)")

@@ -10,16 +10,8 @@ import argparse
 import platform
 
 from hisparse import __version__
+from hisparse.cli.errors import CommandError
 from hisparse.cli.flags import check_engine_flags
-
-
-class CommandError(Exception):
-    """A problem found while running a command: one line on stderr, prefixed with the
-    command's name, and exit status ``code`` (2 for a bad flag value, as argparse does)."""
-
-    def __init__(self, message: str, code: int = 1) -> None:
-        super().__init__(message)
-        self.code = code
 
 
 def cmd_info(args: argparse.Namespace) -> int:

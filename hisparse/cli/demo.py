@@ -11,7 +11,6 @@ from typing import Optional
 
 import torch
 
-from hisparse.cli.commands import CommandError
 from hisparse.cli.demo_report import (
     COUNTER_SERIES,
     fmt_bytes,
@@ -19,31 +18,10 @@ from hisparse.cli.demo_report import (
     summary_table,
     tokens_digest,
 )
+from hisparse.cli.engine_args import engine_config_from_args
+from hisparse.cli.errors import CommandError
 from hisparse.engine import EngineConfig, compare_runs, run_workload
-from hisparse.ops.limits import MAX_HOT_SIZE
 from hisparse.runtime.views import BindingError
-
-
-def engine_config_from_args(args, **over) -> EngineConfig:
-    """The EngineConfig the flags describe; ``over`` replaces fields before validation."""
-    hot_size = getattr(args, "hot_size", None) or min(2 * args.top_k, MAX_HOT_SIZE)
-    fields = dict(
-        num_layers=args.layers,
-        index_share=args.index_share,
-        row_layout=args.row_layout,
-        top_k=args.top_k,
-        hot_size=hot_size,
-        num_requests=args.requests,
-        max_running=args.concurrency,
-        prompt_len=args.prompt_len,
-        output_len=args.output_len,
-        drift=args.drift,
-        recent_window=args.recent_window,
-        seed=args.seed,
-        metrics_interval=args.metrics_interval,
-    )
-    fields.update(over)
-    return EngineConfig(**fields)
 
 
 def memory_needs(cfg: EngineConfig) -> dict:

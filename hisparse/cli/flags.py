@@ -255,7 +255,7 @@ def _add_request_flags(g, *, requests: int, concurrency: int, prompt_len: int, o
 
 def check_engine_flags(parser: argparse.ArgumentParser, args: argparse.Namespace, **over):
     """Build the EngineConfig; a cross-flag problem becomes one line naming the flags."""
-    from hisparse.cli.demo import engine_config_from_args
+    from hisparse.cli.engine_args import engine_config_from_args
 
     if getattr(args, "hot_size", None) is not None and args.hot_size < args.top_k:
         parser.error(f"argument --hot-size: must be >= --top-k ({args.top_k}), got {args.hot_size}")

@@ -96,13 +96,16 @@ class HiSparseMetricsExporter:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """``python -m hisparse.connector.exporter``: serve the HiSparse series (zero until a server observes
-    stats into them) so a Prometheus scrape config or the Grafana board can be wired up and
-    checked before a real server runs."""
+    """``python -m hisparse.connector.exporter``: serve the HiSparse series (zero until a server
+    observes stats into them) so a Prometheus scrape config or the Grafana board can be wired up
+    and checked before a real server runs."""
+    import argparse
     import sys
     import time
 
-    from hisparse.cli import _Parser  # one-line usage errors, exit status 2
+    class _Parser(argparse.ArgumentParser):
+        def error(self, message: str):  # one-line usage errors, exit status 2, as the CLI's
+            self.exit(2, f"{self.prog}: error: {message}\n")
 
     parser = _Parser(
         prog="python -m hisparse.connector.exporter",

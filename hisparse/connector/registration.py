@@ -4,7 +4,7 @@ The layers' registered buffers are checked (one device, disjoint, equal row coun
 hot buffers at their end), a host pool with the same number of rows for every layer is
 allocated, each layer gets a host view in it (an index group's layers token-major: a token's rows
 of every member side by side), and layers are grouped behind index-group leaders.
-The result is a ``Registration``; the per-step side (``hisparse.connector.step_driver``) only reads it.
+The result is a ``Registration``; the per-step side (``step_driver``) only reads it.
 """
 
 from __future__ import annotations

@@ -2,7 +2,9 @@
 says which module holds what)."""
 
 from hisparse.engine.config import EngineConfig, request_lengths
-from hisparse.engine.run import MODES, Parity, RunResult, RunStats, compare_runs, run_workload
+from hisparse.engine.forward import MODES
+from hisparse.engine.results import Parity, RunResult, RunStats, compare_runs
+from hisparse.engine.run import run_workload
 from hisparse.models.rows import ROW_LAYOUTS
 
 __all__ = [

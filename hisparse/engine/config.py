@@ -3,19 +3,17 @@ HiSparse sizes, batch, locality). Same config + same seed = same tokens, on any 
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Tuple
 
-from hisparse.models.rows import ROW_LAYOUTS
+from hisparse.models.reference_config import ReferenceShape, check_fraction, check_model_fields
 from hisparse.ops.limits import MAX_HOT_SIZE, check_int
 
-DTYPES = ("float64", "float32")
 RESIDENCIES = ("host", "hybrid")
 
 
 @dataclass(frozen=True)
-class EngineConfig:
+class EngineConfig(ReferenceShape):
     # model
     num_layers: int = 4  # decoder layers
     index_share: int = 2  # layers per index group (1 leader + index_share-1 followers)
@@ -50,46 +48,21 @@ class EngineConfig:
     # allocated); -1 = max_running, 0 = none (no host pool)
 
     def __post_init__(self) -> None:
-        check_int("num_layers", self.num_layers, 1, 1024)
-        check_int("index_share", self.index_share, 1, 1024)
-        check_int("hidden", self.hidden, 1)
-        check_int("vocab", self.vocab, 2)
-        check_int("indexer_dim", self.indexer_dim, 1)
-        check_int("seed", self.seed, 0)
-        check_int("top_k", self.top_k, 1, MAX_HOT_SIZE)
+        check_model_fields(self)
         check_int("hot_size", self.hot_size, 1, MAX_HOT_SIZE)
         check_int("block_size", self.block_size, 1)
         check_int("num_requests", self.num_requests, 1)
         check_int("max_running", self.max_running, 1)
         check_int("prompt_len", self.prompt_len, 1)
         check_int("output_len", self.output_len, 1)
-        check_int("recent_window", self.recent_window, 0)
         check_int("metrics_interval", self.metrics_interval, 1)
         check_int("device_pages", self.device_pages, 0)
         check_int("hot_slots", self.hot_slots, -1, self.max_running)
         if self.residency not in RESIDENCIES:
             raise ValueError(f"residency must be one of {RESIDENCIES}, got {self.residency!r}")
-        if self.row_layout not in ROW_LAYOUTS:
-            raise ValueError(
-                f"row_layout must be one of {sorted(ROW_LAYOUTS)}, got {self.row_layout!r}"
-            )
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.hot_size < self.top_k:
             raise ValueError(f"hot_size ({self.hot_size}) must be >= top_k ({self.top_k})")
-        if self.recent_window > self.top_k:
-            raise ValueError(
-                f"recent_window ({self.recent_window}) must be <= top_k ({self.top_k})"
-            )
-        for name in ("drift", "length_jitter"):
-            v = getattr(self, name)
-            if (
-                isinstance(v, bool)
-                or not isinstance(v, (int, float))
-                or not 0.0 <= v <= 1.0
-                or v != v
-            ):
-                raise ValueError(f"{name} must be a number in [0, 1], got {v!r}")
+        check_fraction("length_jitter", self.length_jitter)
         if self.length_jitter >= 1.0:
             raise ValueError(f"length_jitter must be < 1, got {self.length_jitter!r}")
         if self.num_state_rows * self.max_context * 1 > 2**31 - 1:
@@ -98,14 +71,6 @@ class EngineConfig:
             raise ValueError("max_running * hot_size must fit int32 rows")
 
     # ---- derived sizes -------------------------------------------------------------------
-    @property
-    def row_bytes(self) -> int:
-        return ROW_LAYOUTS[self.row_layout].row_bytes
-
-    @property
-    def num_groups(self) -> int:
-        return -(-self.num_layers // self.index_share)
-
     @property
     def num_state_rows(self) -> int:
         return self.max_running
@@ -132,21 +97,6 @@ class EngineConfig:
     @property
     def num_keys(self) -> int:
         return self.num_state_rows * self.max_context
-
-    def layer_names(self) -> Tuple[str, ...]:
-        return tuple(f"model.layers.{i}.self_attn" for i in range(self.num_layers))
-
-    def group_of(self, layer: int) -> int:
-        return layer // self.index_share
-
-    def is_leader(self, layer: int) -> bool:
-        return layer % self.index_share == 0
-
-    def replace(self, **kw) -> "EngineConfig":
-        return dataclasses.replace(self, **kw)
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
 
 
 def request_lengths(cfg: EngineConfig) -> Tuple[Tuple[int, ...], Tuple[int, ...]]:

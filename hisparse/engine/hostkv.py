@@ -27,7 +27,6 @@ def open_connector(cfg: EngineConfig, state_rows: int, flat: List[torch.Tensor],
         "max_num_seqs": state_rows,
         "block_size": bs,
     }
-    sched = HiSparseConnector.from_extra_config(extra, role="scheduler")
     worker = HiSparseConnector.from_extra_config(extra, role="worker")
     worker.register_kv_caches({n: flat[i] for i, n in enumerate(cfg.layer_names())})
     w = worker.worker
@@ -35,6 +34,8 @@ def open_connector(cfg: EngineConfig, state_rows: int, flat: List[torch.Tensor],
         raise RuntimeError(
             f"connector hot_base {getattr(w, 'hot_base', None)} != engine's {hot_base}"
         )
+    # The scheduler learns the pool the worker allocated, as vLLM's KV blocks tell it there.
+    sched = HiSparseConnector.from_extra_config(extra, role="scheduler", host_rows=w.host_rows)
     return sched, worker
 
 

@@ -8,7 +8,7 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
-from hisparse import ops
+from hisparse.connector.host_rows import HostRows
 from hisparse.engine.config import EngineConfig
 from hisparse.engine.hostkv import open_connector
 from hisparse.engine.hybrid_moves import ResidencyMoves, _Staged
@@ -69,15 +69,15 @@ class HybridKV(ResidencyMoves):
         self.device_kv_bytes = self.raw.numel()
         self.on_stats = on_stats
         self.sched = self.worker = None
-        self.host: List[torch.Tensor] = []
+        self.host: Optional[HostRows] = None
         self.host_pool_bytes = 0
         if self.hot_slots:
             self.sched, self.worker = open_connector(
                 cfg, self.hot_slots, self.flat, self.win_base + self.hot_slots * self.window
             )
             w = self.worker.worker
-            self.host = [w.host_view(n) for n in self.names]
-            self.host_pool_bytes = int(w.host_rows) * cfg.row_bytes * cfg.num_layers
+            self.host = HostRows(w, self.names)
+            self.host_pool_bytes = self.host.pool_bytes
         self._init_residency()
 
     def _init_residency(self) -> None:
@@ -215,7 +215,7 @@ class HybridKV(ResidencyMoves):
         if pl.num_staged:
             torch.index_select(rows, 0, pl.stage_src, out=pl.stage[layer])
         if pl.prefill_src is not None:  # one launch, straight into the (strided) host rows
-            ops.save_rows([rows], [self.host[layer]], pl.prefill_src, pl.prefill_keys)
+            self.host.save_layer(layer, rows, pl.prefill_src, pl.prefill_keys)
 
     def read(
         self,

@@ -8,7 +8,6 @@ from typing import List, Sequence
 
 import torch
 
-from hisparse import ops
 from hisparse.engine.hostkv import ConnectorRequest
 
 
@@ -93,8 +92,7 @@ class ResidencyMoves:
             e = self._staged.popleft()
             if e.event is not None:
                 e.event.synchronize()
-            for l, host in enumerate(self.host):
-                host.index_copy_(0, e.keys, e.buf[l])
+            self.host.scatter(e.keys, e.buf)
 
     # ---- residency moves -----------------------------------------------------------------
     def _spill(self, slot: int, n: int) -> None:
@@ -118,7 +116,7 @@ class ResidencyMoves:
         k0 = self._key0(slot)
         if rows:  # every layer in one launch, straight into the (strided) host rows
             keys = torch.arange(k0 + src_lo, k0 + src_hi, dtype=torch.int32, device=self.device)
-            ops.save_rows(self.flat, self.host, src.to(torch.int32), keys)
+            self.host.save(self.flat, src.to(torch.int32), keys)
         if wrows:
             for f in self.flat:
                 f.index_copy_(0, wdst, f.index_select(0, wsrc))
@@ -138,10 +136,9 @@ class ResidencyMoves:
         rows = self._rows_of(pages, 0, n)
         (dst,) = self._upload([rows])
         if n:  # every layer in one launch: a one-row plan of n misses
-            k0, dev = self._key0(slot), self.device
-            keys = torch.arange(k0, k0 + n, dtype=torch.int32, device=dev).unsqueeze(0)
-            count = torch.full((1,), n, dtype=torch.int32, device=dev)
-            ops.gather(self.host, self.flat, keys, dst.to(torch.int32).unsqueeze(0), count)
+            k0 = self._key0(slot)
+            keys = torch.arange(k0, k0 + n, dtype=torch.int32, device=self.device)
+            self.host.load(self.flat, keys, dst.to(torch.int32))
         self._set_pages(slot, pages, 0)
         self._free_hot_slot(slot)
         L = self.cfg.num_layers

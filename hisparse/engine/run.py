@@ -12,24 +12,13 @@ from typing import Callable, Optional, Union
 import torch
 
 from hisparse.engine.config import EngineConfig
-from hisparse.engine.forward import MODES, Engine
+from hisparse.engine.forward import Engine
 from hisparse.engine.loop import LoopTotals, run_steps
-from hisparse.engine.requests import Request, make_requests
-from hisparse.engine.results import Parity, RunResult, RunStats, compare_runs
+from hisparse.engine.requests import make_requests
+from hisparse.engine.results import RunResult, RunStats
 from hisparse.models.rows import LATENT_DIM
 
-# Names other modules and tests reach through ``hisparse.engine.run``.
-_Request = Request
-__all__ = [
-    "MODES",
-    "Engine",
-    "Parity",
-    "RunResult",
-    "RunStats",
-    "compare_runs",
-    "make_requests",
-    "run_workload",
-]
+__all__ = ["run_workload"]
 
 
 def _resolve_device(device) -> torch.device:

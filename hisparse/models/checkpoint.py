@@ -8,35 +8,26 @@ prompts work through the OpenAI API. Nothing here imports vLLM.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
+import shutil
 import struct
+import tempfile
 from pathlib import Path
 from typing import Dict, Mapping, Union
 
 import torch
 
-from hisparse.engine.config import EngineConfig
-from hisparse.ops.limits import MAX_HOT_SIZE
+from hisparse.models.reference import Model
+from hisparse.models.reference_config import MODEL_FIELDS, ReferenceConfig
 
 ARCHITECTURE = "HiSparseMLAForCausalLM"
 CONFIG_KEY = "hisparse"
 EOS_TOKEN = "<|endoftext|>"
 NUM_BYTE_TOKENS = 256
-#: Engine-config fields that define the model (the rest describe a workload).
-MODEL_FIELDS = (
-    "num_layers",
-    "index_share",
-    "hidden",
-    "vocab",
-    "indexer_dim",
-    "row_layout",
-    "seed",
-    "top_k",
-    "recent_window",
-    "drift",
-)
-
+#: Positions are reserved in whole blocks of this many (as the engine reserves them).
+CONTEXT_ROUND = 16
 _ST_DTYPES = {torch.float32: "F32", torch.float64: "F64", torch.int64: "I64"}
 
 
@@ -44,26 +35,17 @@ class ExportError(ValueError):
     """An export argument is out of range (the message names it)."""
 
 
-def model_config(max_model_len: int = 2048, **model_fields) -> EngineConfig:
-    """The engine config of an exported model: float32, context ``max_model_len``."""
+def model_config(max_model_len: int = 2048, **model_fields) -> ReferenceConfig:
+    """The config of an exported model: float32, context ``max_model_len`` (rounded up to whole
+    blocks of ``CONTEXT_ROUND``)."""
     unknown = sorted(set(model_fields) - set(MODEL_FIELDS))
     if unknown:
         raise ExportError(f"{unknown[0]} is not a model setting (known: {', '.join(MODEL_FIELDS)})")
     if isinstance(max_model_len, bool) or not isinstance(max_model_len, int) or max_model_len < 2:
         raise ExportError(f"max_model_len must be an int >= 2, got {max_model_len!r}")
-    top_k = model_fields.get("top_k", EngineConfig.top_k)
-    # The engine config wants a hot size >= top_k; the model itself has none (the connector's).
-    hot = min(2 * top_k, MAX_HOT_SIZE) if isinstance(top_k, int) else top_k
+    context = -(-max_model_len // CONTEXT_ROUND) * CONTEXT_ROUND
     try:
-        cfg = EngineConfig(
-            dtype="float32",
-            prompt_len=max_model_len - 1,
-            output_len=1,
-            length_jitter=0.0,
-            max_running=1,
-            hot_size=hot,
-            **model_fields,
-        )
+        cfg = ReferenceConfig(dtype="float32", max_context=context, **model_fields)
     except ValueError as e:
         raise ExportError(str(e)) from None
     if cfg.vocab < NUM_BYTE_TOKENS + 1:
@@ -74,7 +56,7 @@ def model_config(max_model_len: int = 2048, **model_fields) -> EngineConfig:
     return cfg
 
 
-def hf_config(cfg: EngineConfig) -> dict:
+def hf_config(cfg: ReferenceConfig) -> dict:
     """config.json: a Llama-shaped header vLLM understands, the model itself under ``hisparse``."""
     return {
         "architectures": [ARCHITECTURE],
@@ -99,7 +81,7 @@ def hf_config(cfg: EngineConfig) -> dict:
     }
 
 
-def config_from_hf(hf: Union[Mapping, object]) -> EngineConfig:
+def config_from_hf(hf: Union[Mapping, object]) -> ReferenceConfig:
     """The engine config stored in an exported config.json (a dict or a transformers config)."""
     block = hf.get(CONFIG_KEY) if isinstance(hf, Mapping) else getattr(hf, CONFIG_KEY, None)
     if not isinstance(block, Mapping):
@@ -111,10 +93,8 @@ def config_from_hf(hf: Union[Mapping, object]) -> EngineConfig:
     return model_config(int(block.get("max_model_len", 2048)), **fields)
 
 
-def model_weights(cfg: EngineConfig) -> Dict[str, torch.Tensor]:
+def model_weights(cfg: ReferenceConfig) -> Dict[str, torch.Tensor]:
     """The seeded weights by name (the same draws as the reference engine's ``Model``)."""
-    from hisparse.models.reference import Model
-
     return weights_by_name(Model(cfg, torch.device("cpu")))
 
 
@@ -135,7 +115,9 @@ def write_safetensors(path: Union[str, Path], tensors: Mapping[str, torch.Tensor
         t = t.detach().cpu().contiguous()
         if t.dtype not in _ST_DTYPES:
             raise ExportError(f"tensor {name!r} has dtype {t.dtype}, not one of {list(_ST_DTYPES)}")
-        data = t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
+        # Straight from the tensor's memory: Tensor.numpy() needs numpy, which the default
+        # install does not have (x86 and arm64 are little-endian, as the format wants).
+        data = ctypes.string_at(t.data_ptr(), t.numel() * t.element_size()) if t.numel() else b""
         header[name] = {
             "dtype": _ST_DTYPES[t.dtype],
             "shape": list(t.shape),
@@ -225,20 +207,44 @@ def tokenizer_files(max_model_len: int) -> Dict[str, dict]:
     }
 
 
-def export_model(out_dir: Union[str, os.PathLike], cfg: EngineConfig) -> Path:
-    """Write config.json, model.safetensors and the tokenizer files into ``out_dir``."""
+def export_model(out_dir: Union[str, os.PathLike], cfg: ReferenceConfig) -> Path:
+    """Write config.json, model.safetensors and the tokenizer files into ``out_dir``.
+
+    Everything is written into a temporary directory beside ``out_dir`` first and moved into
+    place at the end, so an export that fails (a full disk, an interrupt) leaves nothing
+    behind: no directory without weights for vLLM to half-load."""
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
         raise ExportError(f"DIR {str(out)!r} exists and is not a directory")
-    out.mkdir(parents=True, exist_ok=True)
-    if not os.access(out, os.W_OK):
+    anchor = next(p for p in (out, *out.parents) if p.exists())  # nearest existing folder
+    if anchor == out:
+        anchor = out.parent
+    if not os.access(anchor, os.W_OK) or (out.exists() and not os.access(out, os.W_OK)):
         raise ExportError(f"DIR {str(out)!r} is not writable")
-    files = {
-        "config.json": hf_config(cfg),
-        "generation_config.json": {"eos_token_id": NUM_BYTE_TOKENS},
-        **tokenizer_files(cfg.max_context),
-    }
-    for name, payload in files.items():
-        (out / name).write_text(json.dumps(payload, indent=1) + "\n")
-    write_safetensors(out / "model.safetensors", model_weights(cfg))
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.export-", dir=anchor))
+    try:
+        files = {
+            "config.json": hf_config(cfg),
+            "generation_config.json": {"eos_token_id": NUM_BYTE_TOKENS},
+            **tokenizer_files(cfg.max_context),
+        }
+        for name, payload in files.items():
+            (tmp / name).write_text(json.dumps(payload, indent=1) + "\n")
+        write_safetensors(tmp / "model.safetensors", model_weights(cfg))
+        _move_into_place(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     return out
+
+
+def _move_into_place(tmp: Path, out: Path) -> None:
+    """A new ``out`` is the renamed temporary directory (one step); into an existing one the
+    files are moved one by one, each replacing its old version in one step."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if not out.exists():
+        os.rename(tmp, out)
+        return
+    for f in sorted(tmp.iterdir()):
+        os.replace(f, out / f.name)
+    tmp.rmdir()

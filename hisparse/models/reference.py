@@ -11,20 +11,22 @@ from typing import List
 
 import torch
 
-from hisparse.engine.config import EngineConfig
 from hisparse.models.rows import KV_DIM, LATENT_DIM, ROPE_DIM
 
 NEG_INF = float("-inf")
 
 
-def _dtype(cfg: EngineConfig) -> torch.dtype:
+def _dtype(cfg) -> torch.dtype:
     return torch.float64 if cfg.dtype == "float64" else torch.float32
 
 
 class Model:
-    """Weights drawn from ``cfg.seed`` on the CPU (float64), then cast and moved to ``device``."""
+    """Weights drawn from ``cfg.seed`` on the CPU (float64), then cast and moved to ``device``.
 
-    def __init__(self, cfg: EngineConfig, device: torch.device) -> None:
+    ``cfg`` is a ``ReferenceConfig`` or anything with its fields (the engine's config has them).
+    """
+
+    def __init__(self, cfg, device: torch.device) -> None:
         self.cfg = cfg
         self.device = device
         self.dtype = dt = _dtype(cfg)

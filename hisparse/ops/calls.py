@@ -10,10 +10,17 @@ from typing import Optional, Sequence
 import torch
 
 from hisparse.ops import extension as _ext
+from hisparse.ops.limits import as_index
 
 
 def _device_type(t: torch.Tensor) -> str:
     return "cuda" if t.is_cuda else "cpu"
+
+
+def _int_arg(op: str, name: str, value) -> int:
+    """An integer argument of an op as a plain int; a bool (which torch would pass on as 0 or 1)
+    or a float is refused here with the RuntimeError the kernels raise for it."""
+    return as_index(f"{op}: argument '{name}'", value, error=RuntimeError)
 
 
 def _op(name: str):
@@ -41,7 +48,10 @@ def resolve_residency(
     """Resolve which selected keys are hot, evict LRU slots for the misses, write the miss plan."""
     if isinstance(top_k, torch.Tensor):
         _ext.require(_device_type(top_k))
-    _op("hisparse_resolve_residency")(
+    op = "hisparse_resolve_residency"
+    num_keys = _int_arg(op, "num_keys", num_keys)
+    hot_base = _int_arg(op, "hot_base", hot_base)
+    _op(op)(
         top_k,
         state_rows,
         resident_rows,
@@ -142,6 +152,9 @@ def _register_fakes() -> None:
         num_keys,
         hot_base,
     ):
+        # No kernel runs on meta tensors: the fake refuses what the kernels' validator refuses.
+        _int_arg("hisparse_resolve_residency", "num_keys", num_keys)
+        _int_arg("hisparse_resolve_residency", "hot_base", hot_base)
         _check_one_device(
             "hisparse_resolve_residency",
             "top_k",
@@ -179,6 +192,18 @@ def _register_fakes() -> None:
             "slot_keys",
             slot_keys,
             (("lru", lru), ("state_rows", state_rows), ("keys", keys)),
+        )
+        return None
+
+    @torch.library.register_fake("hisparse::hisparse_save_rows")
+    def _save_rows_fake(src, host, src_rows, host_rows, moved_bytes):
+        _check_one_device(
+            "hisparse_save_rows",
+            "src_rows",
+            src_rows,
+            [("host_rows", host_rows), ("moved_bytes", moved_bytes)]
+            + [(f"src[{i}]", t) for i, t in enumerate(src)],
+            host_views=[(f"host[{i}]", t) for i, t in enumerate(host)],
         )
         return None
 

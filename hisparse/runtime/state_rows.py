@@ -1,5 +1,6 @@
 """State rows: which request holds which row of the per-request residency state. Scheduler-side
-bookkeeping, free of torch; the rows themselves live in each index group (hisparse.runtime.index_group)."""
+bookkeeping, free of torch; the rows themselves live in each index group
+(hisparse.runtime.index_group)."""
 
 from __future__ import annotations
 

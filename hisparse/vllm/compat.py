@@ -1,8 +1,8 @@
 """vLLM's KV-connector base classes when vLLM is installed, hisparse's own otherwise.
 
-Only ``hisparse.connector.stats`` and ``hisparse.connector`` import this module; ``import hisparse`` never
-does, so importing the package never imports vLLM. Set ``HISPARSE_NO_VLLM=1`` to use hisparse's
-own bases even where vLLM is installed.
+Only ``hisparse.connector`` imports this module; ``import hisparse`` never does, so importing
+the package never imports vLLM. Set ``HISPARSE_NO_VLLM=1`` to use hisparse's own bases even where
+vLLM is installed.
 
 hisparse's bases follow the same contract as vLLM 0.32's
 (``vllm.distributed.kv_transfer.kv_connector.v1.base`` / ``.metrics``): same constructor

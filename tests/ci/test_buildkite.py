@@ -99,10 +99,8 @@ def test_nightly_job(steps):
     deps = set(s["source_file_dependencies"])
     assert deps >= {
         "csrc/",
-        "hisparse/runtime.py",
-        "hisparse/binding.py",
-        "hisparse/worker.py",
-        "hisparse/connector.py",
+        "hisparse/runtime/",
+        "hisparse/connector/",
         "evals/gsm8k/",
     }
     assert any(
@@ -147,7 +145,8 @@ def test_nightly_covers_every_module_on_the_vllm_path(steps):
     """vLLM imports hisparse.connector; every hisparse module it pulls in (and the C++/CUDA
     sources) must trigger the nightly when changed."""
     closure = _hisparse_import_closure("hisparse.connector")
-    assert "hisparse/connector.py" in closure and "hisparse/runtime.py" in closure
+    assert "hisparse/connector/facade.py" in closure
+    assert "hisparse/runtime/index_group.py" in closure
     closure.discard("hisparse/__init__.py")
     deps = steps[NIGHTLY]["source_file_dependencies"]
     assert sorted(p for p in closure if not _covered(p, deps)) == []
@@ -206,7 +205,7 @@ def _labels(pipeline):
 
 
 def test_a_binding_change_triggers_the_nightly_behind_a_block(steps):
-    pl = gp.build_pipeline(list(steps.values()), ["hisparse/binding.py"], nightly=False)
+    pl = gp.build_pipeline(list(steps.values()), ["hisparse/runtime/views.py"], nightly=False)
     assert NIGHTLY in _labels(pl)
     flat = [s for g in pl["steps"] for s in g["steps"]]
     job = next(s for s in flat if s.get("label") == NIGHTLY)
@@ -220,8 +219,8 @@ def test_a_binding_change_triggers_the_nightly_behind_a_block(steps):
     "path,nightly_runs",
     [
         ("csrc/cuda_ops.cu", True),
-        ("hisparse/connector.py", True),
-        ("hisparse/worker.py", True),
+        ("hisparse/connector/facade.py", True),
+        ("hisparse/connector/worker.py", True),
         ("evals/gsm8k/configs/GLM-5.2-NVFP4-HiSparse.yaml", True),
         ("README.md", False),
         ("docs/engine.md", False),

@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib.util
 import json
 
-from hisparse import cli
+from hisparse.cli import app as cli
 from tests import REPO_ROOT
 from tests.engine_helpers import SMALL_FLAGS
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from hisparse import cli
+from hisparse.cli import app as cli
 
 
 @pytest.mark.parametrize(
@@ -82,7 +82,8 @@ def test_help_lists_every_command(capsys):
 
 def test_large_top_k_defaults_keep_hot_size_in_range():
     """top-k above 16384: the default hot size is capped at 32768, not 2 x top-k."""
-    from hisparse.cli import build_parser, check_engine_flags
+    from hisparse.cli.app import build_parser
+    from hisparse.cli.flags import check_engine_flags
     from hisparse.connector.config import HiSparseConfig
 
     assert HiSparseConfig.from_extra_config({"top_k": 20000}).device_buffer_size == 32768

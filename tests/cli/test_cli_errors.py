@@ -14,8 +14,9 @@ import urllib.request
 
 import pytest
 
-from hisparse import cli
+from hisparse.cli import app as cli
 from hisparse.cli import demo
+from hisparse.cli.errors import CommandError
 from hisparse.engine import EngineConfig
 from tests import REPO_ROOT
 from tests.engine_helpers import SMALL_FLAGS
@@ -59,12 +60,12 @@ def test_memory_budget_covers_both_runs_and_devices():
     assert need["hisparse_device"] == 4 * (4 + 32) * 2 * cfg.row_bytes
     assert need["hisparse_host"] == (rows + cfg.block_size) * 2 * cfg.row_bytes
     assert demo.check_memory(cfg, "cpu", host_free=10 * need["resident_device"]) == need
-    with pytest.raises(cli.CommandError, match="the HiSparse run needs .* of host memory"):
+    with pytest.raises(CommandError, match="the HiSparse run needs .* of host memory"):
         demo.check_memory(cfg, "cpu", host_free=need["resident_device"])
     # On a GPU the small HiSparse device footprint fits where the resident KV does not.
-    with pytest.raises(cli.CommandError, match="the resident run needs .* of device memory"):
+    with pytest.raises(CommandError, match="the resident run needs .* of device memory"):
         demo.check_memory(cfg, "cuda", host_free=1 << 40, device_free=need["resident_device"] - 1)
-    with pytest.raises(cli.CommandError, match="the HiSparse run needs .* of host memory"):
+    with pytest.raises(CommandError, match="the HiSparse run needs .* of host memory"):
         demo.check_memory(cfg, "cuda", host_free=1000, device_free=1 << 40)
 
 

@@ -11,7 +11,7 @@ import urllib.request
 
 import pytest
 
-from hisparse import cli
+from hisparse.cli import app as cli
 from hisparse.cli.demo import run_demo, scrape_counters
 from tests.devices import needs_cuda
 from tests.engine_helpers import SMALL_FLAGS

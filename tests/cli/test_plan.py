@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from hisparse import cli
+from hisparse.cli import app as cli
 from hisparse.cli.capacity import PlanError, PlanInputs, compute
 from tests.plan_helpers import SMALL_PLAN
 

@@ -149,8 +149,8 @@ def test_state_rows_are_reused_without_stale_rows():
     "mode,residency", [("resident", "host"), ("hisparse", "host"), ("hisparse", "hybrid")]
 )
 def test_every_store_is_a_kv_store(mode, residency):
+    from hisparse.engine.forward import Engine
     from hisparse.engine.kvstore import KVStore
-    from hisparse.engine.run import Engine
 
     kv = Engine(small_config(residency=residency), mode, torch.device("cpu")).kv
     try:

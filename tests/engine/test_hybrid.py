@@ -99,7 +99,7 @@ def test_spill_counters_travel_through_the_stats_pipeline(cfg, spilled):
 
 
 def test_always_host_switch_keeps_todays_mode(cfg):
-    from hisparse.engine.run import Engine
+    from hisparse.engine.forward import Engine
 
     dev = torch.device("cpu")
     assert isinstance(Engine(cfg, "hisparse", dev).kv, HiSparseKV)

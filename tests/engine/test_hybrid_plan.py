@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from hisparse import cli
+from hisparse.cli import app as cli
 from hisparse.cli.capacity import PlanInputs, compute, hybrid_resident
 from tests.plan_helpers import SMALL_PLAN
 

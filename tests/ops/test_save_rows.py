@@ -274,3 +274,13 @@ def test_save_rows_cuda_rejects_unpinned_host_and_graph_captures():
     torch.cuda.synchronize()
     assert torch.equal(host[0][100:108], src[0][:8].cpu())
     assert moved.cpu().tolist() == [(8 + 8) * 656]
+
+
+def test_save_rows_fake_kernel_refuses_a_meta_tensor_among_real_ones():
+    """Like the other three ops, save_rows has a fake kernel: a meta tensor among CPU ones lands
+    there (the dispatcher picks Meta) and is refused by name instead of passing silently."""
+    a = _save_args("cpu")
+    with pytest.raises(RuntimeError, match="argument 'host_rows' must be on cpu"):
+        torch.ops.hisparse.hisparse_save_rows(
+            a["src"], a["host"], a["src_rows"], a["host_rows"].to("meta"), a["moved_bytes"]
+        )

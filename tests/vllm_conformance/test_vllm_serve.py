@@ -469,18 +469,20 @@ def test_reference_engine_agreement_is_reported(resident, monkeypatch, logs):
     differs and a near-tie at the top-k boundary can pick another row. The figure is reported."""
     import torch
 
+    from hisparse.engine import EngineConfig
     from hisparse.engine import run as engine_run
+    from hisparse.engine.requests import Request
+    from hisparse.models.reference_config import MODEL_FIELDS
 
     prompts = _prompts()
 
     def requests(cfg):
-        return [
-            engine_run._Request(i, torch.tensor(p, dtype=torch.int64), GEN)
-            for i, p in enumerate(prompts)
-        ]
+        return [Request(i, torch.tensor(p, dtype=torch.int64), GEN) for i, p in enumerate(prompts)]
 
     monkeypatch.setattr(engine_run, "make_requests", requests)
-    cfg = CFG.replace(
+    cfg = EngineConfig(
+        **{k: getattr(CFG, k) for k in MODEL_FIELDS},
+        dtype=CFG.dtype,
         num_requests=NUM_REQUESTS,
         max_running=NUM_REQUESTS,
         prompt_len=PROMPT_LEN + 3 * NUM_REQUESTS,
