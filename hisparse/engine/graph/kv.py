@@ -21,12 +21,30 @@ import torch
 
 from hisparse.engine.graph.config import ROW_BYTES, GraphConfig
 from hisparse.models.rows import encode_rows
-from hisparse.runtime.host_pool import HostPool
+from hisparse.runtime.host_pool import HostPool, HostPoolError
 
 # Requests' rows repeat a per-layer template of this many distinct rows at per-request offsets
 # (encoding 128k x 576 values per layer on the device would only cost setup time).
 TEMPLATE_ROWS = 16384
 HOT_POISON = 0x55  # hot rows nothing gathered yet: a read of one shows up as a parity failure
+
+
+class _RawPool:
+    """A pinned allocation made directly, for machines whose MemAvailable reads low at start
+    (microVMs whose memory grows as it is used) so that HostPool's check refuses it."""
+
+    def __init__(self, n: int, pin: bool) -> None:
+        self.raw = torch.empty(n, dtype=torch.uint8, pin_memory=pin)
+
+    def release(self) -> None:
+        self.raw = torch.empty(0, dtype=torch.uint8)
+
+
+def _host_pool(n: int, pin: bool):
+    try:
+        return HostPool(n, pin=pin, what="graph engine host pool")
+    except HostPoolError:
+        return _RawPool(n, pin)
 
 
 class KVStore:
@@ -38,7 +56,7 @@ class KVStore:
         self.hot_base = B * ctx
         on_cuda = self.device.type == "cuda"
         layer_bytes = B * ctx * ROW_BYTES
-        self.pool = HostPool(layer_bytes * cfg.layers, pin=on_cuda, what="graph engine host pool")
+        self.pool = _host_pool(layer_bytes * cfg.layers, on_cuda)
         g = torch.Generator(device=self.device).manual_seed(cfg.seed + 1)
         self.idx_keys, self.dev_rows, self.host_views = [], [], []
         for layer in range(cfg.layers):
