@@ -199,7 +199,7 @@ void resolve_residency_cpu(const at::Tensor& top_k, const at::Tensor& state_rows
                            const c10::optional<at::Tensor>& resident_rows, at::Tensor& slot_keys,
                            at::Tensor& lru, at::Tensor& stats, at::Tensor& out_rows,
                            at::Tensor& miss_src, at::Tensor& miss_dst, at::Tensor& miss_count,
-                           int64_t num_keys, int64_t hot_base) {
+                           const c10::Scalar& num_keys, const c10::Scalar& hot_base) {
   const ResolveDims d =
       check_resolve_args(top_k, state_rows, resident_rows, slot_keys, lru, stats, out_rows,
                          miss_src, miss_dst, miss_count, num_keys, hot_base);
@@ -230,7 +230,7 @@ void resolve_residency_cpu(const at::Tensor& top_k, const at::Tensor& state_rows
       const int64_t s = srows[r];
       const RowCounts c =
           resolve_row(w, keys + r * K, res ? res + r * K : nullptr, sk + s * H, order + s * H,
-                      o, msrc + r * K, mdst + r * K, K, H, num_keys, hot_base + s * H);
+                      o, msrc + r * K, mdst + r * K, K, H, d.num_keys, d.hot_base + s * H);
       mcount[r] = static_cast<int32_t>(c.misses);
       __atomic_fetch_add(&st[0], c.hits, __ATOMIC_RELAXED);
       __atomic_fetch_add(&st[1], c.misses, __ATOMIC_RELAXED);

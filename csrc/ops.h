@@ -10,7 +10,7 @@ void resolve_residency_cpu(const at::Tensor& top_k, const at::Tensor& state_rows
                            const c10::optional<at::Tensor>& resident_rows, at::Tensor& slot_keys,
                            at::Tensor& lru, at::Tensor& stats, at::Tensor& out_rows,
                            at::Tensor& miss_src, at::Tensor& miss_dst, at::Tensor& miss_count,
-                           int64_t num_keys, int64_t hot_base);
+                           const c10::Scalar& num_keys, const c10::Scalar& hot_base);
 
 void gather_cpu(at::TensorList host, at::TensorList hot, const at::Tensor& miss_src,
                 const at::Tensor& miss_dst, const at::Tensor& miss_count,

@@ -1,5 +1,8 @@
 // Op schemas (mutated arguments marked) and the CPU registrations. The CUDA kernels register
 // under the same schemas in cuda/ops.cpp when the extension is built with CUDA.
+// num_keys and hot_base are Scalars, not ints: torch converts a Python bool passed for an `int`
+// to 0 or 1 before any kernel sees it, while a Scalar keeps its type, so the shared validator
+// can refuse a bool (or a float) by name.
 #include <Python.h>
 #include <torch/library.h>
 
@@ -10,8 +13,8 @@ TORCH_LIBRARY(hisparse, m) {
   m.def(
       "hisparse_resolve_residency(Tensor top_k, Tensor state_rows, Tensor? resident_rows, "
       "Tensor(a!) slot_keys, Tensor(b!) lru, Tensor(c!) stats, Tensor(d!) out_rows, "
-      "Tensor(e!) miss_src, Tensor(f!) miss_dst, Tensor(g!) miss_count, int num_keys, "
-      "int hot_base) -> ()");
+      "Tensor(e!) miss_src, Tensor(f!) miss_dst, Tensor(g!) miss_count, Scalar num_keys, "
+      "Scalar hot_base) -> ()");
   m.def(
       "hisparse_gather(Tensor[] host, Tensor(a!)[] hot, Tensor miss_src, Tensor miss_dst, "
       "Tensor miss_count, Tensor(b!)? moved_bytes) -> ()");

@@ -116,15 +116,25 @@ inline RowView check_row_view(const at::Tensor& t, const char* op, const std::st
 // Problem sizes of resolve_residency, derived once validation passes.
 struct ResolveDims {
   int64_t B, K, S, H;
+  int64_t num_keys, hot_base;
 };
+
+// An integer argument taken as a Scalar (see register.cpp): a bool or a floating-point value is
+// refused by name instead of being read as 0, 1 or a truncated number.
+inline int64_t check_int_arg(const c10::Scalar& v, const char* op, const char* name) {
+  TORCH_CHECK(v.isIntegral(/*includeBool=*/false), op, ": argument '", name,
+              "' must be an int, got ", c10::toString(v.type()), " ", v);
+  return v.toLong();
+}
 
 inline ResolveDims check_resolve_args(const at::Tensor& top_k, const at::Tensor& state_rows,
                                       const c10::optional<at::Tensor>& resident_rows,
                                       const at::Tensor& slot_keys, const at::Tensor& lru,
                                       const at::Tensor& stats, const at::Tensor& out_rows,
                                       const at::Tensor& miss_src, const at::Tensor& miss_dst,
-                                      const at::Tensor& miss_count, int64_t num_keys,
-                                      int64_t hot_base) {
+                                      const at::Tensor& miss_count,
+                                      const c10::Scalar& num_keys_arg,
+                                      const c10::Scalar& hot_base_arg) {
   const char* op = "hisparse_resolve_residency";
   check_defined(top_k, op, "top_k");
   const at::Device dev = top_k.device();
@@ -154,12 +164,14 @@ inline ResolveDims check_resolve_args(const at::Tensor& top_k, const at::Tensor&
   check_shape(miss_dst, {B, K}, op, "miss_dst");
   check_tensor(miss_count, at::kInt, 1, dev, op, "miss_count");
   check_shape(miss_count, {B}, op, "miss_count");
+  const int64_t num_keys = check_int_arg(num_keys_arg, op, "num_keys");
+  const int64_t hot_base = check_int_arg(hot_base_arg, op, "hot_base");
   TORCH_CHECK(num_keys >= 0 && num_keys <= kInt32Max, op,
               ": argument 'num_keys' must be in [0, 2^31-1], got ", num_keys);
   TORCH_CHECK(hot_base >= 0 && hot_base <= kInt32Max - S * H, op,
               ": argument 'hot_base' must be >= 0 with hot_base + S*H <= 2^31-1, got hot_base=",
               hot_base, " S*H=", S * H);
-  return {B, K, S, H};
+  return {B, K, S, H, num_keys, hot_base};
 }
 
 struct GatherPlan {

@@ -54,7 +54,7 @@ void resolve_residency_cuda(const at::Tensor& top_k, const at::Tensor& state_row
                             const c10::optional<at::Tensor>& resident_rows, at::Tensor& slot_keys,
                             at::Tensor& lru, at::Tensor& stats, at::Tensor& out_rows,
                             at::Tensor& miss_src, at::Tensor& miss_dst, at::Tensor& miss_count,
-                            int64_t num_keys, int64_t hot_base) {
+                            const c10::Scalar& num_keys, const c10::Scalar& hot_base) {
   const ResolveDims d =
       check_resolve_args(top_k, state_rows, resident_rows, slot_keys, lru, stats, out_rows,
                          miss_src, miss_dst, miss_count, num_keys, hot_base);
@@ -100,8 +100,8 @@ void resolve_residency_cuda(const at::Tensor& top_k, const at::Tensor& state_row
   a.K = K;
   a.S = static_cast<int>(std::min<int64_t>(d.S, kInt32Max));
   a.H = H;
-  a.num_keys = static_cast<int>(num_keys);
-  a.hot_base = static_cast<int>(hot_base);
+  a.num_keys = static_cast<int>(d.num_keys);
+  a.hot_base = static_cast<int>(d.hot_base);
   a.cap_log2 = cap_log2;
 
   if (scratch <= smem_limit) {

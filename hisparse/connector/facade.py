@@ -117,9 +117,17 @@ class HiSparseConnector(KVConnectorBase_V1, SupportsHMA):
 
     @classmethod
     def from_extra_config(
-        cls, extra_config: Optional[Mapping] = None, role: Any = "worker", *, device_hooks=None
+        cls,
+        extra_config: Optional[Mapping] = None,
+        role: Any = "worker",
+        *,
+        device_hooks=None,
+        host_rows: Optional[int] = None,
     ) -> "HiSparseConnector":
-        """Build without a vLLM config (reference engine, tests)."""
+        """Build without a vLLM config (reference engine, tests). ``host_rows`` (scheduler role):
+        the worker's host-pool rows (``worker.host_rows``), which vLLM otherwise gives through
+        its KV blocks; with it keys and token counts past the pool are refused at the
+        scheduler, where they enter."""
         kv = SimpleNamespace(
             kv_connector="HiSparseConnector",
             kv_connector_module_path="hisparse.connector.facade",
@@ -131,7 +139,10 @@ class HiSparseConnector(KVConnectorBase_V1, SupportsHMA):
             is_kv_consumer=False,
             engine_id=None,
         )
-        return cls(SimpleNamespace(kv_transfer_config=kv), role, None, device_hooks=device_hooks)
+        conn = cls(SimpleNamespace(kv_transfer_config=kv), role, None, device_hooks=device_hooks)
+        if host_rows is not None:
+            conn._need_scheduler("from_extra_config(host_rows=...)").set_host_rows(host_rows)
+        return conn
 
     # ----------------------------------------------------------- worker side
     def _need_worker(self, what: str) -> HiSparseConnectorWorker:
@@ -204,6 +215,12 @@ class HiSparseConnector(KVConnectorBase_V1, SupportsHMA):
             raise ValueError("save_kv_layer needs attn_metadata.slot_mapping (or slot_mapping=)")
         worker.save_kv_layer(layer_name, kv_layer, slots)
 
+    def clear_connector_metadata(self) -> None:
+        """End of the step: a ``resolve`` before the next ``start_load_kv`` is refused by name."""
+        super().clear_connector_metadata()
+        if self.worker is not None:
+            self.worker.end_step()
+
     def wait_for_save(self) -> None:
         """Nothing to wait for: host writes and gathers are ordered on the copy streams."""
         return None
@@ -253,17 +270,7 @@ class HiSparseConnector(KVConnectorBase_V1, SupportsHMA):
         step."""
         sched = self._need_scheduler("invalidate_keys")
         rid = request if isinstance(request, str) else _request_id(request)
-        row = sched.rows.row_of(rid)
-        if row is None:
-            raise ValueError(f"request {rid!r} holds no HiSparse state row")
-        limit = sched.host_rows or 2**31 - 1
-        checked = []
-        for k in keys:
-            integral = isinstance(k, (int, torch.Tensor)) and not isinstance(k, bool)
-            if not integral or not 0 <= int(k) < limit:
-                raise ValueError(f"keys must be integer host rows in [0, {limit}), got {k!r}")
-            checked.append(int(k))
-        sched.pending_invalidate.extend((row, k) for k in checked)
+        sched.invalidate_keys(rid, keys)  # checked there, like every key the scheduler takes
 
     # ------------------------------------------------------------- telemetry
     @classmethod

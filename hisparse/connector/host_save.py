@@ -11,6 +11,7 @@ from typing import Sequence, Union
 import torch
 
 from hisparse import ops
+from hisparse.ops.limits import INT32_MAX
 from hisparse.runtime import HiSparseRuntime
 
 SlotMapping = Union[Sequence[int], torch.Tensor]
@@ -33,10 +34,7 @@ def save_kv_rows(
             f"{slots.numel()} entries"
         )
     if slots.device.type == "cpu" and slots.numel() and int(slots.max()) >= host_rows:
-        raise ValueError(
-            f"slot_mapping of {name!r} holds slot {int(slots.max())}, outside the host "
-            f"pool's {host_rows} rows: raise kv_connector_extra_config['host_pool_gib']"
-        )
+        _refuse_slot(name, int(slots.max()), host_rows)
     if rows.device.type == "cpu":
         keep = slots >= 0  # padding slots are skipped
         if not bool(keep.all()):
@@ -46,6 +44,20 @@ def save_kv_rows(
         return
     if slots.numel():
         _save_cuda(rt, rows, slots)
+
+
+def _refuse_slot(name: str, slot: int, host_rows: int) -> None:
+    """A slot past the pool. Past int32 it is no key at all (keys, hence slots, are int32 and
+    no pool holds more rows), so a larger pool would not help: the slot mapping is wrong."""
+    if slot > INT32_MAX:
+        raise ValueError(
+            f"slot_mapping of {name!r} holds slot {slot}, which is no valid key (keys are int32, "
+            f"at most {INT32_MAX}): the slot mapping is wrong, not the pool size"
+        )
+    raise ValueError(
+        f"slot_mapping of {name!r} holds slot {slot}, outside the host pool's {host_rows} "
+        "rows: raise kv_connector_extra_config['host_pool_gib']"
+    )
 
 
 def _slots(slot_mapping: SlotMapping, rows_device: torch.device) -> torch.Tensor:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from hisparse.ops.limits import as_index
 from hisparse.vllm.compat import KVConnectorMetadata
 
 
@@ -31,6 +32,28 @@ class HiSparseConnectorMetadata(KVConnectorMetadata):
     anchors: tuple = ()
 
     def __post_init__(self) -> None:
+        # Every number becomes a plain int by the rule the runtime and the scheduler apply
+        # (``as_index``): numpy or torch integer scalars pass, bools and fractions are refused by
+        # field name instead of being truncated or failing later on the worker.
+        ints = lambda name, xs, lo: tuple(  # noqa: E731
+            as_index(f"{name}[{i}]", x, lo) for i, x in enumerate(xs)
+        )
+        pairs = tuple(
+            ints(f"invalidate[{i}]", p, None) if isinstance(p, (tuple, list)) and len(p) == 2 else p
+            for i, p in enumerate(self.invalidate)
+        )
+        bad = [i for i, p in enumerate(pairs) if not isinstance(p, tuple)]
+        if bad:
+            got = self.invalidate[bad[0]]
+            raise ValueError(f"invalidate[{bad[0]}] must be a (state_row, key) pair, got {got!r}")
+        object.__setattr__(self, "req_ids", tuple(self.req_ids))
+        object.__setattr__(self, "state_rows", ints("state_rows", self.state_rows, None))
+        object.__setattr__(self, "reset_rows", ints("reset_rows", self.reset_rows, None))
+        object.__setattr__(self, "invalidate", pairs)
+        object.__setattr__(self, "anchors", ints("anchors", self.anchors, None))
+        object.__setattr__(
+            self, "host_rows_in_use", as_index("host_rows_in_use", self.host_rows_in_use, 0)
+        )
         if len(self.req_ids) != len(self.state_rows):
             raise ValueError(
                 f"req_ids and state_rows must have equal lengths, got {len(self.req_ids)} "

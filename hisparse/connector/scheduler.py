@@ -10,6 +10,7 @@ from typing import Any, Mapping, Optional
 from hisparse.connector.config import HiSparseConfig
 from hisparse.connector.metadata import HiSparseConnectorMetadata
 from hisparse.connector.stats import HiSparseKVConnectorStats
+from hisparse.ops.limits import INT32_MAX, as_index, check_int
 from hisparse.runtime.state_rows import StateRowAllocator
 
 
@@ -21,6 +22,20 @@ class StepSchedule:
     num_scheduled_tokens: dict
     finished_req_ids: set = field(default_factory=set)
     preempted_req_ids: Optional[set] = None
+
+    def __post_init__(self) -> None:
+        _token_counts(self.num_scheduled_tokens)
+
+
+def _token_counts(scheduled: Any) -> dict:
+    """{req_id: tokens} with every count an integer >= 1 (``as_index``): a negative count would
+    drive the held tokens below zero and past the pool check, a fraction would be truncated."""
+    if not isinstance(scheduled, Mapping):
+        raise ValueError(
+            "scheduler_output.num_scheduled_tokens must be a dict {req_id: tokens}, got "
+            f"{type(scheduled).__name__}"
+        )
+    return {rid: as_index(f"num_scheduled_tokens[{rid!r}]", n, 1) for rid, n in scheduled.items()}
 
 
 def _vllm_request_view(scheduler_output: Any) -> dict:
@@ -54,7 +69,26 @@ class HiSparseScheduler:
         self.block_refs: dict = {}  # vLLM block id -> live requests holding it (prefix sharing)
         self.pending_resets: list = []
         self.pending_invalidate: list = []
-        self.host_rows: Optional[int] = None  # known with vLLM: its KV blocks x block_size
+        # The host pool's rows (= the key space): with vLLM its KV blocks x block_size, without
+        # it what the engine passes on (``set_host_rows``); None = unknown, keys are then only
+        # checked against int32 here and against the pool by the worker.
+        self.host_rows: Optional[int] = None
+
+    def set_host_rows(self, host_rows: Any) -> None:
+        """The worker's host-pool rows (``HiSparseConnectorWorker.host_rows``), so that keys and
+        token counts past the pool are refused here, where they enter."""
+        self.host_rows = check_int("host_rows", as_index("host_rows", host_rows), 1, INT32_MAX)
+
+    def invalidate_keys(self, req_id: Any, keys: Any) -> None:
+        """Positions of ``req_id`` were rewritten: drop their hot copies next step. Keys follow
+        ``as_index`` (as in the runtime and the metadata) and must lie in the pool."""
+        row = self.rows.row_of(req_id)
+        if row is None:
+            raise ValueError(f"request {req_id!r} holds no HiSparse state row")
+        limit = self.host_rows or INT32_MAX
+        what = "host_rows" if self.host_rows else "int32 keys"
+        checked = [_key_in_pool(f"keys[{i}]", k, limit, what) for i, k in enumerate(_listed(keys))]
+        self.pending_invalidate.extend((row, k) for k in checked)
 
     def gauges(self) -> Optional[HiSparseKVConnectorStats]:
         """Scheduler-side gauge samples, every step (vLLM appends them after the worker's, so
@@ -103,12 +137,7 @@ class HiSparseScheduler:
     def build(self, scheduler_output: Any) -> HiSparseConnectorMetadata:
         """One step's metadata. Nothing changes unless it succeeds (a failing step leaves the
         state as it was, so a retry sees the same counts)."""
-        scheduled = getattr(scheduler_output, "num_scheduled_tokens", None)
-        if not isinstance(scheduled, Mapping):
-            raise ValueError(
-                "scheduler_output.num_scheduled_tokens must be a dict {req_id: tokens}, got "
-                f"{type(scheduled).__name__}"
-            )
+        scheduled = _token_counts(getattr(scheduler_output, "num_scheduled_tokens", None))
         gone = [
             rid
             for attr in ("finished_req_ids", "preempted_req_ids")
@@ -123,6 +152,8 @@ class HiSparseScheduler:
                 f"kv_connector_extra_config['max_num_seqs'] = {self.max_num_seqs} are in use"
             )
         tokens, blocks, added, anchors, rewrites = self._plan_requests(scheduled, vllm_view, live)
+        if not vllm_view:
+            self._check_pool(tokens, live)
         # Commit.
         for rid in gone:
             self.release(rid)
@@ -158,7 +189,6 @@ class HiSparseScheduler:
         (``build`` commits)."""
         tokens, blocks, added, anchors, rewrites = {}, {}, {}, [], []
         for rid, n in scheduled.items():
-            n = int(n)
             if rid not in vllm_view:
                 tokens[rid] = (self.tokens.get(rid, 0) if rid in live else 0) + n
                 continue
@@ -173,3 +203,34 @@ class HiSparseScheduler:
                 (rid, self._key(blocks[rid], rid, p)) for p in range(nc, min(written, nc + n))
             )
         return tokens, blocks, added, anchors, rewrites
+
+    def _check_pool(self, tokens: dict, live: set) -> None:
+        """Without vLLM's block lists every held token is a host row: refuse a step whose live
+        requests would hold more than the pool (with vLLM its own block pool is the bound)."""
+        if not self.host_rows:
+            return
+        held = sum(n for rid, n in self.tokens.items() if rid in live and rid not in tokens)
+        held += sum(tokens.values())
+        if held > self.host_rows:
+            raise ValueError(
+                f"live requests would hold {held} tokens but the host pool has {self.host_rows} "
+                "rows: raise kv_connector_extra_config['host_pool_gib'] or admit fewer requests"
+            )
+
+
+def _listed(keys: Any) -> list:
+    try:
+        return list(keys)
+    except TypeError:
+        raise ValueError(
+            f"keys must be a sequence of host rows, got {type(keys).__name__}"
+        ) from None
+
+
+def _key_in_pool(name: str, key: Any, limit: int, what: str) -> int:
+    k = as_index(name, key)
+    if not 0 <= k < limit:
+        raise ValueError(
+            f"{name} = {k} lies outside the host pool: keys are in [0, {limit}) ({what})"
+        )
+    return k

@@ -34,6 +34,7 @@ class StepDriver:
         self._row_of_slot: Optional[torch.Tensor] = None  # state row by anchor key (CUDA)
         self._anchors: Optional[torch.Tensor] = None  # keys set in _row_of_slot last step
         self._anchor_rows: Optional[dict] = None  # key -> [(state row, request id)], step order
+        self._ended = False  # clear_connector_metadata came after the last start
 
     # ------------------------------------------------------------- metadata
     def start(self, meta: HiSparseConnectorMetadata) -> None:
@@ -59,7 +60,12 @@ class StepDriver:
             self._set_anchors(meta)
         self._resolved.clear()
         self._gathered.clear()
+        self._ended = False
         self.host_rows_in_use = max(0, int(meta.host_rows_in_use))
+
+    def end(self) -> None:
+        """The step's metadata was cleared: until the next ``start`` nothing may resolve."""
+        self._ended = True
 
     def _check_metadata(self, meta: HiSparseConnectorMetadata) -> None:
         S = self.config.max_num_seqs
@@ -94,18 +100,27 @@ class StepDriver:
     def _check_all_gathered(self) -> None:
         """Every member of a group that resolved last step must have gathered: the shared slot
         table already names the keys, so a member that skipped its copy would serve stale rows
-        later. Its group's hot state is dropped (nothing stale is ever read) and it is an error."""
+        later. Every such group's hot state is dropped (nothing stale is ever read, whether the
+        caller retries or goes on) and all of them are named in one error."""
+        offending = []
         for g in self.reg.groups:
             if g.name not in self._resolved:
                 continue
             skipped = [m.layer_name for m in g.members if m.layer_name not in self._gathered]
             if skipped:
                 g.release(list(range(g.num_state_rows)))
-                self._resolved.clear()
-                raise RuntimeError(
+                offending.append(
                     f"layer {skipped[0]!r} did not gather (resolve) in the step its leader "
-                    f"{g.leader.layer_name!r} resolved; its group's hot buffers were reset"
+                    f"{g.leader.layer_name!r} resolved"
                 )
+        if offending:
+            # Nothing is left to check on a retry: every offending group was reset above.
+            self._resolved.clear()
+            self._gathered.clear()
+            raise RuntimeError(
+                f"{'; '.join(offending)}; the hot buffers of "
+                f"{'its group were' if len(offending) == 1 else 'those groups were'} reset"
+            )
 
     # -------------------------------------------------------------- anchors
     def _set_anchors(self, meta: HiSparseConnectorMetadata) -> None:
@@ -164,6 +179,11 @@ class StepDriver:
     ) -> torch.Tensor:
         """See ``HiSparseConnectorWorker.resolve``."""
         g = rt.index_group
+        if self._ended:
+            raise RuntimeError(
+                f"layer {rt.layer_name!r} resolves after clear_connector_metadata ended the step: "
+                "call bind_connector_metadata(...) and start_load_kv(...) first"
+            )
         if rt.is_leader:
             self._resolve_leader(rt, top_k, resident_rows, state_rows)
         elif g.name not in self._resolved:

@@ -1,6 +1,6 @@
 """The worker side of the HiSparse connector: one object per worker (TP rank) that composes
-binding/allocation (``hisparse.connector.registration``), per-step driving (``hisparse.connector.step_driver``, with
-``hisparse.connector.host_save`` for the host writes) and the counter sampler (``hisparse.connector.sampler``).
+binding/allocation (``registration``), per-step driving (``step_driver``, with ``host_save`` for
+the host writes) and the counter sampler (``sampler``), all in ``hisparse.connector``.
 
 ``HiSparseConnectorWorker`` is built from a validated ``HiSparseConfig``; ``register_kv_caches``
 then allocates the (pinned) host pool, binds every layer's host view and hot view, and builds the
@@ -132,6 +132,12 @@ class HiSparseConnectorWorker:
         """Apply the scheduler's metadata: reset rows, drop rewritten keys, set state rows."""
         self._check_registered()
         self._step.start(meta)
+
+    def end_step(self) -> None:
+        """The step is over (``clear_connector_metadata``): resolving again needs a new
+        ``start_step``."""
+        if self._step is not None:
+            self._step.end()
 
     def resolve(
         self,

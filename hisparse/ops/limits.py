@@ -1,7 +1,8 @@
 """The ops' limits and the one integer validator every settings class uses.
 
 The numbers are csrc/hisparse_limits.h's; the built extension exports its own copy, and
-``check_extension`` (run when ``hisparse.ops.extension`` loads it) refuses a build whose numbers differ,
+``check_extension`` (run when ``hisparse.ops.extension`` loads it) refuses a build whose
+numbers differ,
 so Python and the kernels cannot disagree. They are written out here rather than read from the
 extension because this module must import without it, and without torch: the CLI builds its
 parser from them and must not pay seconds of torch import for ``--help``.
@@ -9,6 +10,7 @@ parser from them and must not pay seconds of torch import for ``--help``.
 
 from __future__ import annotations
 
+import operator
 from typing import Any, Optional, Type
 
 #: Largest hot buffer per state row: slot ids and LRU entries are int16.
@@ -57,3 +59,35 @@ def check_int(
     if maximum is not None and value > maximum:
         raise error(f"{name} must be <= {maximum}, got {value}")
     return value
+
+
+def as_index(
+    name: str,
+    value: Any,
+    minimum: Optional[int] = None,
+    maximum: Optional[int] = None,
+    *,
+    error: Type[Exception] = ValueError,
+) -> int:
+    """The one rule for integers handed in at run time (keys, rows, token counts, op sizes):
+    whatever ``operator.index`` takes (int, numpy and torch integer scalars, found without
+    importing either) as a plain int in [minimum, maximum]; a bool of any kind, a float, a
+    fractional tensor or an array is ``error`` with one line starting with ``name``."""
+    dtype = str(getattr(value, "dtype", ""))
+    if isinstance(value, bool) or dtype.endswith("bool") or getattr(value, "ndim", 0) != 0:
+        raise error(f"{name} must be an integer, got {_describe(value)}")
+    try:
+        v = operator.index(value)
+    except TypeError:
+        raise error(f"{name} must be an integer, got {_describe(value)}") from None
+    if minimum is not None and v < minimum:
+        raise error(f"{name} must be >= {minimum}, got {v}")
+    if maximum is not None and v > maximum:
+        raise error(f"{name} must be <= {maximum}, got {v}")
+    return v
+
+
+def _describe(value: Any) -> str:
+    dtype = getattr(value, "dtype", None)
+    kind = f"{type(value).__name__} of {dtype}" if dtype is not None else type(value).__name__
+    return f"{kind} {value!r}".replace("\n", " ")

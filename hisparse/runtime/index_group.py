@@ -8,13 +8,12 @@ layer's attention waits only for its own rows (`wait_ready`).
 
 from __future__ import annotations
 
-import numbers
 from typing import Optional, Sequence, Union
 
 import torch
 
 from hisparse import ops
-from hisparse.ops.limits import INT32_MAX, MAX_HOT_SIZE, check_int
+from hisparse.ops.limits import INT32_MAX, MAX_HOT_SIZE, as_index, check_int
 from hisparse.runtime.state_rows import StateRowAllocator
 from hisparse.runtime.views import BindingError
 
@@ -49,7 +48,8 @@ def reset_residency(slot_keys: torch.Tensor, lru: torch.Tensor) -> None:
 
 def _int64_cpu(name: str, values: IntsLike) -> torch.Tensor:
     """Flat int64 copy on the CPU; anything that is not a sequence of integers (floats,
-    bools, values past int64) is refused by name instead of being truncated."""
+    bools, values past int64) is refused by name instead of being truncated. Each element
+    follows ``as_index``, the rule the scheduler and the step metadata apply as well."""
     if isinstance(values, torch.Tensor):
         if values.dtype.is_floating_point or values.dtype.is_complex or values.dtype == torch.bool:
             raise ValueError(f"{name} must hold integers, got {values.dtype}")
@@ -60,12 +60,8 @@ def _int64_cpu(name: str, values: IntsLike) -> torch.Tensor:
         raise ValueError(
             f"{name} must be a sequence of integers, got {type(values).__name__}"
         ) from None
-    for v in seq:
-        if isinstance(v, bool) or not isinstance(v, numbers.Integral):
-            raise ValueError(f"{name} must hold integers, got {type(v).__name__} {v!r}")
-        if not -(2**63) <= int(v) < 2**63:
-            raise ValueError(f"{name} holds {v}, which is not a valid index")
-    return torch.tensor([int(v) for v in seq], dtype=torch.int64)
+    ints = [as_index(f"{name}[{i}]", v, -(2**63), 2**63 - 1) for i, v in enumerate(seq)]
+    return torch.tensor(ints, dtype=torch.int64)
 
 
 class HiSparseIndexGroup:

@@ -7,9 +7,9 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import tomllib
 
 import pytest
+import tomllib
 
 from hisparse.models import checkpoint
 from hisparse.models.checkpoint import export_model, model_config

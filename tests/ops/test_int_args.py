@@ -1,0 +1,62 @@
+"""resolve_residency's integer arguments (num_keys, hot_base): a bool or a float is refused by
+name, through the Python wrapper, through ``torch.ops`` directly (the schema takes Scalars so
+the kernels see the type; torch's ``int`` would pass True on as 1) and on meta tensors; numpy
+and torch integer scalars are taken as the integers they are. Both backends (`device`)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.helpers import RESOLVE_TENSOR_ARGS
+from tests.ops.test_validation import call_resolve, resolve_args
+
+OP = "hisparse_resolve_residency"
+
+
+def _direct(a):
+    """The op through torch.ops, arguments in schema order."""
+    args = [a[n] for n in RESOLVE_TENSOR_ARGS] + [a["num_keys"], a["hot_base"]]
+    torch.ops.hisparse.hisparse_resolve_residency(*args)
+
+
+@pytest.mark.parametrize("name", ["num_keys", "hot_base"])
+@pytest.mark.parametrize("value", [True, False, 1.0, 2.5])
+@pytest.mark.parametrize("call", [call_resolve, _direct], ids=["wrapper", "torch.ops"])
+def test_bool_or_float_size_arguments_are_refused_by_name(device, name, value, call):
+    a = resolve_args(device)
+    a[name] = value
+    before = a["slot_keys"].clone()
+    with pytest.raises(RuntimeError, match=rf"^{OP}: argument '{name}' must be an int") as e:
+        call(a)
+    assert "\n" not in str(e.value).strip()
+    assert torch.equal(a["slot_keys"], before)  # refused before any work
+
+
+def test_the_wrapper_takes_integer_scalars(device):
+    """numpy and 0-d torch integers become plain ints in the wrapper (torch.ops itself, like any
+    op with a Scalar argument, takes Python numbers only)."""
+    a = resolve_args(device)
+    a["top_k"][:] = torch.tensor([[1, 2, 3, 4], [5, 6, 7, 8]], dtype=torch.int32)
+    a["num_keys"], a["hot_base"] = torch.tensor(100), torch.tensor(0)
+    call_resolve(a)
+    assert a["miss_count"].tolist() == [4, 4]
+    np = pytest.importorskip("numpy")
+    a["num_keys"], a["hot_base"] = np.int64(100), np.int32(0)
+    call_resolve(a)
+    assert a["miss_count"].tolist() == [0, 0]  # all hits the second time
+
+
+def test_torch_ops_takes_plain_ints(device):
+    a = resolve_args(device)
+    a["top_k"][:] = 1
+    _direct(a)
+    assert a["miss_count"].tolist() == [1, 1]
+
+
+@pytest.mark.parametrize("name", ["num_keys", "hot_base"])
+def test_meta_tensors_refuse_a_bool_as_the_kernels_do(name):
+    a = resolve_args("meta")
+    a[name] = True
+    with pytest.raises(RuntimeError, match=rf"{OP}: argument '{name}' must be an int"):
+        _direct(a)
