@@ -24,6 +24,7 @@ from hisparse.cli.errors import CommandError
 from hisparse.cli.flags import (
     _Parser,
     add_model_flags,
+    add_progress_flag,
     add_workload_flags,
     float_range,
     int_list,
@@ -76,7 +77,7 @@ def _add_demo_command(sub) -> None:
         metavar="PATH",
         help="write the summary as JSON",
     )
-    o.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bars")
+    add_progress_flag(o)
     o.add_argument(
         "--binding-fault",
         choices=("base_offset",),
@@ -104,6 +105,7 @@ def _add_bench_command(sub) -> None:
         help="hot-buffer sizes to sweep, each >= --top-k (default: 1, 1.25, 1.5, 2, 3, 4 x top-k)",
     )
     b.add_argument("--skip-ops", action="store_true", help="skip the op micro-benchmarks")
+    add_progress_flag(b)
     b.add_argument(
         "--op-reps",
         type=int_range(1, 10000),

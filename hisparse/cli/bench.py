@@ -201,7 +201,7 @@ def main(args) -> int:
             f"hit rate vs hot-buffer size: {cfg.num_requests} requests, top-k {cfg.top_k}",
             flush=True,
         )
-        result["sweep"] = hot_size_sweep(cfg, args.hot_sizes, args.device)
+        result["sweep"] = hot_size_sweep(cfg, args.hot_sizes, args.device, args.progress)
     finally:
         torch.set_num_threads(prev)
     print()

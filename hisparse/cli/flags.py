@@ -133,6 +133,18 @@ _ENGINE_FLAG = {  # EngineConfig field -> flag, for cross-flag errors
 }
 
 
+# EngineConfig's cross-field messages ("max_running * hot_size must fit ...") -> their flags.
+_ENGINE_PRODUCTS = {
+    "max_running * hot_size": ("--concurrency", "--hot-size"),
+    "max_running * max context": ("--concurrency", "(--prompt-len + --output-len)"),
+}
+
+
+def add_progress_flag(g) -> None:
+    """``--no-progress``, shared by the commands that draw progress bars (demo, bench)."""
+    g.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bars")
+
+
 def add_model_flags(g, *, layers: int) -> None:
     """The reference model's shape, shared by the engine commands and export-model."""
     g.add_argument(
@@ -270,9 +282,18 @@ def check_engine_flags(parser: argparse.ArgumentParser, args: argparse.Namespace
     try:
         return engine_config_from_args(args, **over)
     except ValueError as e:
-        msg = str(e)
-        for field, flag in _ENGINE_FLAG.items():
-            if msg.startswith(field + " "):
-                msg = f"argument {flag}:" + msg[len(field) :]
-                break
-        parser.error(msg)
+        # bench sweeps --hot-sizes (the largest stands for them all); demo has --hot-size.
+        parser.error(_flag_message(str(e), "--hot-sizes" if "hot_size" in over else "--hot-size"))
+
+
+def _flag_message(msg: str, hot_flag: str) -> str:
+    """An EngineConfig error as ``argument --flag: ...`` naming the flags to change."""
+    for product, flags in _ENGINE_PRODUCTS.items():
+        if msg.startswith(product + " "):
+            a, b = (hot_flag if f == "--hot-size" else f for f in flags)
+            return f"argument {a}: {a} * {b}{msg[len(product) :]}"
+    for field, flag in _ENGINE_FLAG.items():
+        if msg.startswith(field + " "):
+            flag = hot_flag if flag == "--hot-size" else flag
+            return f"argument {flag}:" + msg[len(field) :]
+    return msg
