@@ -458,7 +458,7 @@ def compare_pair(sc: Scenario, cfg, resident, hisparse, kind: str) -> PairResult
             break
     attention_ok = layers_total > 0 and layers_same == layers_total
     parity_ok = same == total and total > 0 and hidden_ok and attention_ok
-    st = hisparse.connector.stats
+    st = hisparse.stats
     cov, problems = _coverage(sc, cfg, st, resident.stats)
     return PairResult(
         scenario=sc.name,

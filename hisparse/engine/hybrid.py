@@ -1,5 +1,5 @@
-"""Hybrid residency (docs/engine.md, "Hybrid residency"): device pages while they last, the
-connector's host pool and hot buffers for requests that spill."""
+"""Hybrid residency (docs/engine.md): device pages while they last, the connector's host pool
+and hot buffers for requests that spill (the pool reached through ``HostRows``)."""
 
 from __future__ import annotations
 
@@ -24,8 +24,7 @@ class HybridKV(ResidencyMoves):
     Device allocation, per layer: ``device_pages * block_size`` page rows, then ``hot_slots *
     window`` device-window rows (a spilled request's newest tokens, served in place as the op's
     resident tier), then ``hot_slots * hot_size`` hot rows (registered with the connector, which
-    only ever sees spilled requests). Resident requests never touch the connector or the host
-    pool.
+    only ever sees spilled requests). Resident requests never touch the connector or the pool.
 
     Policy, decided on the host from lengths only, so it is the same on every device:
       1. growth: a resident decode request entering a new page takes a free page; with none
@@ -103,13 +102,8 @@ class HybridKV(ResidencyMoves):
         self._conn_step = False
         self._pos: Dict[int, int] = {}
         self._pt_updates: List[tuple] = []
-        self.counts = dict(
-            spilled_requests=0,
-            spilled_rows=0,
-            spilled_bytes=0,
-            returned_requests=0,
-            returned_rows=0,
-        )
+        names = ("spilled_requests", "spilled_rows", "spilled_bytes", "returned_requests")
+        self.counts = dict.fromkeys(names + ("returned_rows",), 0)
         self._reported = dict(self.counts)
         self.peak_spilled = 0
         self.mid_request_spills = 0  # spills of running requests (admissions to host excluded)

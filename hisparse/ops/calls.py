@@ -131,81 +131,88 @@ def save_rows(
     _op("hisparse_save_rows")(list(src), list(host), src_rows, host_rows, moved_bytes)
 
 
+# The ops only mutate their arguments, so tracing needs nothing but their existence and the
+# device check.
+def _resolve_fake(
+    top_k,
+    state_rows,
+    resident_rows,
+    slot_keys,
+    lru,
+    stats,
+    out_rows,
+    miss_src,
+    miss_dst,
+    miss_count,
+    num_keys,
+    hot_base,
+):
+    # No kernel runs on meta tensors: the fake refuses what the kernels' validator refuses.
+    _int_arg("hisparse_resolve_residency", "num_keys", num_keys)
+    _int_arg("hisparse_resolve_residency", "hot_base", hot_base)
+    _check_one_device(
+        "hisparse_resolve_residency",
+        "top_k",
+        top_k,
+        (
+            ("state_rows", state_rows),
+            ("resident_rows", resident_rows),
+            ("slot_keys", slot_keys),
+            ("lru", lru),
+            ("stats", stats),
+            ("out_rows", out_rows),
+            ("miss_src", miss_src),
+            ("miss_dst", miss_dst),
+            ("miss_count", miss_count),
+        ),
+    )
+    return None
+
+
+def _gather_fake(host, hot, miss_src, miss_dst, miss_count, moved_bytes):
+    _check_one_device(
+        "hisparse_gather",
+        "miss_src",
+        miss_src,
+        [("miss_dst", miss_dst), ("miss_count", miss_count), ("moved_bytes", moved_bytes)]
+        + [(f"hot[{i}]", t) for i, t in enumerate(hot)],
+        host_views=[(f"host[{i}]", t) for i, t in enumerate(host)],
+    )
+    return None
+
+
+def _invalidate_fake(slot_keys, lru, state_rows, keys):
+    _check_one_device(
+        "hisparse_invalidate",
+        "slot_keys",
+        slot_keys,
+        (("lru", lru), ("state_rows", state_rows), ("keys", keys)),
+    )
+    return None
+
+
+def _save_rows_fake(src, host, src_rows, host_rows, moved_bytes):
+    _check_one_device(
+        "hisparse_save_rows",
+        "src_rows",
+        src_rows,
+        [("host_rows", host_rows), ("moved_bytes", moved_bytes)]
+        + [(f"src[{i}]", t) for i, t in enumerate(src)],
+        host_views=[(f"host[{i}]", t) for i, t in enumerate(host)],
+    )
+    return None
+
+
 def _register_fakes() -> None:
-    # The ops only mutate their arguments, so tracing needs nothing but their existence and
-    # the device check.
     if _ext.load() is None:
         return
-
-    @torch.library.register_fake("hisparse::hisparse_resolve_residency")
-    def _resolve_fake(
-        top_k,
-        state_rows,
-        resident_rows,
-        slot_keys,
-        lru,
-        stats,
-        out_rows,
-        miss_src,
-        miss_dst,
-        miss_count,
-        num_keys,
-        hot_base,
+    for name, fake in (
+        ("hisparse_resolve_residency", _resolve_fake),
+        ("hisparse_gather", _gather_fake),
+        ("hisparse_invalidate", _invalidate_fake),
+        ("hisparse_save_rows", _save_rows_fake),
     ):
-        # No kernel runs on meta tensors: the fake refuses what the kernels' validator refuses.
-        _int_arg("hisparse_resolve_residency", "num_keys", num_keys)
-        _int_arg("hisparse_resolve_residency", "hot_base", hot_base)
-        _check_one_device(
-            "hisparse_resolve_residency",
-            "top_k",
-            top_k,
-            (
-                ("state_rows", state_rows),
-                ("resident_rows", resident_rows),
-                ("slot_keys", slot_keys),
-                ("lru", lru),
-                ("stats", stats),
-                ("out_rows", out_rows),
-                ("miss_src", miss_src),
-                ("miss_dst", miss_dst),
-                ("miss_count", miss_count),
-            ),
-        )
-        return None
-
-    @torch.library.register_fake("hisparse::hisparse_gather")
-    def _gather_fake(host, hot, miss_src, miss_dst, miss_count, moved_bytes):
-        _check_one_device(
-            "hisparse_gather",
-            "miss_src",
-            miss_src,
-            [("miss_dst", miss_dst), ("miss_count", miss_count), ("moved_bytes", moved_bytes)]
-            + [(f"hot[{i}]", t) for i, t in enumerate(hot)],
-            host_views=[(f"host[{i}]", t) for i, t in enumerate(host)],
-        )
-        return None
-
-    @torch.library.register_fake("hisparse::hisparse_invalidate")
-    def _invalidate_fake(slot_keys, lru, state_rows, keys):
-        _check_one_device(
-            "hisparse_invalidate",
-            "slot_keys",
-            slot_keys,
-            (("lru", lru), ("state_rows", state_rows), ("keys", keys)),
-        )
-        return None
-
-    @torch.library.register_fake("hisparse::hisparse_save_rows")
-    def _save_rows_fake(src, host, src_rows, host_rows, moved_bytes):
-        _check_one_device(
-            "hisparse_save_rows",
-            "src_rows",
-            src_rows,
-            [("host_rows", host_rows), ("moved_bytes", moved_bytes)]
-            + [(f"src[{i}]", t) for i, t in enumerate(src)],
-            host_views=[(f"host[{i}]", t) for i, t in enumerate(host)],
-        )
-        return None
+        torch.library.register_fake(f"hisparse::{name}")(fake)
 
 
 _register_fakes()

@@ -8,7 +8,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from hisparse import ops  # noqa: F401  (registers the fakes)
+from hisparse.ops import calls  # noqa: F401  (registers the fakes)
 from tests.helpers import RESOLVE_TENSOR_ARGS, new_plan, new_state
 
 RESOLVE = torch.ops.hisparse.hisparse_resolve_residency

@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from hisparse import ops  # noqa: F401  (registers the fakes)
+from hisparse.ops import calls  # noqa: F401  (registers the fakes)
 from hisparse.ops import extension as _ext
 from tests.helpers import new_plan, new_state
 

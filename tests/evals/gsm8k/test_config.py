@@ -54,13 +54,9 @@ def test_model_list_names_both_configs():
     assert [os.path.basename(p) for p in listed] == [os.path.basename(GLM), os.path.basename(DSV)]
 
 
-@pytest.mark.parametrize("path", [GLM, DSV])
-def test_config_connector_resolves_to_a_class_in_this_repo(path):
-    """vLLM imports kv_connector_module_path and looks up kv_connector in it. Check, without
-    importing vLLM, that the module file exists and defines that class: a rename breaks this."""
-    kv = load_config(path).kv_transfer_config()
-    mod_file = os.path.join(REPO, *kv["kv_connector_module_path"].split(".")) + ".py"
-    assert os.path.isfile(mod_file), f"{kv['kv_connector_module_path']} -> {mod_file} missing"
+def _defined_names(mod_file: str) -> set:
+    """Classes and names a module defines; a package's names re-exported from its own modules
+    count when that module defines them."""
     with open(mod_file, encoding="utf-8") as f:
         tree = ast.parse(f.read())
     names = {n.name for n in tree.body if isinstance(n, ast.ClassDef)}
@@ -71,6 +67,23 @@ def test_config_connector_resolves_to_a_class_in_this_repo(path):
         for t in n.targets
         if isinstance(t, ast.Name)
     }
+    for n in tree.body:
+        if isinstance(n, ast.ImportFrom) and n.module and n.module.startswith("hisparse."):
+            src = os.path.join(REPO, *n.module.split(".")) + ".py"
+            if os.path.isfile(src):
+                names |= {a.name for a in n.names} & _defined_names(src)
+    return names
+
+
+@pytest.mark.parametrize("path", [GLM, DSV])
+def test_config_connector_resolves_to_a_class_in_this_repo(path):
+    """vLLM imports kv_connector_module_path and looks up kv_connector in it. Check, without
+    importing vLLM, that the module file exists and defines that class: a rename breaks this."""
+    kv = load_config(path).kv_transfer_config()
+    base = os.path.join(REPO, *kv["kv_connector_module_path"].split("."))
+    mod_file = base + ".py" if os.path.isfile(base + ".py") else os.path.join(base, "__init__.py")
+    assert os.path.isfile(mod_file), f"{kv['kv_connector_module_path']} -> {mod_file} missing"
+    names = _defined_names(mod_file)
     assert kv["kv_connector"] in names
 
 
