@@ -48,21 +48,25 @@ def med(xs):
 
 
 def variants(budget, cfg, batch):
-    """(name, mode, split, resident) timed at this batch."""
-    out = [("resident", "resident", 1, 0), ("hisparse", "hisparse", 1, 0)]
+    """(name, mode, split, resident, overlap) timed at this batch."""
+    out = [
+        ("resident", "resident", 1, 0, True),
+        ("hisparse", "hisparse", 1, 0, True),
+        ("hisparse_serial", "hisparse", 1, 0, False),
+    ]
     if batch >= 2:
-        out.append(("hisparse_split", "hisparse", 2, 0))
+        out.append(("hisparse_split", "hisparse", 2, 0, True))
     r = budget.hybrid_resident(cfg, batch)
     if batch > budget.max_batch(cfg, True) and 0 < r < batch:
-        out.append(("hybrid", "hybrid", 1, r))
+        out.append(("hybrid", "hybrid", 1, r, True))
     return out
 
 
 def run_batch(cfg, w, kv, budget, batch, args):
     """Every variant at one batch: interleaved timing rounds, hit rate, parity, eager profile."""
     graphs = {}
-    for name, mode, split, res in variants(budget, cfg, batch):
-        step = DecodeStep(cfg, w, kv, mode, batch, split=split, resident=res)
+    for name, mode, split, res, overlap in variants(budget, cfg, batch):
+        step = DecodeStep(cfg, w, kv, mode, batch, split=split, resident=res, overlap=overlap)
         drift = Drift(kv.max_batch, cfg.ctx_len, cfg.top_k, args.miss, "cuda", seed=11)
         graphs[name] = (GraphStep(step, drift, warmup=2), res)
     rounds = {name: [] for name in graphs}
@@ -95,7 +99,7 @@ def run_batch(cfg, w, kv, budget, batch, args):
             resident_requests=res if name == "hybrid" else None,
         )
     for name, (gs, _) in graphs.items():
-        if name != "resident":
+        if name not in ("resident", "hisparse_serial"):
             row["modes"][name]["profile_per_layer"] = profile_eager(gs, args.profile_steps)
     flat(row)
     del graphs
@@ -114,6 +118,8 @@ def flat(row):
     if "hisparse_split" in m:
         row["hisparse_split_ms_per_step"] = m["hisparse_split"]["ms_per_step"]
         row["ratio_split"] = m["hisparse_split"]["ratio"]
+    row["hisparse_serial_ms_per_step"] = m["hisparse_serial"]["ms_per_step"]
+    row["ratio_serial"] = m["hisparse_serial"]["ratio"]
     if "hybrid" in m:
         row["hybrid_ms_per_step"] = m["hybrid"]["ms_per_step"]
 
@@ -152,9 +158,9 @@ def markdown(res):
         f"CUDA graph per step; median of {res['args']['runs']} interleaved rounds x "
         f"{res['args']['steps']} steps (min-max of the round medians); ratio = same-round.",
         "",
-        "| batch | resident ms/step | HiSparse ms/step | ratio | split ms/step | ratio | "
-        "hybrid ms/step | hit rate | ms/token res / HS | bit-identical |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| batch | resident ms/step | HiSparse ms/step | ratio | no-overlap ms/step | ratio | "
+        "split ms/step | ratio | hybrid ms/step | hit rate | ms/token res / HS | bit-identical |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in res["batches"]:
         m = r["modes"]
@@ -163,6 +169,7 @@ def markdown(res):
         ok = all(v["bit_identical_to_resident"] for v in m.values())
         out.append(
             f"| {r['batch']} | {_rng(m, 'resident')} | {_rng(m, 'hisparse')} | {r['ratio']:.3f} | "
+            f"{_rng(m, 'hisparse_serial')} | {r['ratio_serial']:.3f} | "
             f"{_rng(m, 'hisparse_split') if sp else '-'} | {sp['ratio'] if sp else 0:.3f} | "
             f"{_rng(m, 'hybrid') + ' (' + str(hy['resident_requests']) + ' res)' if hy else '-'} | "
             f"{r['hit_rate']:.4f} | {m['resident']['ms_per_token']:.4f} / "

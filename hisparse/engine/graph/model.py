@@ -71,9 +71,11 @@ def indexer_scores(
 
 
 def select(scores: torch.Tensor, bias: torch.Tensor, top_k: int) -> torch.Tensor:
-    """Top-k context positions [n, top_k] int64 of the squashed scores plus the staged bias."""
+    """Top-k context positions [n, top_k] int64 of the squashed scores plus the staged bias, in
+    ascending position order: the order attention sums in is then fixed by the set alone, not by
+    how topk orders its output (the order of equal values is not specified)."""
     s = torch.tanh(scores).mul_(SCORE_SQUASH).add_(bias)
-    return torch.topk(s, top_k, dim=1, sorted=True).indices
+    return torch.topk(s, top_k, dim=1, sorted=False).indices.sort(dim=1).values
 
 
 def query(cfg: GraphConfig, w: dict, qr: torch.Tensor) -> torch.Tensor:

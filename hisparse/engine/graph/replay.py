@@ -3,9 +3,10 @@ rate from the index groups' counters, and the eager profile that splits HiSparse
 
 The random-weight model has no natural step-to-step locality, so the indexer's scores are added
 to a staged per-request bias (`Drift`): integer-spaced ranks whose top-k is the selected set.
-Each step promotes `m` random positions of each request's own context above every rank, which
-pushes the oldest `m` selected positions out: a sliding selection whose step-to-step overlap
-sets the hit rate (the rate itself is read from the resolve op's counters, not assumed).
+Each step promotes `m` random positions of each request's own context above every rank (distinct
+integers, so no two positions ever tie), which pushes the oldest `m` selected positions out: a
+sliding selection whose step-to-step overlap sets the hit rate (the rate itself is read from the
+resolve op's counters, not assumed).
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ class Drift:
         B, ctx = self.bias.shape
         j = torch.randint(ctx, (B, self.m), generator=self.g, device=self.device)
         top = self.bias.max(dim=1, keepdim=True).values
-        new = top + 1.0 + torch.rand(B, self.m, generator=self.g, device=self.device)
+        # Integer-spaced above every rank: no two positions tie, even after the squashed score.
+        new = top + 1.0 + torch.arange(self.m, device=self.device, dtype=torch.float32)
         self.bias.scatter_(1, j, new)
 
 

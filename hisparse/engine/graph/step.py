@@ -12,7 +12,8 @@ ids into hot rows and its `HiSparseRuntime` gathers the misses from the pinned h
 part's indexer and top-k first, starting each host part's gather as soon as its top-k is resolved,
 then the query projection for the whole batch, then each part's attention: part 0's copy runs
 under part 1's indexer and the query projection, part 1's under part 0's attention. The only
-sync with the copies is each part's `wait_ready` right before its attention reads the rows.
+sync with the copies is each part's `wait_ready` right before its attention reads the rows
+(``overlap=False`` waits right after starting the copy instead: the no-overlap reference).
 
 Everything the step reads that changes between steps (the selection bias) lives in static
 buffers staged before a replay; the step writes its next input (the embedding of the token it
@@ -76,10 +77,12 @@ class DecodeStep:
         *,
         split: int = 1,
         resident: int = 0,
+        overlap: bool = True,
     ) -> None:
         if not 1 <= batch <= kv.max_batch:
             raise ValueError(f"batch must lie in [1, {kv.max_batch}], got {batch}")
         self.cfg, self.w, self.kv, self.mode, self.batch = cfg, weights, kv, mode, batch
+        self.overlap = overlap  # False: wait for each copy right after starting it (no overlap)
         dev = kv.device
         self.parts = [Part(a, b, h) for a, b, h in make_parts(mode, batch, split, resident)]
         for i, p in enumerate(self.parts):
@@ -166,6 +169,8 @@ class DecodeStep:
         self._mark("res1", layer, i)
         rt.gather()
         self._mark("copy1", layer, i, rt.index_group.copy_stream)
+        if not self.overlap:
+            rt.wait_ready()
         return out
 
     def _mark(self, what: str, layer: int, i: int, stream=None) -> None:
