@@ -141,6 +141,26 @@ def test_cuda_resident_is_deterministic_and_eager_matches(gpu_state):
     assert _same(er, eh)
 
 
+def test_cpu_interleaved_modes_keep_parity(tiny):
+    """Steps of several modes alive at once and run in turns (as the benchmark's interleaved
+    rounds do) share the KV state but not hot buffers: each stays bit-identical to resident."""
+    cfg, w, kv = tiny
+    specs = [("resident", 1, 0), ("hisparse", 1, 0), ("hisparse", 2, 0), ("hybrid", 1, 2)]
+    runs = []
+    for mode, split, res in specs:
+        step = DecodeStep(cfg, w, kv, mode, 5, split=split, resident=res)
+        runs.append((step, Drift(kv.max_batch, cfg.ctx_len, cfg.top_k, 0.05, "cpu", seed=9), []))
+    for _ in range(3):  # rounds, each mode 2 steps per round
+        for step, drift, seq in runs:
+            for _ in range(2):
+                drift.advance()
+                step.stage(drift.bias)
+                step.forward()
+                seq.append((step.tokens.clone(), step.hidden.clone()))
+    for (_step, _, seq), spec in zip(runs[1:], specs[1:]):
+        assert _same(runs[0][2], seq), spec
+
+
 def test_cpu_negative_control_skipped_gather_breaks_parity(tiny, monkeypatch):
     """Parity is not vacuous: with the misses' copy skipped, attention reads poisoned or stale
     hot rows and the hidden states differ from resident."""

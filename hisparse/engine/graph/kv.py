@@ -3,16 +3,15 @@
 Per layer:
 * `idx_keys[l]`  [max_batch, ctx, idx_dim] bf16 on the device: the DSA indexer cache, which stays
   on the device in every mode (the indexer reads the whole context each step);
-* `dev_rows[l]`  uint8 [max_batch * ctx + max_batch * hot_size, 656] on the device: the resident
-  region (request b's context at rows b*ctx ...) followed by the hot region (request b's hot
-  buffer at rows hot_base + b*hot_size ...), one row space so `resolve`'s out_rows and resident
-  row ids index the same tensor;
+* `dev_rows[l]`  uint8 [max_batch * ctx, 656] on the device: the resident rows (request b's
+  context at rows b*ctx ...);
 * `host_views[l]` uint8 [max_batch * ctx, 656] in one pinned host pool, layer-major: request b's
   context is the contiguous host region b*ctx ... (misses come from the request's own region).
 
-The resident and host regions hold the same bytes, so every mode reads identical rows. Each mode
-uses only its part of the allocation; the capacity figures count what each mode would need
-(`config.MemoryBudget`), not this shared allocation.
+The resident and host regions hold the same bytes, so every mode reads identical rows. Hot
+buffers are not shared: each `DecodeStep` owns its own (steps of several modes run interleaved,
+and a hot row written by one would be stale to another's residency state). The capacity figures
+count what each mode would need (`config.MemoryBudget`), not these shared allocations.
 """
 
 from __future__ import annotations
@@ -52,8 +51,7 @@ class KVStore:
         cfg.check()
         self.cfg, self.max_batch = cfg, max_batch
         self.device = torch.device(device)
-        B, ctx, H = max_batch, cfg.ctx_len, cfg.hot_size
-        self.hot_base = B * ctx
+        B, ctx = max_batch, cfg.ctx_len
         on_cuda = self.device.type == "cuda"
         layer_bytes = B * ctx * ROW_BYTES
         self.pool = _host_pool(layer_bytes * cfg.layers, on_cuda)
@@ -62,8 +60,7 @@ class KVStore:
         for layer in range(cfg.layers):
             keys = torch.randn(B, ctx, cfg.idx_dim, generator=g, device=self.device)
             self.idx_keys.append(keys.to(torch.bfloat16))
-            rows = torch.empty(B * ctx + B * H, ROW_BYTES, dtype=torch.uint8, device=self.device)
-            rows[self.hot_base :].fill_(HOT_POISON)
+            rows = torch.empty(B * ctx, ROW_BYTES, dtype=torch.uint8, device=self.device)
             host = self.pool.raw[layer * layer_bytes : (layer + 1) * layer_bytes]
             host = host.view(B * ctx, ROW_BYTES)
             self._fill(rows, host, g)
@@ -86,9 +83,6 @@ class KVStore:
             part = template[((pos[None, :] + offs) % n_t).reshape(-1)]
             rows[b0 * ctx : b1 * ctx].copy_(part)
             host[b0 * ctx : b1 * ctx].copy_(part)
-
-    def hot_view(self, layer: int) -> torch.Tensor:
-        return self.dev_rows[layer]
 
     def release(self) -> None:
         self.idx_keys.clear()

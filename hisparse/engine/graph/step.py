@@ -1,8 +1,9 @@
 """One decode step of the GPU-bound engine, in a form a CUDA graph can capture.
 
-The batch is cut into parts; each part is resident (attention reads rows of the resident region
-by id b*ctx + position) or host (the part's own `HiSparseIndexGroup` per layer resolves the same
-ids into hot rows and its `HiSparseRuntime` gathers the misses from the pinned host pool). Modes:
+The batch is cut into parts; each part is resident (attention reads the device rows by id
+b*ctx + position) or host (the part's own `HiSparseIndexGroup` per layer resolves the same ids
+into rows of this step's hot buffers and its `HiSparseRuntime` gathers the misses from the pinned
+host pool). Modes:
 
 * ``resident``: every request resident;
 * ``hisparse``: every request on the host pool (always-host);
@@ -28,7 +29,7 @@ from typing import Optional
 import torch
 
 from hisparse.engine.graph import model as M
-from hisparse.engine.graph.config import GraphConfig
+from hisparse.engine.graph.config import ROW_BYTES, GraphConfig
 from hisparse.engine.graph.kv import HOT_POISON, KVStore
 from hisparse.runtime import HiSparseIndexGroup, HiSparseRuntime
 
@@ -85,6 +86,13 @@ class DecodeStep:
         self.overlap = overlap  # False: wait for each copy right after starting it (no overlap)
         dev = kv.device
         self.parts = [Part(a, b, h) for a, b, h in make_parts(mode, batch, split, resident)]
+        # This step's own hot buffers (request b at rows b*hot_size ...), poisoned: a row no
+        # gather wrote breaks parity instead of passing unnoticed.
+        n_hot = batch * cfg.hot_size if any(p.host for p in self.parts) else 0
+        self.hot = [
+            torch.full((n_hot, ROW_BYTES), HOT_POISON, dtype=torch.uint8, device=dev)
+            for _ in range(cfg.layers)
+        ]
         for i, p in enumerate(self.parts):
             if p.host:
                 self._bind(i, p)
@@ -97,14 +105,10 @@ class DecodeStep:
 
     def _bind(self, i: int, p: Part) -> None:
         """One index group per layer for the part's requests: state row j is request start + j,
-        its hot buffer the rows hot_base + (start + j) * hot_size ... of the shared hot region."""
+        its hot buffer the rows (start + j) * hot_size ... of this step's hot tensor."""
         cfg, kv = self.cfg, self.kv
         p.state_rows = torch.arange(p.size, dtype=torch.int32, device=kv.device)
-        base, H = kv.hot_base, cfg.hot_size
         for layer in range(cfg.layers):
-            # Fresh state rows hold nothing: poison their hot rows so that a read of a row no
-            # gather wrote (left by another step on the shared region) breaks parity.
-            kv.dev_rows[layer][base + p.start * H : base + p.end * H].fill_(HOT_POISON)
             g = HiSparseIndexGroup(
                 f"layer{layer}.part{i}",
                 num_state_rows=p.size,
@@ -113,9 +117,9 @@ class DecodeStep:
                 max_batch=p.size,
                 num_keys=kv.max_batch * cfg.ctx_len,
                 device=kv.device,
-                hot_base=kv.hot_base + p.start * cfg.hot_size,
+                hot_base=p.start * cfg.hot_size,
             )
-            rt = HiSparseRuntime(f"layer{layer}", g, kv.host_views[layer], kv.hot_view(layer))
+            rt = HiSparseRuntime(f"layer{layer}", g, kv.host_views[layer], self.hot[layer])
             p.runtimes.append(rt)
 
     @property
@@ -148,7 +152,8 @@ class DecodeStep:
                 self._mark("wait0", layer, i)
                 p.runtimes[layer].wait_ready()
                 self._mark("wait1", layer, i)
-            kv_rows = self.kv.dev_rows[layer].index_select(0, r.reshape(-1))
+            src = self.hot[layer] if p.host else self.kv.dev_rows[layer]
+            kv_rows = src.index_select(0, r.reshape(-1))
             kv_rows = kv_rows.view(p.size, cfg.top_k, -1)
             mixes.append(M.attend(cfg, q[p.start : p.end], kv_rows))
         mix = mixes[0] if len(mixes) == 1 else torch.cat(mixes)
