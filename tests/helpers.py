@@ -1,6 +1,9 @@
-"""Shared builders for op tests: fresh state, output buffers, and running an op step."""
+"""Shared builders: for op tests fresh state, output buffers and running an op step; for the
+connector's units a CPU registration and vLLM-shaped scheduler outputs."""
 
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import torch
 
@@ -60,3 +63,65 @@ def run_resolve(
 
 def stats_list(stats):
     return [int(x) for x in stats.cpu().tolist()]
+
+
+# ------------------------------------------------------------ connector units
+def cpu_registration(
+    layers=("l0", "l1"),
+    row_bytes=16,
+    *,
+    S=2,
+    H=4,
+    K=2,
+    host_rows=40,
+    groups=None,
+    extra_rows=0,
+    **cfg,
+):
+    """``(config, registration, caches)``: a worker's ``register`` on the CPU, alone. ``row_bytes``
+    is one size or one per layer; each cache holds ``extra_rows`` resident rows below its
+    ``S * H`` hot rows; ``cfg`` goes to ``HiSparseConfig`` (block_size 4 unless given)."""
+    from hisparse.connector.config import HiSparseConfig
+    from hisparse.connector.registration import register
+
+    rbs = [row_bytes] * len(layers) if isinstance(row_bytes, int) else list(row_bytes)
+    config = HiSparseConfig(
+        top_k=K, device_buffer_size=H, max_num_seqs=S, **{"block_size": 4, **cfg}
+    )
+    caches = {
+        n: torch.zeros(extra_rows + S * H, rb, dtype=torch.uint8) for n, rb in zip(layers, rbs)
+    }
+    return config, register(config, caches, host_rows=host_rows, groups=groups), caches
+
+
+def fill_host_rows(reg, seed=0):
+    """Random bytes in every layer's host rows (each layer its own)."""
+    gen = torch.Generator().manual_seed(seed)
+    for rt in reg.runtimes.values():
+        rows = rt.host_view.reshape(-1, rt.row_bytes)
+        rows.copy_(torch.randint(0, 256, rows.shape, dtype=torch.uint8, generator=gen))
+
+
+# A vLLM SchedulerOutput's shape (no vLLM needed), for the scheduler's block-list logic.
+def vllm_new_req(rid, num_computed, blocks):
+    """One entry of ``scheduled_new_reqs`` (KV-cache group 0 only)."""
+    return SimpleNamespace(req_id=rid, num_computed_tokens=num_computed, block_ids=(list(blocks),))
+
+
+def vllm_output(sched, new=(), cached=(), finished=(), preempted=None, resumed=()):
+    """``sched``: {req_id: tokens} in batch order; cached = [(rid, num_computed, new_blocks or
+    None)]."""
+    c = SimpleNamespace(
+        req_ids=[r for r, _, _ in cached],
+        num_computed_tokens=[n for _, n, _ in cached],
+        new_block_ids=[None if b is None else (list(b),) for _, _, b in cached],
+        resumed_req_ids=set(resumed),
+    )
+    return SimpleNamespace(
+        num_scheduled_tokens=dict(sched),
+        scheduled_new_reqs=list(new),
+        scheduled_cached_reqs=c,
+        finished_req_ids=set(finished),
+        preempted_req_ids=preempted,
+        has_sync_kv_loads=False,
+    )

@@ -14,30 +14,10 @@ from hisparse.connector import HiSparseConnector
 from hisparse.connector.config import HiSparseConfig
 from hisparse.connector.worker import HiSparseConnectorWorker
 from hisparse.vllm.model_check import HiSparseModelError, find_model_layers, model_hisparse_layers
+from tests.helpers import vllm_new_req as _new
+from tests.helpers import vllm_output as _out
 
 BS = 4
-
-
-def _new(rid, nc, blocks):
-    return SimpleNamespace(req_id=rid, num_computed_tokens=nc, block_ids=(list(blocks),))
-
-
-def _out(sched, new=(), cached=(), finished=(), preempted=None, resumed=()):
-    """A vLLM SchedulerOutput's shape: cached = [(rid, num_computed, new_blocks or None)]."""
-    c = SimpleNamespace(
-        req_ids=[r for r, _, _ in cached],
-        num_computed_tokens=[n for _, n, _ in cached],
-        new_block_ids=[None if b is None else (list(b),) for _, _, b in cached],
-        resumed_req_ids=set(resumed),
-    )
-    return SimpleNamespace(
-        num_scheduled_tokens=dict(sched),
-        scheduled_new_reqs=list(new),
-        scheduled_cached_reqs=c,
-        finished_req_ids=set(finished),
-        preempted_req_ids=preempted,
-        has_sync_kv_loads=False,
-    )
 
 
 def _sched(max_num_seqs=4):

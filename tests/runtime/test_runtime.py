@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hisparse.runtime import HiSparseIndexGroup, HiSparseRuntime, StateRowAllocator
+from hisparse.runtime import HiSparseIndexGroup, HiSparseRuntime
 from hisparse.runtime.host_pool import HostPool, HostPoolError, available_host_bytes
 from hisparse.runtime.views import BindingError, PackedLayout, bind_layers
 from tests import oracle
@@ -152,15 +152,6 @@ def test_group_rejects_bad_step_inputs():
         g.resolve(torch.zeros(1, K + 1, dtype=torch.int32), torch.zeros(1, dtype=torch.int32))
     with pytest.raises(ValueError, match="state_rows must lie"):
         g.release([S])
-
-
-def test_state_row_allocator_reuses_freed_rows():
-    a = StateRowAllocator(2)
-    assert (a.allocate("a"), a.allocate("b"), a.allocate("a")) == (0, 1, 0)
-    with pytest.raises(RuntimeError, match="no free state row"):
-        a.allocate("c")
-    assert a.free("a") == 0 and a.free("a") is None
-    assert a.allocate("c") == 0 and a.in_use == 2
 
 
 def test_host_pool_checks_available_ram():
