@@ -58,6 +58,8 @@ class StepDriver:
         self.state_rows.copy_(self._upload(padded))
         if meta.anchors:
             self._set_anchors(meta)
+        else:  # a step without anchors (an empty step) must not answer with the last one's
+            self._clear_anchors()
         self._resolved.clear()
         self._gathered.clear()
         self._ended = False
@@ -80,6 +82,14 @@ class StepDriver:
         if bad:
             raise ValueError(
                 f"request {bad[0][0]!r}: state row {bad[0][1]!r} is not in [0, max_num_seqs = {S})"
+            )
+        # Checked with the rest, before any of the metadata takes effect.
+        host_rows = self.reg.host_rows
+        bad = [(r, k) for r, k in zip(meta.req_ids, meta.anchors) if not 0 <= int(k) < host_rows]
+        if bad:
+            raise ValueError(
+                f"request {bad[0][0]!r}: anchor key {bad[0][1]} lies outside the "
+                f"host pool's {host_rows} rows"
             )
         if len(set(meta.state_rows)) != B:
             raise ValueError(f"state_rows of one step must be distinct, got {meta.state_rows}")
@@ -126,12 +136,6 @@ class StepDriver:
     def _set_anchors(self, meta: HiSparseConnectorMetadata) -> None:
         host_rows = self.reg.host_rows
         keys = [int(k) for k in meta.anchors]
-        bad = [(r, k) for r, k in zip(meta.req_ids, keys) if not 0 <= k < host_rows]
-        if bad:
-            raise ValueError(
-                f"request {bad[0][0]!r}: anchor key {bad[0][1]} lies outside the "
-                f"host pool's {host_rows} rows"
-            )
         self._anchor_rows = {}
         for k, row, rid in zip(keys, meta.state_rows, meta.req_ids):
             self._anchor_rows.setdefault(k, []).append((row, rid))
@@ -144,6 +148,12 @@ class StepDriver:
         idx = self._upload(keys).long()
         self._row_of_slot[idx] = self._upload(list(meta.state_rows))
         self._anchors = idx
+
+    def _clear_anchors(self) -> None:
+        self._anchor_rows = None
+        if self._row_of_slot is not None and self._anchors is not None:
+            self._row_of_slot[self._anchors] = -1
+            self._anchors = None
 
     def batch_state_rows(self, anchor_keys: torch.Tensor) -> torch.Tensor:
         """See ``HiSparseConnectorWorker.batch_state_rows``."""

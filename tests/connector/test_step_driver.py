@@ -198,11 +198,6 @@ def test_batch_state_rows_needs_a_step_with_anchors():
         d.batch_state_rows(torch.tensor([5]))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="StepDriver.start keeps the previous step's anchors when the new metadata has none "
-    "(e.g. an empty vLLM step), so batch_state_rows answers with last step's state rows",
-)
 def test_a_step_without_anchors_forgets_the_last_steps():
     d, _ = _driver()
     d.start(_meta([1], anchors=[13]))
@@ -227,3 +222,17 @@ def test_metadata_that_does_not_fit_the_registration_is_refused(meta, error, say
     with pytest.raises(error, match=says):
         d.start(meta)
     assert d.state_rows.tolist() == [-1] * S
+
+
+def test_a_refused_anchor_leaves_the_step_state_as_it_was():
+    """The anchor range is checked with the rest of the metadata, before resets, invalidations
+    or the state rows take effect: a refused step changes nothing."""
+    d, reg = _driver()
+    d.start(_meta([0, 1], anchors=[3, 4]))
+    _resolve_all(d, reg, _top([[1, 2, 3], [4, 5, 6]]))
+    g = reg.groups[0]
+    keys_before, rows_before = g.slot_keys.clone(), d.state_rows.clone()
+    with pytest.raises(ValueError, match="anchor key 99 lies outside"):
+        d.start(_meta([2], resets=[0], invalidate=[(1, 4)], anchors=[99]))
+    assert torch.equal(g.slot_keys, keys_before) and torch.equal(d.state_rows, rows_before)
+    assert d.batch_state_rows(torch.tensor([4])).tolist() == [1]
