@@ -57,4 +57,17 @@ def test_installing_names_the_cpu_index_with_the_same_pin():
 
 def test_installing_explains_the_silent_compile_step():
     text = _section("Installing")
-    assert "40–130 s" in text and "-v" in text and "build/temp-" in text
+    assert "120–170 s" in text and "-v" in text and "build/temp-" in text
+
+
+def test_time_figures_are_measured_ranges_with_what_they_depend_on():
+    """Issue 23, item 9: single figures ("about 20 s") matched neither an idle nor a loaded
+    machine; each time is an idle figure and a loaded range, and says what it follows."""
+    text = _readme()
+    for stale in ("about 20 s", "about 10\ns", "about 10 s", "40–130 s"):
+        assert stale not in text, stale
+    demo = _section("Two commands")
+    assert "12 s when idle" in demo and "40–150 s" in demo and "free cores" in demo
+    build = _section("Installing")
+    assert "13 s" in build and "120–170 s" in build and "MAX_JOBS" in build
+    assert "3 s idle and 10–50 s loaded" in build
