@@ -28,6 +28,8 @@ import sys
 import time
 
 import torch
+from capped_gather import cap_gathers
+from tpot_report import markdown
 
 from hisparse.engine.graph import (
     DecodeStep,
@@ -47,7 +49,7 @@ def med(xs):
     return statistics.median(xs)
 
 
-def variants(budget, cfg, batch):
+def variants(budget, cfg, batch, args):
     """(name, mode, split, resident, overlap) timed at this batch."""
     out = [
         ("resident", "resident", 1, 0, True),
@@ -59,16 +61,28 @@ def variants(budget, cfg, batch):
     r = budget.hybrid_resident(cfg, batch)
     if batch > budget.max_batch(cfg, True) and 0 < r < batch:
         out.append(("hybrid", "hybrid", 1, r, True))
+    if args.capped_blocks:  # last: a failure here leaves the others measured
+        out.append(("hisparse_capped", "hisparse", 1, 0, True))
+        if batch >= 2:
+            out.append(("hisparse_split_capped", "hisparse", 2, 0, True))
     return out
 
 
 def run_batch(cfg, w, kv, budget, batch, args):
     """Every variant at one batch: interleaved timing rounds, hit rate, parity, eager profile."""
     graphs = {}
-    for name, mode, split, res, overlap in variants(budget, cfg, batch):
+    for name, mode, split, res, overlap in variants(budget, cfg, batch, args):
         step = DecodeStep(cfg, w, kv, mode, batch, split=split, resident=res, overlap=overlap)
         drift = Drift(kv.max_batch, cfg.ctx_len, cfg.top_k, args.miss, "cuda", seed=11)
-        graphs[name] = (GraphStep(step, drift, warmup=2), res)
+        try:
+            if name.endswith("_capped"):
+                cap_gathers(step, args.capped_blocks)
+            graphs[name] = (GraphStep(step, drift, warmup=2), res)
+        except Exception as e:  # only the what-if may fail (CuPy); the rest must not
+            if not name.endswith("_capped"):
+                raise
+            print(f"skipped {name}: {type(e).__name__}: {e}", flush=True)
+            torch.cuda.synchronize()
     rounds = {name: [] for name in graphs}
     stats = {name: [0, 0] for name in graphs}
     for _ in range(args.runs):
@@ -122,6 +136,10 @@ def flat(row):
     row["ratio_serial"] = m["hisparse_serial"]["ratio"]
     if "hybrid" in m:
         row["hybrid_ms_per_step"] = m["hybrid"]["ms_per_step"]
+    for k in ("hisparse_capped", "hisparse_split_capped"):
+        if k in m:
+            row[f"{k}_ms_per_step"] = m[k]["ms_per_step"]
+            row[f"ratio_{k.removeprefix('hisparse_')}"] = m[k]["ratio"]
 
 
 def capacity(rows, res_max, hs_max):
@@ -132,7 +150,12 @@ def capacity(rows, res_max, hs_max):
     best = max(res, key=lambda r: tok_s(r, "resident_ms_per_step"))
     hs = next(r for r in rows if r["batch"] == hs_max)
     hs_ms = min(hs.get("hisparse_split_ms_per_step", 1e30), hs["hisparse_ms_per_step"])
+    capped = [
+        hs.get(k) for k in ("hisparse_capped_ms_per_step", "hisparse_split_capped_ms_per_step")
+    ]
+    capped = [c for c in capped if c is not None]
     return dict(
+        hisparse_capped_tok_s=hs_max / min(capped) * 1e3 if capped else None,
         resident_max_batch=res_max,
         resident_best_batch=best["batch"],
         resident_best_tok_s=tok_s(best, "resident_ms_per_step"),
@@ -140,65 +163,6 @@ def capacity(rows, res_max, hs_max):
         hisparse_tok_s=hs_max / hs_ms * 1e3,
         ratio=(hs_max / hs_ms * 1e3) / tok_s(best, "resident_ms_per_step"),
     )
-
-
-def _rng(m, k):
-    v = m[k]
-    return f"{v['ms_per_step']:.3f} ({v['ms_per_step_min']:.3f}-{v['ms_per_step_max']:.3f})"
-
-
-def markdown(res):
-    cfg = res["config"]
-    out = [
-        f"# Decode step time, resident vs HiSparse ({res['device']})",
-        "",
-        f"DeepSeek-V3.2 attention (MLA 128 heads, 656-B FP8 rows, DSA indexer 64x128, top-k "
-        f"{cfg['top_k']}), {cfg['layers']} layers, dense MLP {cfg['mlp_inter']} (MoE's active "
-        f"width), context {cfg['ctx_len']} per request, hot buffer {cfg['hot_size']} rows; one "
-        f"CUDA graph per step; median of {res['args']['runs']} interleaved rounds x "
-        f"{res['args']['steps']} steps (min-max of the round medians); ratio = same-round.",
-        "",
-        "| batch | resident ms/step | HiSparse ms/step | ratio | no-overlap ms/step | ratio | "
-        "split ms/step | ratio | hybrid ms/step | hit rate | ms/token res / HS | bit-identical |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for r in res["batches"]:
-        m = r["modes"]
-        sp = m.get("hisparse_split")
-        hy = m.get("hybrid")
-        ok = all(v["bit_identical_to_resident"] for v in m.values())
-        out.append(
-            f"| {r['batch']} | {_rng(m, 'resident')} | {_rng(m, 'hisparse')} | {r['ratio']:.3f} | "
-            f"{_rng(m, 'hisparse_serial')} | {r['ratio_serial']:.3f} | "
-            f"{_rng(m, 'hisparse_split') if sp else '-'} | {sp['ratio'] if sp else 0:.3f} | "
-            f"{_rng(m, 'hybrid') + ' (' + str(hy['resident_requests']) + ' res)' if hy else '-'} | "
-            f"{r['hit_rate']:.4f} | {m['resident']['ms_per_token']:.4f} / "
-            f"{m['hisparse']['ms_per_token']:.4f} | {ok} |"
-        )
-    c = res["capacity"]
-    out += [
-        "",
-        f"Capacity ({res['budget']}): resident best {c['resident_best_tok_s']:.0f} tok/s at "
-        f"batch {c['resident_best_batch']} (fits {c['resident_max_batch']}); HiSparse "
-        f"{c['hisparse_tok_s']:.0f} tok/s at batch {c['hisparse_batch']}: {c['ratio']:.2f}x.",
-        "",
-        "Profile per layer (eager steps, CUDA events; us): resolve / gather (copy's own "
-        "duration) / wait (main stream stalled for the copy) / added (graph step time over "
-        "resident's, per layer)",
-        "",
-        "| batch | mode | resolve | gather | wait | added per layer |",
-        "|---|---|---|---|---|---|",
-    ]
-    for r in res["batches"]:
-        for name, m in r["modes"].items():
-            p = m.get("profile_per_layer")
-            if p:
-                add = (m["ms_per_step"] - r["resident_ms_per_step"]) * 1e3 / cfg["layers"]
-                out.append(
-                    f"| {r['batch']} | {name} | {p['resolve_us']:.1f} | {p['gather_us']:.1f} | "
-                    f"{p['wait_us']:.1f} | {add:.1f} |"
-                )
-    return "\n".join(out) + "\n"
 
 
 def main(argv=None):
@@ -214,6 +178,12 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warm", type=int, default=3)
     ap.add_argument("--profile-steps", type=int, default=5)
+    ap.add_argument(
+        "--capped-blocks",
+        type=int,
+        default=0,
+        help="what-if: also time HiSparse with capped_gather's copy of this many CTAs (0: off)",
+    )
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     cfg = GraphConfig.deepseek_v32(
@@ -231,6 +201,7 @@ def main(argv=None):
     rows = []
     for b in batches:
         rows.append(run_batch(cfg, w, kv, budget, b, args))
+        rows[-1]["fits_resident_budget"] = b <= res_max
         r = rows[-1]
         print(
             f"B={b}: res {r['resident_ms_per_step']:.3f} hs {r['hisparse_ms_per_step']:.3f} "
