@@ -5,7 +5,9 @@
 #  2. end to end: an exported model served by vLLM's OpenAI server on a free local port, all-resident
 #     and with the HiSparse connector: same tokens, >= 2x concurrency under one KV budget, exact
 #     /metrics, aborts, the GSM8K harness, the start-up refusal of a stock model
-#     (tests/vllm_conformance/test_vllm_serve.py; servers are always shut down).
+#     (tests/vllm_conformance/test_vllm_serve.py; servers are always shut down);
+#  3. soak: mixed traffic with disconnects for HISPARSE_SOAK_SECONDS (default 40; 600 for the long
+#     form), then idle gauges, counters, memory growth and SIGTERM (test_vllm_soak.py).
 # vLLM is large (~3.5 GB installed), so it lives in its own venv, never in the default install.
 #
 #   bash .ci/vllm_conformance.sh
@@ -85,6 +87,15 @@ rc=$?
 if [ $rc -ne 0 ]; then
     echo "VLLM CONFORMANCE FAILED in the end-to-end stage (exit $rc); server logs:"
     for f in "$HISPARSE_E2E_LOG_DIR"/*.log; do [ -f "$f" ] && { echo "== $f"; tail -40 "$f"; }; done
+    exit $rc
+fi
+echo "--- stage 3: a bounded soak of the server (HISPARSE_SOAK_SECONDS, default 40)"
+timeout 1200 "$VENV/bin/python" -m pytest -q -p no:cacheprovider "$CUT" -s \
+    "$ROOT/tests/vllm_conformance/test_vllm_soak.py"
+rc=$?
+if [ $rc -ne 0 ]; then
+    echo "VLLM CONFORMANCE FAILED in the soak stage (exit $rc); server log:"
+    tail -60 "$HISPARSE_E2E_LOG_DIR/soak.log" 2>/dev/null
     exit $rc
 fi
 echo "VLLM CONFORMANCE PASSED"

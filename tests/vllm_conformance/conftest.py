@@ -10,7 +10,13 @@ import os
 from pathlib import Path
 
 if os.environ.get("HISPARSE_VLLM_CONFORMANCE", "") in ("", "0"):
-    collect_ignore = ["test_vllm_pipeline.py", "test_vllm_serve.py"]
+    collect_ignore = [
+        "test_vllm_pipeline.py",
+        "test_vllm_serve.py",
+        "test_vllm_soak.py",
+        "test_vllm_startup.py",
+        "test_vllm_preemption.py",
+    ]
 elif os.environ.get("HISPARSE_VLLM_EXPECT_INSTALLED") == "1":
     import hisparse
 
