@@ -1,0 +1,93 @@
+"""The projections around one DSA layer's sparse attention, in pure torch (float32, any device):
+the MLA query and latent row of each token, the indexer's query / key / head weights, the sorted
+top-k a query attends to, and the attention output over the rows it read.
+
+Weights are the layer's ``self_attn.*`` tensors keyed by their suffix (``q_a_proj.weight``,
+``indexer.wq_b.weight``...), as transformers names them. The row math itself is
+``hisparse.models.dsa.attention`` and the indexer's scoring ``hisparse.models.dsa.indexer``.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping, Tuple
+
+import torch
+
+from hisparse.models.dsa import attention as mla
+from hisparse.models.dsa import indexer as dsa_index
+from hisparse.models.dsa.config import DSAConfig
+from hisparse.models.dsa.decoder import (
+    LATENT_NORM_EPS,
+    linear,
+    rms_norm,
+    rope_half,
+    rope_interleaved,
+)
+from hisparse.models.rows import LATENT_DIM, ROPE_DIM
+
+Weights = Mapping[str, torch.Tensor]
+CosSin = Tuple[torch.Tensor, torch.Tensor]
+# Larger than any position: sorts padding (-1) after every selected position.
+_PAD_SORT = torch.iinfo(torch.int64).max
+
+
+def mla_inputs(h: torch.Tensor, w: Weights, cfg: DSAConfig, rope: CosSin):
+    """(q_resid [T, q_lora_rank], q_nope [T, H, nope], q_pe [T, H, 64], row values [T, 576])."""
+    t = h.shape[0]
+    q_resid = rms_norm(linear(h, w["q_a_proj.weight"]), w["q_a_layernorm.weight"], LATENT_NORM_EPS)
+    q = linear(q_resid, w["q_b_proj.weight"]).view(t, cfg.num_heads, -1)
+    q_nope, q_pe = q[..., : cfg.qk_nope_head_dim], q[..., cfg.qk_nope_head_dim :]
+    kv = linear(h, w["kv_a_proj_with_mqa.weight"])
+    latent = rms_norm(kv[:, :LATENT_DIM], w["kv_a_layernorm.weight"], LATENT_NORM_EPS)
+    cos, sin = rope
+    q_pe = rope_interleaved(q_pe, cos, sin)
+    k_pe = rope_interleaved(kv[:, LATENT_DIM:], cos, sin)
+    return q_resid, q_nope, q_pe, mla.latent_row(latent, k_pe)
+
+
+def index_inputs(h: torch.Tensor, q_resid: torch.Tensor, w: Weights, cfg: DSAConfig, rope: CosSin):
+    """The indexer's (queries [T, Hi, D], keys [T, D], head weights [T, Hi]) of new tokens."""
+    t, d = h.shape[0], cfg.index_head_dim
+    q = linear(q_resid, w["indexer.wq_b.weight"]).view(t, cfg.index_n_heads, d)
+    k = linear(h, w["indexer.wk.weight"])
+    k = dsa_index.normalise_key(k, w["indexer.k_norm.weight"], w["indexer.k_norm.bias"])
+    turn = rope_interleaved if cfg.indexer_rope_interleave else rope_half
+    cos, sin = rope
+    q = torch.cat([turn(q[..., :ROPE_DIM], cos, sin), q[..., ROPE_DIM:]], dim=-1)
+    k = torch.cat([turn(k[:, :ROPE_DIM], cos, sin), k[:, ROPE_DIM:]], dim=-1)
+    return q, k, linear(h, w["indexer.weights_proj.weight"])
+
+
+def select_sorted(
+    q: torch.Tensor,
+    head_w: torch.Tensor,
+    keys: torch.Tensor,
+    positions: torch.Tensor,
+    cfg: DSAConfig,
+) -> torch.Tensor:
+    """Positions each query attends to, int64 [T, index_topk], ascending, -1 padding last.
+
+    ``keys`` [N, D]: the index keys of positions 0..N-1. Ascending order matters: attention
+    sums over the rows in this order, so every store that reads the same rows gives the same
+    bits whatever order topk returned them in."""
+    scores = dsa_index.index_scores(q, head_w, keys, cfg)
+    key_pos = torch.arange(keys.shape[0], device=keys.device)
+    sel = dsa_index.causal_top_k(scores, key_pos, positions, cfg.index_topk)
+    sel = torch.nn.functional.pad(sel, (0, cfg.index_topk - sel.shape[1]), value=-1)
+    order = torch.where(sel >= 0, sel, torch.full_like(sel, _PAD_SORT)).sort(dim=-1).values
+    return torch.where(order == _PAD_SORT, torch.full_like(order, -1), order)
+
+
+def attention_output(
+    q_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    values: torch.Tensor,
+    valid: torch.Tensor,
+    w: Weights,
+    cfg: DSAConfig,
+) -> torch.Tensor:
+    """o_proj of the attention over each query's rows (values [T, K, 576], valid [T, K])."""
+    kv_b = w["kv_b_proj.weight"]
+    q_lat = mla.absorb_query(q_nope, kv_b, cfg)
+    o = mla.attend_rows(q_lat, q_pe, values, valid, cfg.softmax_scale)
+    return linear(mla.expand_values(o, kv_b, cfg), w["o_proj.weight"])
