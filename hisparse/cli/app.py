@@ -23,6 +23,7 @@ from hisparse.cli.commands import (
 from hisparse.cli.errors import CommandError
 from hisparse.cli.flags import (
     _Parser,
+    add_checkpoint_flags,
     add_model_flags,
     add_progress_flag,
     add_workload_flags,
@@ -85,6 +86,7 @@ def _add_demo_command(sub) -> None:
         help="negative control: bind every layer of the HiSparse run at the allocation's "
         "base offset (the upstream bug); parity must then FAIL",
     )
+    add_checkpoint_flags(p)
     p.set_defaults(func=cmd_demo, _parser=p)
 
 

@@ -60,6 +60,11 @@ def _require_backend(device: str) -> None:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
+    if args.model is not None:  # a DSA checkpoint: its own engine (hisparse.engine.dsa)
+        _require_backend(args.device)
+        from hisparse.cli import demo_model
+
+        return demo_model.main(args)
     cfg = check_engine_flags(args._parser, args)
     _require_backend(args.device)
     from hisparse.cli import demo

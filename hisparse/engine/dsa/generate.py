@@ -16,7 +16,12 @@ import torch
 
 from hisparse.engine.dsa.model import DSAForward, RequestState
 from hisparse.engine.dsa.stores import BLOCK, HiSparseRows, ResidentRows
-from hisparse.models.dsa.weights import Checkpoint, CheckpointError, load_checkpoint
+from hisparse.models.dsa.weights import (
+    Checkpoint,
+    CheckpointError,
+    checkpoint_config,
+    load_checkpoint,
+)
 from hisparse.models.rows import ROW_LAYOUTS
 
 MODES = ("resident", "hisparse")
@@ -124,6 +129,11 @@ def parity(
 ) -> dict:
     """Resident vs HiSparse on the checkpoint: the summary ``hisparse demo --model`` prints."""
     check_options(row_format)
+    top_k = checkpoint_config(model_dir)[0].index_topk
+    if hot_size is not None and hot_size < top_k:
+        raise CheckpointError(
+            f"--hot-size must be >= the checkpoint's index_topk ({top_k}), got {hot_size}"
+        )
     ck = load_checkpoint(model_dir, device)
     prompts = byte_prompts(ck, num_prompts)
     runs = {m: generate(ck, m, row_format, device, prompts, max_new, hot_size) for m in MODES}

@@ -134,15 +134,20 @@ def _required(cfg: DSAConfig, spec: DecoderSpec, i: int) -> List[str]:
     return names + [f"{p}mlp.experts.{e}.{m}.weight" for e in range(spec.n_experts) for m in mlp]
 
 
-def load_checkpoint(d: Union[str, Path], device: torch.device) -> Checkpoint:
-    """Configs first (cheap, one-line errors), then the weights onto ``device``."""
-    d = Path(d)
+def checkpoint_config(d: Union[str, Path]):
+    """(DSAConfig, DecoderSpec, config dict) of ``d``: cheap, checked before any weights."""
     hf = read_config(d)
     try:
         cfg = DSAConfig.from_hf(hf)
-        spec = DecoderSpec.from_hf(hf, cfg)
+        return cfg, DecoderSpec.from_hf(hf, cfg), hf
     except DSAConfigError as e:
         raise CheckpointError(f"--model {d} is not a DSA checkpoint we run: {e}") from None
+
+
+def load_checkpoint(d: Union[str, Path], device: torch.device) -> Checkpoint:
+    """Configs first (cheap, one-line errors), then the weights onto ``device``."""
+    d = Path(d)
+    cfg, spec, hf = checkpoint_config(d)
     tensors: Dict[str, torch.Tensor] = {}
     for f in _weight_files(d):
         tensors.update(read_safetensors(f, device))
