@@ -39,9 +39,14 @@ class HiSparseConfig:
     device_buffer_size: Optional[int] = None  # None -> min(2 * top_k, MAX_HOT_SIZE)
     index_share: int = 1
     metrics_interval: int = 2000
+    # Also snapshot once this many seconds have passed since the last one (0 = steps only).
+    metrics_seconds: float = 5.0
     max_num_seqs: int = 256
     block_size: int = 16
     pin_host_pool: Optional[bool] = None  # None -> pin iff the KV caches are on CUDA
+    # Under vLLM without host_pool_gib: the host pool may take at most this share of the RAM
+    # available at start-up, and vLLM's KV blocks are capped to what such a pool backs.
+    host_pool_fraction: float = 0.5
 
     def __post_init__(self) -> None:
         if self.device_buffer_size is not None:
@@ -79,6 +84,20 @@ class HiSparseConfig:
                 f"{_PREFIX}['host_pool_gib'] must be <= {MAX_HOST_POOL_GIB} (GiB), got {g!r}"
             )
         object.__setattr__(self, "host_pool_gib", float(g))
+        t = self.metrics_seconds
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 <= t <= 86400:
+            raise HiSparseConfigError(
+                f"{_PREFIX}['metrics_seconds'] must be a number of seconds in [0, 86400] "
+                f"(0 = every metrics_interval steps only), got {t!r}"
+            )
+        object.__setattr__(self, "metrics_seconds", float(t))
+        f = self.host_pool_fraction
+        if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 < f <= 1:
+            raise HiSparseConfigError(
+                f"{_PREFIX}['host_pool_fraction'] must be a number in (0, 1] (share of the "
+                f"available RAM), got {f!r}"
+            )
+        object.__setattr__(self, "host_pool_fraction", float(f))
         p = self.pin_host_pool
         if p is not None and not isinstance(p, bool):
             raise HiSparseConfigError(
@@ -118,3 +137,31 @@ class HiSparseConfig:
 
 def _check_int(key: str, value: Any, *, minimum: int, maximum: Optional[int] = None) -> None:
     check_int(f"{_PREFIX}[{key!r}]", value, minimum, maximum, error=HiSparseConfigError)
+
+
+def defaults_from_vllm(vllm_config: Any, extra: Optional[Mapping]) -> Any:
+    """``extra`` with max_num_seqs / block_size filled from vLLM's own config, and top_k from the
+    served model's config (an exported HiSparse model), where the extra config omits them."""
+    if extra is not None and not isinstance(extra, Mapping):
+        return extra  # from_extra_config names the problem
+    merged = dict(extra or {})
+    hf = getattr(getattr(vllm_config, "model_config", None), "hf_config", None)
+    model = getattr(hf, "hisparse", None)
+    if "top_k" not in merged and isinstance(model, Mapping) and isinstance(model.get("top_k"), int):
+        merged["top_k"] = model["top_k"]
+    sched = getattr(vllm_config, "scheduler_config", None)
+    cache = getattr(vllm_config, "cache_config", None)
+    seqs = getattr(sched, "max_num_seqs", None)
+    block = getattr(cache, "block_size", None)
+    for key, value in (("max_num_seqs", seqs), ("block_size", block)):
+        usable = isinstance(value, int) and not isinstance(value, bool) and value > 0
+        if key not in merged and usable:
+            merged[key] = value
+    return merged
+
+
+def config_from_vllm(vllm_config: Any) -> HiSparseConfig:
+    """The settings a connector built from ``vllm_config`` uses (extra config + vLLM's own)."""
+    kv = getattr(vllm_config, "kv_transfer_config", None)
+    extra = getattr(kv, "kv_connector_extra_config", None)
+    return HiSparseConfig.from_extra_config(defaults_from_vllm(vllm_config, extra))

@@ -1,8 +1,9 @@
 """``HiSparseConnector``: HiSparse on vLLM's KV-connector contract.
 
-Loaded by vLLM with ``kv_connector_module_path="hisparse.connector.facade"`` and
-``kv_connector="HiSparseOOTConnector"`` (vLLM 0.32 reserves the name ``HiSparseConnector`` for its
-in-tree connector); driven the same way by hisparse's reference engine. See docs/connector.md and
+Loaded by vLLM with ``kv_connector_module_path="hisparse.connector"`` and
+``kv_connector="HiSparseConnector"`` (hisparse's plugin keeps vLLM's config layer from taking
+that name for its in-tree connector, ``hisparse.vllm.patches``) or ``"HiSparseOOTConnector"``;
+driven the same way by hisparse's reference engine. See docs/connector.md and
 docs/vllm.md. Importing this module imports vLLM's base classes when vLLM is installed
 (never ``import hisparse`` itself).
 """
@@ -14,7 +15,13 @@ from typing import Any, Mapping, Optional
 
 import torch
 
-from hisparse.connector.config import HiSparseConfig
+from hisparse.connector.config import HiSparseConfig, defaults_from_vllm
+from hisparse.connector.lifecycle import (
+    SLEEP_MODE_REFUSAL,
+    Preemptions,
+    connector_role,
+    request_id,
+)
 from hisparse.connector.metadata import HiSparseConnectorMetadata
 from hisparse.connector.scheduler import HiSparseScheduler, StepSchedule
 from hisparse.connector.stats import HiSparseKVConnectorStats, HiSparsePromMetrics
@@ -37,46 +44,6 @@ __all__ = [
 ]
 
 
-def _role(role: Any):
-    """vLLM's / hisparse's KVConnectorRole, or 'scheduler' / 'worker'."""
-    if isinstance(role, KVConnectorRole):
-        return role
-    name = role.lower() if isinstance(role, str) else getattr(role, "name", None)
-    if isinstance(name, str) and name.upper() in ("SCHEDULER", "WORKER"):
-        return KVConnectorRole[name.upper()]
-    raise ValueError(
-        f"role must be KVConnectorRole.SCHEDULER/WORKER or 'scheduler'/'worker', got {role!r}"
-    )
-
-
-def _request_id(request: Any) -> str:
-    rid = getattr(request, "request_id", None)
-    if rid is None:
-        raise ValueError(f"request must have a request_id, got {type(request).__name__}")
-    return rid
-
-
-def _defaults_from_vllm(vllm_config: Any, extra: Optional[Mapping]) -> dict:
-    """Fill max_num_seqs / block_size from vLLM's own config, and top_k from the served model's
-    config (an exported HiSparse model), when the extra config omits them."""
-    if extra is not None and not isinstance(extra, Mapping):
-        return extra  # the config names the problem
-    merged = dict(extra or {})
-    hf = getattr(getattr(vllm_config, "model_config", None), "hf_config", None)
-    model = getattr(hf, "hisparse", None)
-    if "top_k" not in merged and isinstance(model, Mapping) and isinstance(model.get("top_k"), int):
-        merged["top_k"] = model["top_k"]
-    sched = getattr(vllm_config, "scheduler_config", None)
-    cache = getattr(vllm_config, "cache_config", None)
-    seqs = getattr(sched, "max_num_seqs", None)
-    block = getattr(cache, "block_size", None)
-    for key, value in (("max_num_seqs", seqs), ("block_size", block)):
-        usable = isinstance(value, int) and not isinstance(value, bool) and value > 0
-        if key not in merged and usable:
-            merged[key] = value
-    return merged
-
-
 class HiSparseConnector(KVConnectorBase_V1, SupportsHMA):
     """HiSparse hot-buffering as a KV connector: nothing is loaded from outside; the worker role
     keeps the full KV in a pinned host pool and each request's selected rows in hot buffers."""
@@ -86,7 +53,7 @@ class HiSparseConnector(KVConnectorBase_V1, SupportsHMA):
     ) -> None:
         """``device_hooks``: stand-ins for the worker's stream/event/capture plumbing
         (``hisparse.connector.sampler.DeviceHooks``), for tests; vLLM never passes them."""
-        role = _role(role)
+        role = connector_role(role, KVConnectorRole)
         super().__init__(vllm_config, role, kv_cache_config)
         extra = getattr(self._kv_transfer_config, "kv_connector_extra_config", None)
         # Inside a vLLM engine the worker is built after the model is loaded: the model's own
@@ -97,7 +64,7 @@ class HiSparseConnector(KVConnectorBase_V1, SupportsHMA):
             from hisparse.vllm.model_check import model_hisparse_layers
 
             layers = model_hisparse_layers(vllm_config)
-        self.config = HiSparseConfig.from_extra_config(_defaults_from_vllm(vllm_config, extra))
+        self.config = HiSparseConfig.from_extra_config(defaults_from_vllm(vllm_config, extra))
         self.worker: Optional[HiSparseConnectorWorker] = None
         self._scheduler: Optional[HiSparseScheduler] = None
         self._model_layers = None
@@ -111,6 +78,7 @@ class HiSparseConnector(KVConnectorBase_V1, SupportsHMA):
             self.worker = HiSparseConnectorWorker(self.config, hooks=device_hooks)
         else:
             self._scheduler = HiSparseScheduler(self.config)
+            self._preemptions = Preemptions()
             blocks = getattr(kv_cache_config, "num_blocks", None)
             if isinstance(blocks, int) and blocks > 0:
                 self._scheduler.host_rows = blocks * self.config.block_size
@@ -234,6 +202,19 @@ class HiSparseConnector(KVConnectorBase_V1, SupportsHMA):
             return self._scheduler.gauges() if self._scheduler is not None else None
         return self.worker.get_kv_connector_stats()
 
+    # vLLM >= 0.33's sleep-mode hooks. Sleep mode frees and remaps vLLM's KV cache (the indexer
+    # caches here) under live state rows, hot buffers and host-pool keys that would then name
+    # stale rows; it is refused at start-up (``supports_sleep_mode``), so these never run.
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: Any = None) -> bool:
+        return False
+
+    def unregister_kv_caches(self) -> None:
+        raise RuntimeError(SLEEP_MODE_REFUSAL)
+
+    def restore_kv_caches(self) -> None:
+        raise RuntimeError(SLEEP_MODE_REFUSAL)
+
     def shutdown(self) -> None:
         if self.worker is not None:
             self.worker.shutdown()
@@ -255,11 +236,19 @@ class HiSparseConnector(KVConnectorBase_V1, SupportsHMA):
         return None
 
     def build_connector_meta(self, scheduler_output: Any) -> HiSparseConnectorMetadata:
-        return self._need_scheduler("build_connector_meta").build(scheduler_output)
+        """The step's metadata; a preempted request's state row is released here, and the row it
+        gets when vLLM resumes it is logged (one line per resumption)."""
+        sched = self._need_scheduler("build_connector_meta")
+        self._preemptions.before(sched.rows, scheduler_output)
+        meta = sched.build(scheduler_output)
+        self._preemptions.after(sched.rows, meta.req_ids)
+        return meta
 
     def request_finished(self, request: Any, block_ids: Any) -> tuple:
         """Free the request's state row; the worker resets it (drops its hot state) next step."""
-        self._need_scheduler("request_finished").release(_request_id(request))
+        rid = request_id(request)
+        self._need_scheduler("request_finished").release(rid)
+        self._preemptions.forget(rid)
         return False, None
 
     def request_finished_all_groups(self, request: Any, block_ids: Any) -> tuple:
@@ -268,9 +257,8 @@ class HiSparseConnector(KVConnectorBase_V1, SupportsHMA):
     def invalidate_keys(self, request: Any, keys: Any) -> None:
         """Scheduler side: positions of ``request`` were rewritten; drop their hot copies next
         step."""
-        sched = self._need_scheduler("invalidate_keys")
-        rid = request if isinstance(request, str) else _request_id(request)
-        sched.invalidate_keys(rid, keys)  # checked there, like every key the scheduler takes
+        rid = request if isinstance(request, str) else request_id(request)
+        self._need_scheduler("invalidate_keys").invalidate_keys(rid, keys)
 
     # ------------------------------------------------------------- telemetry
     @classmethod
@@ -288,6 +276,5 @@ class HiSparseOOTConnector(HiSparseConnector):
     """The same connector under a name vLLM does not reserve.
 
     vLLM >= 0.32 ships an in-tree connector registered as ``HiSparseConnector`` and keys its own
-    HiSparse attention path on that *name* (``VllmConfig`` then requires CUDA, Model Runner V2 and
-    its own ``host_pool_gib`` handling), even when ``kv_connector_module_path`` points here. Load
-    hisparse into such a vLLM with ``"kv_connector": "HiSparseOOTConnector"``."""
+    HiSparse attention path on that *name*. hisparse's plugin routes the name here when the
+    module path is hisparse's; this name works whether or not that patch applies."""

@@ -1,8 +1,10 @@
 """Two-phase, event-gated sampling of the index groups' device counters (docs/telemetry.md).
 
 Phase 1 of a call returns the snapshot armed earlier once its event has completed; phase 2 counts
-the call and, every ``interval`` calls, arms the next one: copy the counters to pinned host memory
-without blocking, zero them, record an event. Nothing here synchronises the host with the device,
+the call and, every ``interval`` calls or once ``seconds`` have passed since the last snapshot was
+armed (so a small server's counters reach a scrape within seconds, not thousands of steps), arms
+the next one: copy the counters to pinned host memory without blocking, zero them, record an
+event. Reading the host clock is not a device sync. Nothing here synchronises the host with the device,
 except ``drain`` (end of run, shutdown, tests).
 
 The device plumbing it needs (the compute stream, an event, "is a CUDA graph being captured") is
@@ -11,6 +13,7 @@ injected as ``DeviceHooks``, so tests can observe the ordering without a GPU.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
@@ -59,9 +62,16 @@ class CounterSampler:
         interval: int,
         hooks: DeviceHooks,
         usage: Callable[[], float],
+        seconds: float = 0.0,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        """``seconds``: also arm once this long has passed since the last snapshot (0 = only
+        every ``interval`` calls); ``clock``: the time source (tests pass a fake one)."""
         self.groups = list(groups)
         self.interval = interval
+        self.seconds = seconds
+        self.clock = clock
+        self._last_arm = clock()
         self.hooks = hooks
         self.usage = usage
         self.calls = 0
@@ -75,15 +85,20 @@ class CounterSampler:
 
     def step(self) -> Optional[HiSparseKVConnectorStats]:
         """Once per engine step: the completed snapshot (None when nothing happened), then count
-        the call and arm the next snapshot on the interval (never while capturing a CUDA graph
-        or while one is pending)."""
+        the call and arm the next snapshot on the interval or the timer (never while capturing a
+        CUDA graph or while one is pending)."""
         stats = None
         capturing = self.hooks.is_capturing()  # no event query / copy inside a capture
         if self.pending and not capturing and self.event.query():
             stats = self._harvest()
             self.pending = False
+            if stats is None:  # nothing counted yet (prefill steps): the timer stays due
+                self._last_arm = float("-inf")
         self.calls += 1
-        if self.calls % self.interval == 0 and not self.pending and not capturing:
+        due = self.calls % self.interval == 0 or (
+            self.seconds > 0 and self.clock() - self._last_arm >= self.seconds
+        )
+        if due and not self.pending and not capturing:
             self._arm()
         return stats
 
@@ -121,6 +136,7 @@ class CounterSampler:
             self.event.record()
         self._pending_usage = self.usage()
         self.pending = True
+        self._last_arm = self.clock()
 
     def _harvest(self) -> Optional[HiSparseKVConnectorStats]:
         hits = misses = moved = hot_rows = 0

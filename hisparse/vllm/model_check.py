@@ -32,6 +32,36 @@ def _architectures(vllm_config: Any) -> str:
     return ", ".join(archs) if archs else "unknown"
 
 
+def _message(archs: str) -> str:
+    return (
+        f"HiSparse connector: model architecture {archs} has no HiSparse sparse-attention "
+        "layers, so nothing would call the connector; serve a model whose attention calls it "
+        "(e.g. a directory from `hisparse export-model`) or drop --kv-transfer-config"
+    )
+
+
+def _registered_by_hisparse(arch: str) -> bool:
+    from vllm import ModelRegistry
+
+    entry = getattr(ModelRegistry, "models", {}).get(arch)
+    module = getattr(entry, "module_name", None) or getattr(
+        getattr(entry, "model_cls", None), "__module__", ""
+    )
+    return isinstance(module, str) and module.split(".")[0] == "hisparse"
+
+
+def refuse_stock_architecture(vllm_config: Any) -> None:
+    """At config time, before any weights load: with hisparse's connector, the architecture must
+    be one hisparse registered (its attention calls the connector); else one line says so."""
+    kv = getattr(vllm_config, "kv_transfer_config", None)
+    path = getattr(kv, "kv_connector_module_path", None)
+    if not isinstance(path, str) or path.split(".")[0] != "hisparse":
+        return
+    archs = getattr(getattr(vllm_config, "model_config", None), "architectures", None) or []
+    if not any(_registered_by_hisparse(a) for a in archs):
+        raise HiSparseModelError(_message(_architectures(vllm_config)))
+
+
 def model_hisparse_layers(vllm_config: Any) -> Optional[dict]:
     """The loaded model's HiSparse layers by name; None when no model is loaded in this process
     (a caller driving the worker itself, e.g. a test or the reference engine). A loaded model
@@ -48,12 +78,7 @@ def model_hisparse_layers(vllm_config: Any) -> Optional[dict]:
         if hasattr(lay, "row_bytes") and hasattr(lay, "group_leader")
     }
     if not layers:
-        raise HiSparseModelError(
-            f"HiSparse connector: model architecture {_architectures(vllm_config)} has no "
-            "HiSparse sparse-attention layers, so nothing would call the connector; serve a "
-            "model whose attention calls it (e.g. a directory from `hisparse export-model`) or "
-            "drop --kv-transfer-config"
-        )
+        raise HiSparseModelError(_message(_architectures(vllm_config)))
     return layers
 
 

@@ -1,7 +1,8 @@
 """The ``vllm.general_plugins`` entry point: registers the reference model's architecture.
 
-vLLM calls ``register()`` in every process it starts (engine core, workers, API server). It only
-names the model class by its import path, so nothing heavy is imported here.
+vLLM calls ``register()`` in every process it starts (engine core, workers, API server). It names
+the model class by its import path and installs hisparse's few vLLM patches
+(``hisparse.vllm.patches``: the connector name, the early refusal, the KV sizing).
 """
 
 from __future__ import annotations
@@ -13,6 +14,10 @@ MODEL_CLASS = "hisparse.vllm.model:HiSparseMLAForCausalLM"
 
 def register() -> None:
     from vllm import ModelRegistry
+
+    from hisparse.vllm.patches import install
+
+    install()
 
     if ARCHITECTURE not in ModelRegistry.get_supported_archs():
         ModelRegistry.register_model(ARCHITECTURE, MODEL_CLASS)

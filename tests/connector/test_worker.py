@@ -126,7 +126,7 @@ def test_first_call_returns_none_and_arms_with_ordering_both_ways():
 
 
 def test_later_call_returns_exact_counts_and_nothing_happened_is_none():
-    sched, work, caches = make_pair({"metrics_interval": 2})
+    sched, work, caches = make_pair({"metrics_interval": 2, "metrics_seconds": 0})
     w = work.worker
     assert w.get_kv_connector_stats() is None
     assert w.get_kv_connector_stats() is None  # arms (2nd call) with all-zero counters

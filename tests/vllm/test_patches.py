@@ -1,0 +1,83 @@
+"""hisparse's vLLM patches without vLLM (``hisparse.vllm.patches``): the connector-name answer,
+the wrapping helper on a stand-in module (once, idempotent), and the one line when a target has
+moved. The real targets are checked against vLLM 0.32 and 0.33 in tests/vllm_conformance."""
+
+from __future__ import annotations
+
+import sys
+import types
+
+import pytest
+
+from hisparse.vllm import patches
+
+
+class FakeKVTransferConfig:
+    """The fields vLLM's ``KVTransferConfig.has_connector`` reads."""
+
+    def __init__(self, name, path=None, children=()):
+        self.kv_connector = name
+        self.kv_connector_module_path = path
+        self.kv_connector_extra_config = {"connectors": list(children)} if children else {}
+
+    def has_connector(self, connector_name):  # vLLM's own rule
+        if self.kv_connector == connector_name:
+            return True
+        return self.kv_connector == "MultiConnector" and any(
+            c.get("kv_connector") == connector_name
+            for c in self.kv_connector_extra_config.get("connectors", [])
+        )
+
+
+@pytest.fixture
+def fake_vllm(monkeypatch):
+    mod = types.ModuleType("fake_vllm_kv_transfer")
+    mod.KVTransferConfig = type("KVTransferConfig", (FakeKVTransferConfig,), {})
+    monkeypatch.setitem(sys.modules, mod.__name__, mod)
+    return mod
+
+
+def test_the_name_is_ours_only_with_our_module_path(fake_vllm):
+    assert (
+        patches._wrap(fake_vllm.__name__, "KVTransferConfig", "has_connector", patches._route)
+        is None
+    )
+    K = fake_vllm.KVTransferConfig
+    assert not K("HiSparseConnector", "hisparse.connector").has_connector("HiSparseConnector")
+    assert K("HiSparseConnector", None).has_connector("HiSparseConnector")  # vLLM's in-tree
+    assert K("HiSparseConnector", "other.module").has_connector("HiSparseConnector")
+    assert K("NixlConnector").has_connector("NixlConnector")  # other names: vLLM's answer
+    ours = {"kv_connector": "HiSparseConnector", "kv_connector_module_path": "hisparse.connector"}
+    theirs = {"kv_connector": "HiSparseConnector"}
+    assert not K("MultiConnector", children=[ours]).has_connector("HiSparseConnector")
+    assert K("MultiConnector", children=[ours, theirs]).has_connector("HiSparseConnector")
+
+
+def test_wrapping_happens_once(fake_vllm):
+    calls = []
+
+    def make(orig):
+        calls.append(orig)
+        return lambda self, name: orig(self, name)
+
+    for _ in range(3):
+        assert patches._wrap(fake_vllm.__name__, "KVTransferConfig", "has_connector", make) is None
+    assert len(calls) == 1 and fake_vllm.KVTransferConfig.has_connector._hisparse
+
+
+@pytest.mark.parametrize(
+    "module, owner, attr, fragment",
+    [
+        ("no_such_vllm_module_xyz", "X", "y", "no_such_vllm_module_xyz.X is gone"),
+        (
+            "fake_vllm_kv_transfer",
+            "Missing",
+            "has_connector",
+            "fake_vllm_kv_transfer.Missing is gone",
+        ),
+        ("fake_vllm_kv_transfer", "KVTransferConfig", "moved", "KVTransferConfig.moved is gone"),
+    ],
+)
+def test_a_moved_target_is_one_line_not_a_crash(fake_vllm, module, owner, attr, fragment):
+    why = patches._wrap(module, owner, attr, patches._route)
+    assert fragment in why and "\n" not in why
