@@ -20,10 +20,10 @@ from hisparse.cli.commands import (
     cmd_info,
     cmd_plan,
 )
+from hisparse.cli.demo_model import add_checkpoint_flags
 from hisparse.cli.errors import CommandError
 from hisparse.cli.flags import (
     _Parser,
-    add_checkpoint_flags,
     add_model_flags,
     add_progress_flag,
     add_workload_flags,

@@ -1,21 +1,68 @@
 """`hisparse demo --model DIR`: a DeepSeek-V3.2 / GLM-5 checkpoint run twice on the DSA engine
 (hisparse.engine.dsa) -- every latent row on the device, then HiSparse (rows in the connector's
 host pool, per-group resolve into small hot buffers) -- with a token-parity check and a summary.
-Exits 1 when the two runs' tokens differ."""
+Exits 1 when the two runs' tokens differ. The flags are declared here too; torch and the engine
+are imported only when the command runs (``hisparse --help`` stays fast)."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 
-import torch
-
 from hisparse.cli.errors import CommandError
-from hisparse.engine.dsa.generate import parity
-from hisparse.models.dsa.weights import CheckpointError
+from hisparse.cli.flags import int_range
+
+
+def add_checkpoint_flags(p: argparse.ArgumentParser) -> None:
+    """`demo --model DIR`: a DeepSeek-V3.2 / GLM-5 checkpoint instead of the reference model."""
+    g = p.add_argument_group("checkpoint (DeepSeek-V3.2 / GLM-5, replaces the reference model)")
+    g.add_argument(
+        "--model",
+        default=None,
+        metavar="DIR",
+        help="a DeepseekV32ForCausalLM or GlmMoeDsaForCausalLM checkpoint directory "
+        "(config.json + safetensors); --device, --hot-size, --threads and --json apply",
+    )
+    g.add_argument(
+        "--row-format",
+        choices=("f32", "bf16", "fp8"),
+        default="f32",
+        help="latent row bytes: f32 / bf16 unquantized, fp8 the 656-byte row (default: f32)",
+    )
+    g.add_argument(
+        "--prompts",
+        type=int_range(1, 64),
+        default=3,
+        help="prompts of at least 4 x index_topk byte tokens (default: 3)",
+    )
+    g.add_argument(
+        "--new-tokens",
+        type=int_range(1, 4096),
+        default=24,
+        help="greedy tokens per prompt (default: 24)",
+    )
+
+
+def _summary(s: dict) -> list:
+    return [
+        ("model", f"{s['model']} ({s['arch']}, indexer {'/'.join(s['indexer_types'])})"),
+        ("device", s["device"]),
+        ("row format", s["row_format"]),
+        ("prompts", f"{s['prompts']} x {s['prompt_tokens']} tokens, {s['new_tokens']} new each"),
+        ("top-k / hot", f"{s['index_topk']} / {s['hot_size']} rows per layer"),
+        ("seconds", ", ".join(f"{m} {t}" for m, t in s["seconds"].items())),
+        ("sample", repr(s["sample"])),
+        ("tokens equal", f"{s['tokens_equal']}/{s['prompts']} prompts"),
+    ]
 
 
 def main(args) -> int:
+    import torch
+
+    from hisparse.engine.dsa.generate import parity
+    from hisparse.models.dsa.weights import CheckpointError
+
     if args.threads:
         torch.set_num_threads(args.threads)
     try:
@@ -29,21 +76,10 @@ def main(args) -> int:
         )
     except CheckpointError as e:
         raise CommandError(str(e), 2) from None
-    width = 16
-    rows = [
-        ("model", f"{s['model']} ({s['arch']}, indexer {'/'.join(s['indexer_types'])})"),
-        ("device", s["device"]),
-        ("row format", s["row_format"]),
-        ("prompts", f"{s['prompts']} x {s['prompt_tokens']} tokens, {s['new_tokens']} new each"),
-        ("top-k / hot", f"{s['index_topk']} / {s['hot_size']} rows per layer"),
-        ("seconds", ", ".join(f"{m} {t}" for m, t in s["seconds"].items())),
-        ("sample", repr(s["sample"])),
-        ("tokens equal", f"{s['tokens_equal']}/{s['prompts']} prompts"),
-    ]
-    for k, v in rows:
-        print(f"{k:<{width}} {v}")
+    for k, v in _summary(s):
+        print(f"{k:<16} {v}")
     verdict = "PASS: resident and HiSparse tokens identical" if s["parity"] else "FAIL"
-    print(f"{'parity':<{width}} {verdict}", file=sys.stdout if s["parity"] else sys.stderr)
+    print(f"{'parity':<16} {verdict}", file=sys.stdout if s["parity"] else sys.stderr)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(s, f, indent=1)

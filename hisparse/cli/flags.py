@@ -238,36 +238,6 @@ def add_workload_flags(
     )
 
 
-def add_checkpoint_flags(p: argparse.ArgumentParser) -> None:
-    """`demo --model DIR`: a DeepSeek-V3.2 / GLM-5 checkpoint instead of the reference model."""
-    g = p.add_argument_group("checkpoint (DeepSeek-V3.2 / GLM-5, replaces the reference model)")
-    g.add_argument(
-        "--model",
-        default=None,
-        metavar="DIR",
-        help="a DeepseekV32ForCausalLM or GlmMoeDsaForCausalLM checkpoint directory "
-        "(config.json + safetensors); --device, --hot-size, --threads and --json apply",
-    )
-    g.add_argument(
-        "--row-format",
-        choices=("f32", "bf16", "fp8"),
-        default="f32",
-        help="latent row bytes: f32 / bf16 unquantized, fp8 the 656-byte row (default: f32)",
-    )
-    g.add_argument(
-        "--prompts",
-        type=int_range(1, 64),
-        default=3,
-        help="prompts of at least 4 x index_topk byte tokens (default: 3)",
-    )
-    g.add_argument(
-        "--new-tokens",
-        type=int_range(1, 4096),
-        default=24,
-        help="greedy tokens per prompt (default: 24)",
-    )
-
-
 def _add_request_flags(g, *, requests: int, concurrency: int, prompt_len: int, output_len: int):
     g.add_argument(
         "--requests",
