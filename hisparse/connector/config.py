@@ -9,6 +9,7 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any, Mapping, Optional
 
 from hisparse.ops.limits import INT32_MAX, MAX_HOT_SIZE, check_int
+from hisparse.vllm.compat import engine_defaults
 
 #: Upper bounds of the integer settings. Hot rows are addressed with int32, so
 #: max_num_seqs * device_buffer_size is bounded as well (checked below).
@@ -139,29 +140,8 @@ def _check_int(key: str, value: Any, *, minimum: int, maximum: Optional[int] = N
     check_int(f"{_PREFIX}[{key!r}]", value, minimum, maximum, error=HiSparseConfigError)
 
 
-def defaults_from_vllm(vllm_config: Any, extra: Optional[Mapping]) -> Any:
-    """``extra`` with max_num_seqs / block_size filled from vLLM's own config, and top_k from the
-    served model's config (an exported HiSparse model), where the extra config omits them."""
-    if extra is not None and not isinstance(extra, Mapping):
-        return extra  # from_extra_config names the problem
-    merged = dict(extra or {})
-    hf = getattr(getattr(vllm_config, "model_config", None), "hf_config", None)
-    model = getattr(hf, "hisparse", None)
-    if "top_k" not in merged and isinstance(model, Mapping) and isinstance(model.get("top_k"), int):
-        merged["top_k"] = model["top_k"]
-    sched = getattr(vllm_config, "scheduler_config", None)
-    cache = getattr(vllm_config, "cache_config", None)
-    seqs = getattr(sched, "max_num_seqs", None)
-    block = getattr(cache, "block_size", None)
-    for key, value in (("max_num_seqs", seqs), ("block_size", block)):
-        usable = isinstance(value, int) and not isinstance(value, bool) and value > 0
-        if key not in merged and usable:
-            merged[key] = value
-    return merged
-
-
 def config_from_vllm(vllm_config: Any) -> HiSparseConfig:
     """The settings a connector built from ``vllm_config`` uses (extra config + vLLM's own)."""
     kv = getattr(vllm_config, "kv_transfer_config", None)
     extra = getattr(kv, "kv_connector_extra_config", None)
-    return HiSparseConfig.from_extra_config(defaults_from_vllm(vllm_config, extra))
+    return HiSparseConfig.from_extra_config(engine_defaults(vllm_config, extra))

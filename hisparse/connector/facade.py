@@ -15,7 +15,7 @@ from typing import Any, Mapping, Optional
 
 import torch
 
-from hisparse.connector.config import HiSparseConfig, defaults_from_vllm
+from hisparse.connector.config import HiSparseConfig
 from hisparse.connector.lifecycle import (
     SLEEP_MODE_REFUSAL,
     Preemptions,
@@ -31,6 +31,7 @@ from hisparse.vllm.compat import (
     KVConnectorBase_V1,
     KVConnectorRole,
     SupportsHMA,
+    engine_defaults,
 )
 
 __all__ = [
@@ -64,7 +65,7 @@ class HiSparseConnector(KVConnectorBase_V1, SupportsHMA):
             from hisparse.vllm.model_check import model_hisparse_layers
 
             layers = model_hisparse_layers(vllm_config)
-        self.config = HiSparseConfig.from_extra_config(defaults_from_vllm(vllm_config, extra))
+        self.config = HiSparseConfig.from_extra_config(engine_defaults(vllm_config, extra))
         self.worker: Optional[HiSparseConnectorWorker] = None
         self._scheduler: Optional[HiSparseScheduler] = None
         self._model_layers = None

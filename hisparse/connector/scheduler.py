@@ -12,6 +12,7 @@ from hisparse.connector.metadata import HiSparseConnectorMetadata
 from hisparse.connector.stats import HiSparseKVConnectorStats
 from hisparse.ops.limits import INT32_MAX, as_index, check_int
 from hisparse.runtime.state_rows import StateRowAllocator
+from hisparse.vllm.compat import scheduled_requests
 
 
 @dataclass
@@ -36,21 +37,6 @@ def _token_counts(scheduled: Any) -> dict:
             f"{type(scheduled).__name__}"
         )
     return {rid: as_index(f"num_scheduled_tokens[{rid!r}]", n, 1) for rid, n in scheduled.items()}
-
-
-def _vllm_request_view(scheduler_output: Any) -> dict:
-    """{req_id: (num_computed_tokens, block_ids or None, replace)} from a vLLM SchedulerOutput
-    (KV-cache group 0); {} for a ``StepSchedule``. ``replace``: the ids are the request's whole
-    block list (new or resumed request), else blocks appended this step."""
-    view = {}
-    for r in getattr(scheduler_output, "scheduled_new_reqs", None) or ():
-        view[r.req_id] = (int(r.num_computed_tokens), list(r.block_ids[0]), True)
-    cached = getattr(scheduler_output, "scheduled_cached_reqs", None)
-    if cached is not None:
-        resumed = getattr(cached, "resumed_req_ids", None) or set()
-        for rid, nc, new in zip(cached.req_ids, cached.num_computed_tokens, cached.new_block_ids):
-            view[rid] = (int(nc), list(new[0]) if new is not None else None, rid in resumed)
-    return view
 
 
 class HiSparseScheduler:
@@ -143,7 +129,7 @@ class HiSparseScheduler:
             for attr in ("finished_req_ids", "preempted_req_ids")
             for rid in getattr(scheduler_output, attr, None) or ()
         ]
-        vllm_view = _vllm_request_view(scheduler_output)
+        vllm_view = scheduled_requests(scheduler_output)
         live = {rid for rid in self.tokens if rid not in gone}
         new_reqs = [rid for rid in scheduled if rid not in live]
         if len(live) + len(new_reqs) > self.max_num_seqs:

@@ -1,8 +1,8 @@
 """vLLM's KV-connector base classes when vLLM is installed, hisparse's own otherwise.
 
-Only ``hisparse.connector`` imports this module; ``import hisparse`` never does, so importing
-the package never imports vLLM. Set ``HISPARSE_NO_VLLM=1`` to use hisparse's own bases even where
-vLLM is installed.
+Only ``hisparse.connector`` and the rest of ``hisparse.vllm`` import this module; ``import
+hisparse`` never does, so importing the package never imports vLLM. Set ``HISPARSE_NO_VLLM=1`` to
+use hisparse's own bases even where vLLM is installed.
 
 hisparse's bases follow the same contract as vLLM 0.32's
 (``vllm.distributed.kv_transfer.kv_connector.v1.base`` / ``.metrics``): same constructor
@@ -15,6 +15,8 @@ This module heads hisparse's vLLM-version layer; what differs between the suppor
   kv_transfer_config)`` (default True), ``unregister_kv_caches()`` and ``restore_kv_caches()``:
   the connector defines all three on every version (refusing sleep mode), so 0.32 just never
   calls them;
+* what the connector reads of vLLM's objects (the engine's config, each step's scheduler
+  output) is read here: ``engine_defaults`` and ``scheduled_requests``;
 * both key their in-tree HiSparse on the connector name, size KV in the engine core's
   ``get_kv_cache_configs`` and build configs in ``EngineArgs.create_engine_config``: the patches
   there live in ``hisparse.vllm.patches``, each checking its target is still in place.
@@ -26,7 +28,7 @@ import enum
 import os
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Mapping, Optional
 
 #: Why vLLM's classes are not used (None when they are).
 VLLM_UNAVAILABLE_REASON: Optional[str] = None
@@ -210,3 +212,40 @@ else:
         @classmethod
         def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
             return None
+
+
+# ---- what the connector reads of vLLM's objects -------------------------------------------
+def engine_defaults(vllm_config: Any, extra: Optional[Mapping]) -> Any:
+    """``extra`` with max_num_seqs / block_size filled from vLLM's own config, and top_k from the
+    served model's config (an exported HiSparse model), where the extra config omits them."""
+    if extra is not None and not isinstance(extra, Mapping):
+        return extra  # from_extra_config names the problem
+    merged = dict(extra or {})
+    hf = getattr(getattr(vllm_config, "model_config", None), "hf_config", None)
+    model = getattr(hf, "hisparse", None)
+    if "top_k" not in merged and isinstance(model, Mapping) and isinstance(model.get("top_k"), int):
+        merged["top_k"] = model["top_k"]
+    sched = getattr(vllm_config, "scheduler_config", None)
+    cache = getattr(vllm_config, "cache_config", None)
+    seqs = getattr(sched, "max_num_seqs", None)
+    block = getattr(cache, "block_size", None)
+    for key, value in (("max_num_seqs", seqs), ("block_size", block)):
+        usable = isinstance(value, int) and not isinstance(value, bool) and value > 0
+        if key not in merged and usable:
+            merged[key] = value
+    return merged
+
+
+def scheduled_requests(scheduler_output: Any) -> dict:
+    """{req_id: (num_computed_tokens, block_ids or None, replace)} from a vLLM SchedulerOutput
+    (KV-cache group 0); {} for a ``StepSchedule``. ``replace``: the ids are the request's whole
+    block list (new or resumed request), else blocks appended this step."""
+    view = {}
+    for r in getattr(scheduler_output, "scheduled_new_reqs", None) or ():
+        view[r.req_id] = (int(r.num_computed_tokens), list(r.block_ids[0]), True)
+    cached = getattr(scheduler_output, "scheduled_cached_reqs", None)
+    if cached is not None:
+        resumed = getattr(cached, "resumed_req_ids", None) or set()
+        for rid, nc, new in zip(cached.req_ids, cached.num_computed_tokens, cached.new_block_ids):
+            view[rid] = (int(nc), list(new[0]) if new is not None else None, rid in resumed)
+    return view
