@@ -86,7 +86,8 @@ def test_runtime_dependencies_are_lean():
         d.split(">")[0].split("=")[0].split("<")[0].strip().lower()
         for d in p["project"]["dependencies"]
     }
-    assert names == {"torch", "prometheus_client", "tqdm"}
+    # numpy: not called by hisparse, but torch warns "Failed to initialize NumPy" without it.
+    assert names == {"torch", "numpy", "prometheus_client", "tqdm"}
     extras = p["project"]["optional-dependencies"]
     assert any(d.startswith("matplotlib") for d in extras["plot"])
     assert any(d.startswith("pyyaml") for d in extras["evals"])
