@@ -8,10 +8,16 @@ from typing import List, Optional, Sequence
 
 import torch
 
+from hisparse.engine.dsa.generate import byte_prompts, generate
+from hisparse.models.dsa.weights import load_checkpoint
+
 ARCHS = ("deepseek_v32", "glm_moe_dsa")
 #: Below this top-1 / top-2 logit gap a greedy step is a near tie: float32 rounding (another
 #: summation order, another device) may pick the other token, so comparisons stop there.
 NEAR_TIE = 0.05
+#: First-step logits of the engine vs transformers, both float32 (see test_dsa_transformers.py).
+LOGIT_TOL = 1e-3
+PROMPTS, NEW = 8, 16
 
 
 @contextlib.contextmanager
@@ -42,3 +48,44 @@ def tie_aware_mismatch(
         if want[i] != got[i]:
             return f"step {i}: want token {want[i]}, got {got[i]} (gap {gaps[i]:.4f})"
     return None
+
+
+def reference_tokens(model_dir, prompts, new: int):
+    """transformers' greedy tokens (no stop token, like the engine) and first-step logits."""
+    import transformers
+
+    m = transformers.AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
+    m.generation_config.eos_token_id = None
+    tokens, logits = [], []
+    with torch.no_grad():
+        for p in prompts:
+            ids = torch.tensor([p])
+            out = m.generate(ids, max_new_tokens=new, do_sample=False, pad_token_id=0)
+            tokens.append(out[0, len(p) :].tolist())
+            logits.append(m(ids).logits[0, -1].float())
+    return tokens, logits
+
+
+def compare_with_transformers(model_dir, device: torch.device, mode: str = "resident"):
+    """(report line, failures) of the engine (f32 rows, ``mode``) on ``device`` against
+    transformers on the CPU."""
+    ck = load_checkpoint(model_dir, device)
+    prompts = byte_prompts(ck, PROMPTS)
+    with one_thread():
+        want, want_logits = reference_tokens(model_dir, prompts, NEW)
+        got = generate(ck, mode, "f32", device, prompts, NEW)
+    failures, exact, worst = [], 0, 0.0
+    for i in range(len(prompts)):
+        exact += want[i] == got.tokens[i]
+        diff = float((want_logits[i] - got.first_logits[i]).abs().max())
+        worst = max(worst, diff)
+        bad = tie_aware_mismatch(want[i], got.tokens[i], got.gaps[i])
+        if bad or diff > LOGIT_TOL:
+            failures.append(f"prompt {i}: {bad or 'tokens ok'}, first-step logit diff {diff:.2e}")
+    line = (
+        f"{ck.cfg.arch} {mode} on {device}: {exact}/{len(prompts)} prompts token-identical to "
+        f"transformers, max first-step logit diff {worst:.1e}"
+    )
+    return line, failures

@@ -1,0 +1,137 @@
+"""The DSA engine on a GPU (marked ``cuda``; skipped without a GPU and the CUDA build): for tiny
+DeepSeek-V3.2 and GLM-5 checkpoints (made by transformers when it is installed, else written
+without it), CUDA tokens equal CPU tokens and transformers' (f32 rows), resident and HiSparse
+tokens on the GPU are bit-identical in the f32 and fp8 row formats, and the HiSparse run takes
+the device-side paths a CUDA vLLM takes: every new row saved with a slot mapping that stays on
+the GPU (``host_save._save_cuda`` sees CUDA slots), prefill reads gathered back from the pinned
+host pool, decode reads resolved into the hot buffers.
+
+CPU and CUDA float32 differ in rounding, so tokens are compared up to the first near-tie step
+(``dsa_helpers.NEAR_TIE``) and first-step logits within a tolerance; resident vs HiSparse on one
+device read the same bytes in the same order and must match exactly.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hisparse import cli
+from hisparse.engine.dsa.generate import byte_prompts, generate
+from hisparse.engine.dsa.stores import HiSparseRows
+from hisparse.models.dsa.random_checkpoint import write_random_checkpoint
+from hisparse.models.dsa.weights import load_checkpoint
+from tests.devices import needs_cuda
+from tests.engine.dsa_helpers import (
+    ARCHS,
+    compare_with_transformers,
+    one_thread,
+    tie_aware_mismatch,
+)
+
+pytestmark = [pytest.mark.cuda, needs_cuda]
+
+CPU, GPU = torch.device("cpu"), torch.device("cuda")
+PROMPTS, NEW = 4, 16
+#: CUDA vs CPU first-step logits: f32 rows carry only float32 rounding (about 1e-5 here); an fp8
+#: row may round one latent value to the neighbouring fp8 step on one device and not the other.
+LOGIT_TOL = {"f32": 1e-3, "fp8": 5e-2}
+
+
+def _has_dsa_transformers() -> bool:
+    try:
+        import transformers
+    except ImportError:
+        return False
+    return hasattr(transformers, "DeepseekV32Config") and hasattr(transformers, "GlmMoeDsaConfig")
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("dsa_cuda")
+    if _has_dsa_transformers():
+        from hisparse.models.dsa.make_checkpoint import make_checkpoint
+
+        return {a: make_checkpoint(root / a, a, seed=0) for a in ARCHS}
+    return {a: write_random_checkpoint(root / a, a, seed=0) for a in ARCHS}
+
+
+@pytest.fixture
+def spy(monkeypatch):
+    """Counts the device-side connector paths the HiSparse run takes."""
+    import hisparse.connector.host_save as host_save
+
+    seen = {"save_slots": [], "prefill_reads": [], "decode_reads": 0}
+    real_save, real_prefill = host_save._save_cuda, HiSparseRows._read_prefill
+
+    def save(rt, rows, slots):
+        seen["save_slots"].append(slots.device.type)
+        real_save(rt, rows, slots)
+
+    def prefill(self, layer, keys):
+        out = real_prefill(self, layer, keys)
+        seen["prefill_reads"].append(out.device.type)
+        return out
+
+    real_read = HiSparseRows.read
+
+    def read(self, layer, keys, prefill):
+        seen["decode_reads"] += not prefill
+        return real_read(self, layer, keys, prefill)
+
+    monkeypatch.setattr(host_save, "_save_cuda", save)
+    monkeypatch.setattr(HiSparseRows, "_read_prefill", prefill)
+    monkeypatch.setattr(HiSparseRows, "read", read)
+    return seen
+
+
+@pytest.mark.parametrize("row_format", ["f32", "fp8"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_cuda_tokens_equal_cpu_tokens_and_hisparse_equals_resident(
+    checkpoints, spy, arch, row_format
+):
+    d = checkpoints[arch]
+    ck_cpu, ck_gpu = load_checkpoint(d, CPU), load_checkpoint(d, GPU)
+    prompts = byte_prompts(ck_cpu, PROMPTS)
+    with one_thread():
+        cpu = generate(ck_cpu, "resident", row_format, CPU, prompts, NEW)
+    res = generate(ck_gpu, "resident", row_format, GPU, prompts, NEW)
+    his = generate(ck_gpu, "hisparse", row_format, GPU, prompts, NEW)
+    assert his.tokens == res.tokens, (
+        f"{arch} {row_format}: HiSparse tokens differ from resident tokens on the GPU "
+        f"(same bytes, same order must give the same bits): resident {res.tokens} hisparse "
+        f"{his.tokens}"
+    )
+    layers = ck_cpu.cfg.num_layers
+    assert spy["save_slots"] == ["cuda"] * (layers * PROMPTS * NEW), (
+        "every HiSparse save must reach host_save._save_cuda with a CUDA slot mapping "
+        f"({layers} layers x {PROMPTS} prompts x {NEW} steps); saw {spy['save_slots'][:8]}..."
+    )
+    assert spy["prefill_reads"] == ["cuda"] * (layers * PROMPTS), spy["prefill_reads"]
+    assert spy["decode_reads"] == layers * PROMPTS * (NEW - 1)
+    for i in range(PROMPTS):
+        bad = tie_aware_mismatch(cpu.tokens[i], res.tokens[i], cpu.gaps[i], res.gaps[i])
+        assert bad is None, f"{arch} {row_format} prompt {i}: CUDA vs CPU tokens, {bad}"
+        diff = float((cpu.first_logits[i] - res.first_logits[i]).abs().max())
+        assert diff <= LOGIT_TOL[row_format], (
+            f"{arch} {row_format} prompt {i}: CUDA vs CPU first-step logits differ by {diff:.2e}"
+        )
+
+
+@pytest.mark.parametrize("mode", ["resident", "hisparse"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_cuda_tokens_equal_transformers(checkpoints, arch, mode, capsys):
+    if not _has_dsa_transformers():
+        pytest.skip("transformers with DeepseekV32 / GlmMoeDsa is not installed")
+    line, failures = compare_with_transformers(checkpoints[arch], GPU, mode)
+    with capsys.disabled():
+        print(f"\n{line}")
+    assert not failures, f"{line}; " + "; ".join(failures)
+
+
+def test_demo_model_on_cuda(checkpoints, capsys):
+    argv = ["demo", "--model", str(checkpoints["glm_moe_dsa"]), "--device", "cuda"]
+    rc = cli.main(argv + ["--row-format", "fp8", "--prompts", "2", "--new-tokens", "8"])
+    out = capsys.readouterr()
+    assert rc == 0, out.out + out.err
+    assert "tokens equal     2/2 prompts" in out.out
