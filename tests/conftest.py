@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
+
+# Bit-exact comparisons across CUDA streams need cuBLAS's fixed-workspace mode, set before any
+# cuBLAS handle exists (see benchmarks/bench_decode_tpot.py).
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
 from tests.devices import DEVICES
 

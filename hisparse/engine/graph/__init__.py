@@ -6,7 +6,16 @@ bf16 math), `kv` (the indexer cache, resident rows, hot region and pinned host p
 modes), `step` (one decode step over batch parts; HiSparse parts go through
 `hisparse.runtime`'s index groups), `replay` (selection drift, graph capture, timing, hit rate,
 the eager phase profile). benchmarks/bench_decode_tpot.py drives it.
+
+Bit-identity across modes needs cuBLAS's fixed-workspace mode (``CUBLAS_WORKSPACE_CONFIG``): a
+step that copies on a side stream otherwise lets cuBLAS pick another reduction order for the
+same GEMM, and the modes diverged at batch >= 64 on the H200. It is set here, if unset, for
+processes that import this package before cuBLAS starts.
 """
+
+import os
+
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
 from hisparse.engine.graph.config import GraphConfig, MemoryBudget
 from hisparse.engine.graph.kv import KVStore
