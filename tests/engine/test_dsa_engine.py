@@ -20,7 +20,7 @@ from hisparse.models.dsa.random_checkpoint import (
     write_random_checkpoint,
 )
 from hisparse.models.dsa.weights import CheckpointError, load_checkpoint
-from tests.engine.dsa_helpers import ARCHS, one_thread
+from tests.engine.dsa_helpers import ARCHS, one_thread, tie_aware_mismatch
 
 CPU = torch.device("cpu")
 
@@ -139,3 +139,18 @@ def test_demo_model_refuses_a_bad_directory_in_one_line(tmp_path, capsys):
         err == f"hisparse demo: error: --model {tmp_path}: no config.json (not a checkpoint "
         "directory)"
     )
+
+
+def test_prefill_in_query_chunks_gives_the_same_tokens(checkpoints, monkeypatch):
+    """Long prompts attend in chunks of query tokens (HiSparse reads the prompt rows back from
+    the pool once per layer and step); chunks of 8 change no token and keep parity."""
+    from hisparse.engine.dsa import model
+
+    ck = load_checkpoint(checkpoints["deepseek_v32"], CPU)
+    prompts = byte_prompts(ck, 1)
+    with one_thread():
+        whole = generate(ck, "resident", "f32", CPU, prompts, 6)
+        monkeypatch.setattr(model, "CHUNK_ELEMS", 8 * ck.cfg.index_topk * 576)
+        runs = [generate(ck, m, "f32", CPU, prompts, 6) for m in ("resident", "hisparse")]
+    assert runs[0].tokens == runs[1].tokens
+    assert tie_aware_mismatch(whole.tokens[0], runs[0].tokens[0], whole.gaps[0]) is None

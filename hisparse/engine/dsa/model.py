@@ -20,7 +20,10 @@ from hisparse.models.dsa.projections import (
     select_sorted,
 )
 from hisparse.models.dsa.weights import Checkpoint
-from hisparse.models.rows import decode_rows, encode_rows
+from hisparse.models.rows import KV_DIM, decode_rows, encode_rows
+
+#: Bound on one chunk's gathered row values / index scores (elements).
+CHUNK_ELEMS = 1 << 24
 
 
 class RequestState:
@@ -68,12 +71,26 @@ class DSAForward:
         store.save(i, encode_rows(row, self.row_format), base + pos)
         if cfg.is_full(i):
             q, k, head_w = index_inputs(h, q_resid, w, cfg, rope)
-            keys = req.index_keys[i]
-            keys[pos] = k
-            sel = select_sorted(q, head_w, keys[: self._end], pos, cfg)
+            req.index_keys[i][pos] = k
+        # Query tokens in chunks: a long prompt's scores [T, heads, ctx] and rows [T, K, 576]
+        # would not fit at once. Every query token's math is its own, so chunks change nothing.
+        step = max(1, CHUNK_ELEMS // (cfg.index_topk * max(KV_DIM, cfg.index_n_heads)))
+        outs, sels = [], []
+        for s in range(0, h.shape[0], step):
+            c = slice(s, s + step)
+            if cfg.is_full(i):
+                keys = req.index_keys[i][: self._end]
+                sel_c = select_sorted(q[c], head_w[c], keys, pos[c], cfg)
+            else:
+                sel_c = sel[c]  # the index-group leader's top-k
+            outs.append(self._over_rows(i, store, q_nope[c], q_pe[c], sel_c, base, h.shape[0] > 1))
+            sels.append(sel_c)
+        return torch.cat(outs), torch.cat(sels)
+
+    def _over_rows(self, i: int, store, q_nope, q_pe, sel, base: int, prefill: bool):
         valid = sel >= 0
-        got = store.read(i, torch.where(valid, base + sel, sel), prefill=h.shape[0] > 1)
+        got = store.read(i, torch.where(valid, base + sel, sel), prefill=prefill)
         # Padding entries may read any row: zero them so no NaN byte pattern reaches softmax.
         got = torch.where(valid.unsqueeze(-1), got, torch.zeros_like(got))
         values = decode_rows(got, self.row_format, torch.float32)
-        return attention_output(q_nope, q_pe, values, valid, w, cfg), sel
+        return attention_output(q_nope, q_pe, values, valid, self.ck.attn[i], self.cfg)

@@ -110,6 +110,7 @@ class HiSparseRows:
         self.finished: set = set()
         self.stats: List = []
         self.state_row = 0
+        self._scratch: dict = {}
         self.closed = False
 
     def begin(self, rid: str, new_tokens: int) -> None:
@@ -118,6 +119,7 @@ class HiSparseRows:
         step = StepSchedule(num_scheduled_tokens={rid: new_tokens}, finished_req_ids=self.finished)
         meta = self.sched.build_connector_meta(step)
         self.finished = set()
+        self._scratch = {}  # layer -> the prompt rows read back this step
         self.state_row = meta.state_rows[0]
         self.worker.bind_connector_metadata(meta)
         self.worker.start_load_kv(None)
@@ -136,16 +138,20 @@ class HiSparseRows:
         return self.worker.hot_rows(name)[out.long().clamp(min=0)]
 
     def _read_prefill(self, layer: int, keys: torch.Tensor) -> torch.Tensor:
-        """The prompt's rows gathered back from the host pool into a device scratch, then the
-        selected ones. On CUDA the saves run on the group's copy stream: wait for them."""
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        """The prompt's rows gathered back from the host pool into a device scratch (once per
+        layer and step, grown when a later chunk of queries sees further), then the selected
+        ones. On CUDA the saves run on the group's copy stream: wait for them first."""
         base = self.state_row * self.max_context
         n = int(keys.max()) - base + 1 if bool((keys >= 0).any()) else 1
-        scratch = torch.zeros(n, self.row_bytes, dtype=torch.uint8, device=self.device)
-        src = torch.arange(base, base + n, dtype=torch.int32, device=self.device)
-        dst = torch.arange(n, dtype=torch.int32, device=self.device)
-        self.host[layer].load([scratch], src, dst)
+        scratch = self._scratch.get(layer)
+        if scratch is None or scratch.shape[0] < n:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            scratch = torch.zeros(n, self.row_bytes, dtype=torch.uint8, device=self.device)
+            src = torch.arange(base, base + n, dtype=torch.int32, device=self.device)
+            dst = torch.arange(n, dtype=torch.int32, device=self.device)
+            self.host[layer].load([scratch], src, dst)
+            self._scratch[layer] = scratch
         return scratch[(keys - base).clamp(min=0)]
 
     def end(self) -> None:
