@@ -44,6 +44,13 @@ def add_checkpoint_flags(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _hits(c: dict) -> str:
+    hits, misses = c.get("hits", 0), c.get("misses", 0)
+    rate = hits / (hits + misses) if hits + misses else 0.0
+    moved = c.get("host_to_device_bytes", 0)
+    return f"{hits} hits, {misses} misses ({rate:.1%} hit rate), {moved} B gathered from host"
+
+
 def _summary(s: dict) -> list:
     return [
         ("model", f"{s['model']} ({s['arch']}, indexer {'/'.join(s['indexer_types'])})"),
@@ -52,6 +59,7 @@ def _summary(s: dict) -> list:
         ("prompts", f"{s['prompts']} x {s['prompt_tokens']} tokens, {s['new_tokens']} new each"),
         ("top-k / hot", f"{s['index_topk']} / {s['hot_size']} rows per layer"),
         ("seconds", ", ".join(f"{m} {t}" for m, t in s["seconds"].items())),
+        ("hot buffers", _hits(s["hisparse_counters"])),
         ("sample", repr(s["sample"])),
         ("tokens equal", f"{s['tokens_equal']}/{s['prompts']} prompts"),
     ]

@@ -39,6 +39,10 @@ def test_resident_and_hisparse_tokens_are_bit_identical(checkpoints, arch, row_f
     assert s["prompt_tokens"][0] >= 4 * s["index_topk"]  # the selection matters
     assert s["hot_size"] < s["prompt_tokens"][0]  # the hot buffer cannot hold the context
     assert s["tokens"]["resident"] == s["tokens"]["hisparse"], s
+    # every decode step resolved index_topk entries once per index group (a full layer)
+    c, groups = s["hisparse_counters"], s["indexer_types"].count("full")
+    assert c["hits"] + c["misses"] == 2 * 9 * s["index_topk"] * groups, c
+    assert c["misses"] > 0 and c["host_to_device_bytes"] > 0, c
     text = s["tokens"]["resident"][0]
     assert len(set(text)) > 3, f"generation is one repeated token: {text}"
 

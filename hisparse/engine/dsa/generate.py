@@ -40,6 +40,7 @@ class Generation:
     gaps: List[List[float]] = field(default_factory=list)  # top-1 minus top-2 logit per step
     first_logits: List[torch.Tensor] = field(default_factory=list)  # CPU float32 [vocab]
     seconds: float = 0.0
+    counters: dict = field(default_factory=dict)  # the connector's totals (hisparse mode)
 
 
 def check_options(row_format: str, mode: str = "resident") -> None:
@@ -91,7 +92,7 @@ def generate(
         for r, prompt in enumerate(prompts):
             _one(fwd, store, f"req-{r}", prompt, max_new, ctx, out)
     finally:
-        store.close()
+        out.counters = store.close()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     out.seconds = time.perf_counter() - t0
@@ -153,6 +154,7 @@ def parity(
         "tokens_equal": equal,
         "parity": equal == len(prompts),
         "seconds": {m: round(g.seconds, 3) for m, g in runs.items()},
+        "hisparse_counters": his.counters,
         "sample": bytes(t for t in res.tokens[0] if t < 256).decode("latin-1"),
         "tokens": {m: g.tokens for m, g in runs.items()},
     }

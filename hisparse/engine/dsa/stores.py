@@ -13,7 +13,7 @@ for bit exactly when the rows are right. Keys are ``state_row * max_context + po
 
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import List
 
 import torch
 
@@ -165,10 +165,16 @@ class HiSparseRows:
         self.sched.request_finished(_Request(rid), [])  # frees its state row
         self.finished.add(rid)
 
-    def close(self) -> Optional[object]:
+    def close(self) -> dict:
+        """Drain the counters not yet reported, shut the worker down; the run's totals
+        (hits, misses, host_to_device_bytes)."""
         if self.closed:
-            return None
+            return {}
         self.closed = True
-        stats = self.worker.worker.drain_stats()
+        last = self.worker.worker.drain_stats()
         self.worker.shutdown()
-        return stats
+        totals: dict = {}
+        for st in self.stats + ([last] if last is not None else []):
+            for k, v in st.totals().items():
+                totals[k] = totals.get(k, 0) + v
+        return totals
