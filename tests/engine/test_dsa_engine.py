@@ -6,6 +6,7 @@ format, GLM-5's index groups follow the indexer pattern, bad directories fail in
 from __future__ import annotations
 
 import json
+import struct
 
 import pytest
 import torch
@@ -96,7 +97,12 @@ def _bad_checkpoint(tmp_path, case):
     elif case == "missing_tensor":
         del w["model.layers.2.self_attn.indexer.wk.weight"]
     (d / "config.json").write_text(json.dumps(hf))
-    if case != "no_weights":
+    if case == "quantized":  # one float8 tensor, as the released DeepSeek-V3.2 weights hold
+        head = json.dumps({"w": {"dtype": "F8_E4M3", "shape": [16], "data_offsets": [0, 16]}})
+        head = head.encode() + b" " * (-len(head) % 8)
+        raw = struct.pack("<Q", len(head)) + head + bytes(16)
+        (d / "model.safetensors").write_bytes(raw)
+    elif case != "no_weights":
         write_safetensors(d / "model.safetensors", w)
     return d
 
@@ -110,6 +116,7 @@ def _bad_checkpoint(tmp_path, case):
         ("latent", "kv_lora_rank must be 512"),
         ("no_weights", "no *.safetensors"),
         ("missing_tensor", "model.layers.2.self_attn.indexer.wk.weight"),
+        ("quantized", "tensor 'w' is F8_E4M3; only unquantized checkpoints"),
     ],
 )
 def test_a_bad_directory_fails_in_one_line_naming_what_is_wrong(tmp_path, case, words):
