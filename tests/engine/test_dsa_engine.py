@@ -165,3 +165,28 @@ def test_prefill_in_query_chunks_gives_the_same_tokens(checkpoints, monkeypatch)
         runs = [generate(ck, m, "f32", CPU, prompts, 6) for m in ("resident", "hisparse")]
     assert runs[0].tokens == runs[1].tokens
     assert tie_aware_mismatch(whole.tokens[0], runs[0].tokens[0], whole.gaps[0]) is None
+
+
+def test_fused_expert_tensors_load_like_per_expert_ones(checkpoints, tmp_path):
+    """Some transformers versions save experts fused (gate_up_proj [E, 2I, H], down_proj)."""
+    from hisparse.models.dsa.weights import read_safetensors
+
+    src = checkpoints["deepseek_v32"]
+    w = read_safetensors(src / "model.safetensors", CPU)
+    for i in range(1, 4):
+        p = f"model.layers.{i}.mlp.experts."
+        n = sum(1 for k in w if k.startswith(p) and k.endswith("down_proj.weight"))
+        gate_up = [
+            torch.cat([w.pop(f"{p}{e}.gate_proj.weight"), w.pop(f"{p}{e}.up_proj.weight")])
+            for e in range(n)
+        ]
+        w[p + "gate_up_proj"] = torch.stack(gate_up)
+        w[p + "down_proj"] = torch.stack([w.pop(f"{p}{e}.down_proj.weight") for e in range(n)])
+    d = tmp_path / "fused"
+    d.mkdir()
+    write_safetensors(d / "model.safetensors", w)
+    (d / "config.json").write_text((src / "config.json").read_text())
+    a, b = load_checkpoint(src, CPU), load_checkpoint(d, CPU)
+    for i in range(4):
+        assert a.ffn[i].keys() == b.ffn[i].keys()
+        assert all(torch.equal(a.ffn[i][k], b.ffn[i][k]) for k in a.ffn[i])

@@ -107,6 +107,22 @@ class Checkpoint:
     norms: List[Dict[str, torch.Tensor]]  # per layer: input / post_attention layernorm
 
 
+def _unfuse_experts(tensors: Dict[str, torch.Tensor]) -> None:
+    """Expert weights stored fused (``mlp.experts.gate_up_proj`` [E, 2I, H] and
+    ``mlp.experts.down_proj`` [E, H, I], transformers' in-memory layout) -> the per-expert names
+    ``mlp.experts.{e}.gate_proj.weight`` ... that checkpoints on disk use."""
+    for name in [n for n in tensors if n.endswith(".mlp.experts.gate_up_proj")]:
+        p = name[: -len("gate_up_proj")]
+        gate_up, down = tensors.pop(name), tensors.pop(p + "down_proj", None)
+        if down is None:
+            raise CheckpointError(f"the weights hold {name!r} but not {p + 'down_proj'!r}")
+        inter = gate_up.shape[1] // 2
+        for e in range(gate_up.shape[0]):
+            tensors[f"{p}{e}.gate_proj.weight"] = gate_up[e, :inter]
+            tensors[f"{p}{e}.up_proj.weight"] = gate_up[e, inter:]
+            tensors[f"{p}{e}.down_proj.weight"] = down[e]
+
+
 def _need(tensors: Mapping[str, torch.Tensor], name: str, d: Path) -> torch.Tensor:
     t = tensors.get(name)
     if t is None:
@@ -151,6 +167,7 @@ def load_checkpoint(d: Union[str, Path], device: torch.device) -> Checkpoint:
     tensors: Dict[str, torch.Tensor] = {}
     for f in _weight_files(d):
         tensors.update(read_safetensors(f, device))
+    _unfuse_experts(tensors)
     for i in range(cfg.num_layers):
         for name in _required(cfg, spec, i):
             _need(tensors, name, d)
