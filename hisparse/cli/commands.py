@@ -61,6 +61,12 @@ def _require_backend(device: str) -> None:
 
 def cmd_demo(args: argparse.Namespace) -> int:
     if args.model is not None:  # a DSA checkpoint: its own engine (hisparse.engine.dsa)
+        for flag, value in (
+            ("--binding-fault", args.binding_fault),
+            ("--metrics-port", args.metrics_port),
+        ):
+            if value is not None:
+                raise CommandError(f"argument {flag}: not available with --model", 2)
         _require_backend(args.device)
         from hisparse.cli import demo_model
 

@@ -190,3 +190,11 @@ def test_fused_expert_tensors_load_like_per_expert_ones(checkpoints, tmp_path):
     for i in range(4):
         assert a.ffn[i].keys() == b.ffn[i].keys()
         assert all(torch.equal(a.ffn[i][k], b.ffn[i][k]) for k in a.ffn[i])
+
+
+@pytest.mark.parametrize("flag", [["--binding-fault", "base_offset"], ["--metrics-port", "0"]])
+def test_demo_model_refuses_reference_engine_only_flags(checkpoints, flag, capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["demo", "--model", str(checkpoints["glm_moe_dsa"]), *flag])
+    assert e.value.code == 2
+    assert f"argument {flag[0]}: not available with --model" in capsys.readouterr().err
