@@ -72,9 +72,11 @@ class DSAForward:
         if cfg.is_full(i):
             q, k, head_w = index_inputs(h, q_resid, w, cfg, rope)
             req.index_keys[i][pos] = k
-        # Query tokens in chunks: a long prompt's scores [T, heads, ctx] and rows [T, K, 576]
-        # would not fit at once. Every query token's math is its own, so chunks change nothing.
-        step = max(1, CHUNK_ELEMS // (cfg.index_topk * max(KV_DIM, cfg.index_n_heads)))
+        # Query tokens in chunks: a long prompt's index scores [T, heads, context] and rows
+        # [T, K, 576] would not fit at once. Each query token's math is its own: chunks change
+        # no value, and both modes chunk alike.
+        per_token = max(cfg.index_topk * KV_DIM, cfg.index_n_heads * self._end)
+        step = max(1, CHUNK_ELEMS // per_token)
         outs, sels = [], []
         for s in range(0, h.shape[0], step):
             c = slice(s, s + step)

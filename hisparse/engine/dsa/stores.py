@@ -35,6 +35,9 @@ class _Request:
 
 
 class ResidentRows:
+    """Every layer's rows [max_context, row_bytes] on the device (one state row: requests run
+    one at a time)."""
+
     mode = "resident"
 
     def __init__(
@@ -67,6 +70,9 @@ class ResidentRows:
 
 
 class HiSparseRows:
+    """The connector in both roles, one state row, one index group per full indexer layer; the
+    hot buffers ([hot_size, row_bytes] per layer) are the only device rows."""
+
     mode = "hisparse"
 
     def __init__(
