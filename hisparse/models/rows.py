@@ -6,6 +6,8 @@ A row is the MLA latent of one token in one layer: 512 latent values plus 64 rot
 * ``fp8``  (656 B): 512 x float8_e4m3fn latent (4 tiles of 128, one float32 scale each:
   16 B of scales) followed by 64 x bfloat16 rope values (128 B). DeepSeek-V3.2's FP8 MLA row.
 * ``bf16`` (1152 B): 576 x bfloat16 (latent then rope).
+* ``f32``  (2304 B): 576 x float32 (latent then rope): no rounding past the model's own float32,
+  for comparing with an unquantized reference.
 
 Both are multiples of 16 B, as the gather kernels require. Encoding rounds the values (that is
 the point of storing bytes); decoding is exact, so two rows with the same bytes decode to the
@@ -34,6 +36,7 @@ class RowLayout:
 ROW_LAYOUTS = {
     "fp8": RowLayout("fp8", LATENT_DIM + 4 * (LATENT_DIM // FP8_TILE) + 2 * ROPE_DIM),  # 656
     "bf16": RowLayout("bf16", 2 * KV_DIM),  # 1152
+    "f32": RowLayout("f32", 4 * KV_DIM),  # 2304
 }
 
 
@@ -51,6 +54,8 @@ def encode_rows(kv: torch.Tensor, layout: str) -> torch.Tensor:
     # store different bytes. float64 -> float32 -> narrow type is the same everywhere.
     if layout == "bf16":
         return _bytes_of(kv.to(torch.float32).to(torch.bfloat16))
+    if layout == "f32":
+        return _bytes_of(kv.to(torch.float32))
     if layout != "fp8":
         raise ValueError(f"unknown row layout {layout!r}; choose from {sorted(ROW_LAYOUTS)}")
     lead = kv.shape[:-1]
@@ -76,6 +81,8 @@ def decode_rows(rows: torch.Tensor, layout: str, dtype: torch.dtype) -> torch.Te
     rows = rows.contiguous()
     if layout == "bf16":
         return rows.view(torch.bfloat16).to(dtype)
+    if layout == "f32":
+        return rows.view(torch.float32).to(dtype)
     if layout != "fp8":
         raise ValueError(f"unknown row layout {layout!r}; choose from {sorted(ROW_LAYOUTS)}")
     lead = rows.shape[:-1]

@@ -225,6 +225,9 @@ def engine_defaults(vllm_config: Any, extra: Optional[Mapping]) -> Any:
     model = getattr(hf, "hisparse", None)
     if "top_k" not in merged and isinstance(model, Mapping) and isinstance(model.get("top_k"), int):
         merged["top_k"] = model["top_k"]
+    index_topk = getattr(hf, "index_topk", None)
+    if "top_k" not in merged and isinstance(index_topk, int):  # DeepSeek-V3.2 / GLM-5 indexer
+        merged["top_k"] = index_topk
     sched = getattr(vllm_config, "scheduler_config", None)
     cache = getattr(vllm_config, "cache_config", None)
     seqs = getattr(sched, "max_num_seqs", None)

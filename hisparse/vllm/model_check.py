@@ -102,6 +102,8 @@ def find_model_layers(
             groups[lay.group_leader].append(name)
     top_k = getattr(getattr(vllm_config.model_config, "hf_config", None), "hisparse", None)
     top_k = top_k.get("top_k") if isinstance(top_k, Mapping) else None
+    if top_k is None:  # DeepSeek-V3.2 / GLM-5 (hisparse.vllm.dsa): the indexer's top-k
+        top_k = getattr(getattr(vllm_config.model_config, "hf_config", None), "index_topk", None)
     extra = dict(extra or {})
     if top_k is not None and extra.get("top_k", top_k) != top_k:
         raise HiSparseConfigError(

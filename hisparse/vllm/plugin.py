@@ -21,3 +21,10 @@ def register() -> None:
 
     if ARCHITECTURE not in ModelRegistry.get_supported_archs():
         ModelRegistry.register_model(ARCHITECTURE, MODEL_CLASS)
+    # DeepSeek-V3.2 / GLM-5 with HiSparse-capable attention, under names of their own so vLLM's
+    # native classes stay as they are; a checkpoint picks ours with --hf-overrides.
+    from hisparse.vllm.dsa import DSA_ARCHITECTURES
+
+    for name, model_class in DSA_ARCHITECTURES.values():
+        if name not in ModelRegistry.get_supported_archs():
+            ModelRegistry.register_model(name, model_class)

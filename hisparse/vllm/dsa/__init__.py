@@ -1,0 +1,19 @@
+"""DeepSeek-V3.2 and GLM-5 as vLLM architectures whose sparse attention reads latent rows from
+vLLM's KV cache (all-resident) or through the HiSparse connector.
+
+Registered by ``hisparse.vllm.plugin`` as ``HiSparseDeepseekV32ForCausalLM`` and
+``HiSparseGlmMoeDsaForCausalLM``; a checkpoint selects one with
+``--hf-overrides '{"architectures": ["HiSparseDeepseekV32ForCausalLM"]}'``.
+"""
+
+#: Our architecture name -> the model class import path, by checkpoint architecture.
+DSA_ARCHITECTURES = {
+    "DeepseekV32ForCausalLM": (
+        "HiSparseDeepseekV32ForCausalLM",
+        "hisparse.vllm.dsa.model:HiSparseDeepseekV32ForCausalLM",
+    ),
+    "GlmMoeDsaForCausalLM": (
+        "HiSparseGlmMoeDsaForCausalLM",
+        "hisparse.vllm.dsa.model:HiSparseGlmMoeDsaForCausalLM",
+    ),
+}

@@ -1,0 +1,198 @@
+"""One DSA decoder layer's attention in vLLM: MLA over latent rows plus (full layers) the
+indexer, with weights named as in the transformers checkpoint.
+
+Rows go where the step says: the layer's vLLM KV cache (all-resident) or the HiSparse connector
+(saved to the host pool; decode rows resolved into the hot buffer by the index-group leader,
+prefill rows read from the host pool). Both modes attend over the same row bytes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, List, Optional
+
+import torch
+from torch import nn
+from vllm.model_executor.layers.layernorm import RMSNorm
+from vllm.model_executor.layers.rotary_embedding import get_rope
+
+from hisparse.models.dsa import attention as mla
+from hisparse.models.dsa import indexer as dsa_index
+from hisparse.models.dsa.config import DSAConfig
+from hisparse.models.rows import KV_DIM, LATENT_DIM, ROPE_DIM, decode_rows, encode_rows
+from hisparse.vllm.layers import _CacheLayer
+
+# Bound on one prefill gather ([tokens, top_k, 576] values).
+_PREFILL_CHUNK_ELEMS = 1 << 24
+
+
+@dataclass
+class Step:
+    """What every layer of one forward shares: the batch view, positions and the connector."""
+
+    batch: Any  # hisparse.vllm.model._Batch
+    positions: torch.Tensor
+    connector: Any = None
+    state_rows: Optional[torch.Tensor] = None
+
+
+# The rotary embeddings are called through ``forward_native``: vLLM 0.32's CPU kernel
+# (``forward_cpu``) rotates a [T, H, 64] query wrongly when the key has one head.
+
+
+def vllm_rope_parameters(cfg: DSAConfig) -> dict:
+    """rope parameters as vLLM's DeepSeek rotary expects them (YaRN -> its deepseek_yarn)."""
+    rope = cfg.rope_parameters()
+    if rope["rope_type"] != "default":
+        rope["rope_type"] = (
+            "deepseek_llama_scaling" if rope.get("attention_factor") == 1.0 else "deepseek_yarn"
+        )
+    return rope
+
+
+def _linear(n_in: int, n_out: int) -> nn.Linear:
+    return nn.Linear(n_in, n_out, bias=False)
+
+
+class DSAIndexer(nn.Module):
+    """A full layer's indexer weights (``self_attn.indexer.*``) and its key cache."""
+
+    def __init__(self, cfg: DSAConfig, cache_name: str, max_pos: int) -> None:
+        super().__init__()
+        self.cfg = cfg
+        d, h = cfg.index_head_dim, cfg.index_n_heads
+        self.wq_b = _linear(cfg.q_lora_rank, h * d)
+        self.wk = _linear(cfg.hidden_size, d)
+        self.k_norm = nn.LayerNorm(d, eps=dsa_index.KEY_NORM_EPS)
+        self.weights_proj = _linear(cfg.hidden_size, h)
+        self.rotary_emb = get_rope(
+            ROPE_DIM,
+            max_position=max_pos,
+            rope_parameters=vllm_rope_parameters(cfg),
+            is_neox_style=not cfg.indexer_rope_interleave,
+        )
+        self.cache = _CacheLayer(cache_name, d, torch.float32, True)
+
+    def select(self, h: torch.Tensor, q_resid: torch.Tensor, step: Step) -> List[torch.Tensor]:
+        """Store the new tokens' keys; per request, the keys (slots) of each query token's
+        top-k positions: int64 [q_len, top_k'], -1 padding."""
+        cfg, batch = self.cfg, step.batch
+        t, d = h.shape[0], cfg.index_head_dim
+        q = self.wq_b(q_resid).view(t, cfg.index_n_heads, d)
+        k = dsa_index.normalise_key(self.wk(h), self.k_norm.weight, self.k_norm.bias)
+        q_pe, k_pe = self.rotary_emb.forward_native(
+            step.positions, q[..., :ROPE_DIM].contiguous(), k[:, None, :ROPE_DIM].contiguous()
+        )
+        q = torch.cat([q_pe.view(t, -1, ROPE_DIM), q[..., ROPE_DIM:]], -1)
+        k = torch.cat([k_pe.view(t, ROPE_DIM), k[:, ROPE_DIM:]], -1)
+        w = self.weights_proj(h)
+        cache = self.cache.rows()
+        cache[batch.meta.slot_mapping] = k.to(cache.dtype)
+        out = []
+        for r in range(batch.meta.num_reqs):
+            keys = batch.context_keys[r]
+            tok = batch.tokens(r)
+            qpos = batch.query_pos[r]
+            scores = dsa_index.index_scores(q[tok], w[tok], cache[keys], cfg)
+            sel = dsa_index.causal_top_k(
+                scores, torch.arange(keys.numel(), device=keys.device), qpos, cfg.index_topk
+            )
+            # Every request's row has index_topk entries: the connector's plan is [B, top_k].
+            sel = nn.functional.pad(sel, (0, cfg.index_topk - sel.shape[1]), value=-1)
+            out.append(torch.where(sel >= 0, keys[sel.clamp(min=0)], sel))
+        return out
+
+
+class DSAAttention(nn.Module):
+    """``self_attn`` of one decoder layer (MLA weights; ``indexer`` on full layers)."""
+
+    def __init__(
+        self,
+        cfg: DSAConfig,
+        layer: int,
+        rows: "_CacheLayer",
+        index_cache: str,
+        row_format: str,
+        max_pos: int,
+    ) -> None:
+        super().__init__()
+        self.cfg, self.layer, self.row_format = cfg, layer, row_format
+        self.kv_rows = rows
+        hq = cfg.num_heads * (cfg.qk_nope_head_dim + ROPE_DIM)
+        self.q_a_proj = _linear(cfg.hidden_size, cfg.q_lora_rank)
+        self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, eps=1e-6)
+        self.q_b_proj = _linear(cfg.q_lora_rank, hq)
+        self.kv_a_proj_with_mqa = _linear(cfg.hidden_size, KV_DIM)
+        self.kv_a_layernorm = RMSNorm(LATENT_DIM, eps=1e-6)
+        self.kv_b_proj = _linear(
+            LATENT_DIM, cfg.num_heads * (cfg.qk_nope_head_dim + cfg.v_head_dim)
+        )
+        self.o_proj = _linear(cfg.num_heads * cfg.v_head_dim, cfg.hidden_size)
+        self.rotary_emb = get_rope(
+            ROPE_DIM,
+            max_position=max_pos,
+            rope_parameters=vllm_rope_parameters(cfg),
+            is_neox_style=False,
+        )
+        self.indexer = DSAIndexer(cfg, index_cache, max_pos) if cfg.is_full(layer) else None
+
+    def forward(self, h: torch.Tensor, step: Optional[Step], selection: list):
+        """(output [T, hidden], the top-k this layer used). ``step`` None: a dummy run."""
+        cfg = self.cfg
+        t = h.shape[0]
+        q_resid = self.q_a_layernorm(self.q_a_proj(h))
+        q = self.q_b_proj(q_resid).view(t, cfg.num_heads, -1)
+        q_nope, q_pe = q[..., : cfg.qk_nope_head_dim], q[..., cfg.qk_nope_head_dim :]
+        kv_a = self.kv_a_proj_with_mqa(h)
+        latent = self.kv_a_layernorm(kv_a[:, :LATENT_DIM].contiguous())
+        if step is None:  # profiling: shapes only, no cache
+            o = latent.new_zeros(t, cfg.num_heads, LATENT_DIM)
+            return self.o_proj(mla.expand_values(o, self.kv_b_proj.weight, cfg)), selection
+        q_pe, k_pe = self.rotary_emb.forward_native(
+            step.positions, q_pe.contiguous(), kv_a[:, None, LATENT_DIM:].contiguous()
+        )
+        rows = encode_rows(mla.latent_row(latent, k_pe.view(t, ROPE_DIM)), self.row_format)
+        if self.indexer is not None:
+            selection = self.indexer.select(h, q_resid, step)
+        q_lat = mla.absorb_query(q_nope, self.kv_b_proj.weight, cfg)
+        o = self._attend(q_lat, q_pe.view(t, cfg.num_heads, ROPE_DIM), rows, selection, step)
+        return self.o_proj(mla.expand_values(o, self.kv_b_proj.weight, cfg)), selection
+
+    def _attend(self, q_lat, q_pe, rows, selection, step: Step) -> torch.Tensor:
+        batch, connector = step.batch, step.connector
+        name = self.kv_rows.prefix
+        if connector is not None:
+            connector.save_kv_layer(name, rows, batch.meta)
+            store = connector.host_rows(name)
+        else:
+            store = self.kv_rows.rows()
+            store[batch.meta.slot_mapping] = rows
+        out = q_lat.new_zeros(q_lat.shape)
+        if batch.decode:
+            keys = torch.cat([selection[r] for r in batch.decode])
+            dt = batch.decode_tokens
+            if connector is not None:
+                top_k = keys.to(torch.int32) if self.indexer is not None else None
+                where = connector.resolve(name, top_k, state_rows=step.state_rows)
+                connector.wait_for_layer_load(name)
+                got = connector.hot_rows(name)[where.long().clamp(min=0)]
+            else:
+                got = store[keys.clamp(min=0)]
+            out[dt] = self._over_rows(q_lat[dt], q_pe[dt], got, keys)
+        for r in batch.prefill:
+            keys, tok = selection[r], batch.tokens(r)
+            n = max(1, _PREFILL_CHUNK_ELEMS // (keys.shape[1] * KV_DIM))
+            for s in range(0, keys.shape[0], n):
+                k = keys[s : s + n]
+                got = store[k.clamp(min=0)]
+                out[tok][s : s + n] = self._over_rows(
+                    q_lat[tok][s : s + n], q_pe[tok][s : s + n], got, k
+                )
+        return out
+
+    def _over_rows(self, q_lat, q_pe, rows, keys) -> torch.Tensor:
+        valid = keys >= 0
+        # Padding entries read an arbitrary row; zero it so no NaN byte pattern reaches softmax.
+        rows = torch.where(valid.unsqueeze(-1), rows, torch.zeros_like(rows))
+        values = decode_rows(rows, self.row_format, q_lat.dtype)
+        return mla.attend_rows(q_lat, q_pe, values, valid, self.cfg.softmax_scale)

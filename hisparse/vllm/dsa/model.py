@@ -1,0 +1,196 @@
+"""``HiSparseDeepseekV32ForCausalLM`` / ``HiSparseGlmMoeDsaForCausalLM``: DeepSeek-V3.2 and
+GLM-5 checkpoints (as transformers writes them) served by vLLM on its CPU build.
+
+vLLM's own layers do everything but attention: embeddings, RMSNorm, the dense MLP and the MoE
+(``DeepseekV2MLP`` / ``DeepseekV2MoE``: grouped sigmoid routing with the correction bias, shared
+experts), the LM head. Attention (``hisparse.vllm.dsa.attention``) is ours, since vLLM's sparse
+MLA refuses the CPU: it runs all-resident on vLLM's KV cache, or through the HiSparse connector
+when ``--kv-transfer-config`` names it (``kv_connector_module_path="hisparse.connector"``).
+Index groups: a full indexer layer leads the shared layers after it (GLM-5); the connector
+resolves once per group.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Iterable, Optional, Set, Tuple
+
+import torch
+from torch import nn
+from vllm.config import VllmConfig
+from vllm.forward_context import get_forward_context
+from vllm.model_executor.layers.fused_moe import fused_moe_make_expert_params_mapping
+from vllm.model_executor.layers.layernorm import RMSNorm
+from vllm.model_executor.layers.logits_processor import LogitsProcessor
+from vllm.model_executor.layers.vocab_parallel_embedding import (
+    ParallelLMHead,
+    VocabParallelEmbedding,
+)
+from vllm.model_executor.model_loader.weight_utils import default_weight_loader
+from vllm.model_executor.models.deepseek_v2 import DeepseekV2MLP, DeepseekV2MoE
+
+from hisparse.models.dsa.config import DSAConfig
+from hisparse.models.rows import ROW_LAYOUTS
+from hisparse.vllm.dsa.attention import DSAAttention, Step
+from hisparse.vllm.layers import SparseMLACache
+from hisparse.vllm.model import HiSparseMLAForCausalLM, _Batch, uses_hisparse_connector
+
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+def _routing_config(hf) -> None:
+    """transformers routes DSA models by sigmoid + correction bias; vLLM's MoE reads that from
+    ``scoring_func`` / ``topk_method``, which transformers' configs do not write."""
+    for name, value in (("scoring_func", "sigmoid"), ("topk_method", "noaux_tc")):
+        if getattr(hf, name, None) is None:
+            setattr(hf, name, value)
+
+
+class DSADecoderLayer(nn.Module):
+    def __init__(self, vllm_config: VllmConfig, cfg: DSAConfig, layer: int, names) -> None:
+        super().__init__()
+        hf = vllm_config.model_config.hf_config
+        prefix = f"model.layers.{layer}"
+        self.input_layernorm = RMSNorm(cfg.hidden_size, eps=hf.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps=hf.rms_norm_eps)
+        self.self_attn = DSAAttention(
+            cfg, layer, names.rows[layer], names.index[layer], names.fmt, hf.max_position_embeddings
+        )
+        dense = layer < getattr(hf, "first_k_dense_replace", 0) or (
+            getattr(hf, "mlp_layer_types", None) is not None
+            and hf.mlp_layer_types[layer] == "dense"
+        )
+        if dense:
+            self.mlp = DeepseekV2MLP(
+                cfg.hidden_size, hf.intermediate_size, hf.hidden_act, prefix=f"{prefix}.mlp"
+            )
+        else:
+            self.mlp = DeepseekV2MoE(
+                hf,
+                vllm_config.parallel_config,
+                prefix=f"{prefix}.mlp",
+                apply_routed_scale_to_output=True,
+            )
+
+    def forward(self, x: torch.Tensor, step: Optional[Step], selection: list):
+        o, selection = self.self_attn(self.input_layernorm(x), step, selection)
+        x = x + o
+        return x + self.mlp(self.post_attention_layernorm(x)), selection
+
+
+class _Names:
+    """Row-cache layers (one per decoder layer) and index-cache names (full layers)."""
+
+    def __init__(self, cfg: DSAConfig, fmt: str, hisparse: bool) -> None:
+        self.fmt = fmt
+        attn = [f"model.layers.{i}.self_attn.attn" for i in range(cfg.num_layers)]
+        self.index = [f"model.layers.{i}.self_attn.indexer.k_cache" for i in range(cfg.num_layers)]
+        # With the connector vLLM allocates no row storage: the host pool and hot buffers do.
+        self.rows = [
+            SparseMLACache(n, ROW_LAYOUTS[fmt].row_bytes, attn[cfg.leader(i)], not hisparse)
+            for i, n in enumerate(attn)
+        ]
+        self.first_index = self.index[0]
+
+
+class _DSAForCausalLM(nn.Module):
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
+        super().__init__()
+        hf = vllm_config.model_config.hf_config
+        cfg = DSAConfig.from_hf(hf)
+        _routing_config(hf)
+        self.cfg = cfg
+        self.hisparse = uses_hisparse_connector(vllm_config)
+        dtype = str(vllm_config.model_config.dtype).replace("torch.", "")
+        self.names = _Names(cfg, cfg.row_format_for(dtype), self.hisparse)
+        self.model = nn.Module()
+        self.model.embed_tokens = VocabParallelEmbedding(hf.vocab_size, cfg.hidden_size)
+        self.model.layers = nn.ModuleList(
+            DSADecoderLayer(vllm_config, cfg, i, self.names) for i in range(cfg.num_layers)
+        )
+        self.model.norm = RMSNorm(cfg.hidden_size, eps=hf.rms_norm_eps)
+        self.lm_head = ParallelLMHead(hf.vocab_size, cfg.hidden_size, prefix="lm_head")
+        self.logits_processor = LogitsProcessor(hf.vocab_size)
+        self.n_routed_experts = hf.n_routed_experts
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(input_ids)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.logits_processor(self.lm_head, hidden_states)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        intermediate_tensors=None,
+        inputs_embeds: Optional[torch.Tensor] = None,
+        **kwargs,
+    ) -> torch.Tensor:
+        x = self.embed_input_ids(input_ids) if inputs_embeds is None else inputs_embeds
+        attn = get_forward_context().attn_metadata
+        meta = attn.get(self.names.first_index) if isinstance(attn, dict) else None
+        step = None
+        if meta is not None:  # None: profiling / dummy run (no KV cache)
+            batch = _Batch(meta)
+            x = x[: meta.num_tokens]
+            step = Step(batch, positions[: meta.num_tokens])
+            if self.hisparse:
+                step.connector = HiSparseMLAForCausalLM._connector()
+                if batch.decode:
+                    slots = meta.slot_mapping[batch.decode_tokens]
+                    step.state_rows = step.connector.batch_state_rows(slots)
+        selection: list = []
+        for layer in self.model.layers:
+            x, selection = layer(x, step, selection)
+        return self.model.norm(x)
+
+    def load_weights(self, weights: Iterable[Tuple[str, torch.Tensor]]) -> Set[str]:
+        params = dict(self.named_parameters())
+        experts = fused_moe_make_expert_params_mapping(
+            self, "gate_proj", "down_proj", "up_proj", self.n_routed_experts
+        )
+        loaded: Set[str] = set()
+        for name, w in weights:
+            m = _LAYER.match(name)
+            if m and int(m.group(1)) >= self.cfg.num_layers:
+                continue  # multi-token-prediction layers: not served
+            if m and ".indexer." in name and not self.cfg.is_full(int(m.group(1))):
+                continue  # a shared layer's checkpoint may still ship indexer weights
+            target = self._load_one(name, w, params, experts)
+            if target is None:
+                raise ValueError(
+                    f"checkpoint tensor {name!r} has no place in {type(self).__name__}"
+                )
+            loaded.add(target)
+        return loaded
+
+    @staticmethod
+    def _load_one(name: str, w: torch.Tensor, params: dict, experts) -> Optional[str]:
+        if ".mlp.experts." in name:
+            for param_name, weight_name, expert_id, shard in experts:
+                if weight_name in name:
+                    target = name.replace(weight_name, param_name)
+                    p = params[target]
+                    p.weight_loader(p, w, target, shard_id=shard, expert_id=expert_id)
+                    return target
+            return None
+        for shard, part in enumerate(("gate_proj", "up_proj")):
+            if f".{part}." in name:
+                target = name.replace(part, "gate_up_proj")
+                p = params[target]
+                p.weight_loader(p, w, shard)
+                return target
+        if name not in params:
+            return None
+        p = params[name]
+        getattr(p, "weight_loader", default_weight_loader)(p, w)
+        return name
+
+
+class HiSparseDeepseekV32ForCausalLM(_DSAForCausalLM):
+    """A ``DeepseekV32ForCausalLM`` checkpoint with HiSparse-capable sparse attention."""
+
+
+class HiSparseGlmMoeDsaForCausalLM(_DSAForCausalLM):
+    """A ``GlmMoeDsaForCausalLM`` checkpoint with HiSparse-capable sparse attention."""
