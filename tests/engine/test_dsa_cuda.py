@@ -33,9 +33,12 @@ pytestmark = [pytest.mark.cuda, needs_cuda]
 
 CPU, GPU = torch.device("cpu"), torch.device("cuda")
 PROMPTS, NEW = 4, 16
-#: CUDA vs CPU first-step logits: f32 rows carry only float32 rounding (about 1e-5 here); an fp8
-#: row may round one latent value to the neighbouring fp8 step on one device and not the other.
-LOGIT_TOL = {"f32": 1e-3, "fp8": 5e-2}
+#: CUDA vs CPU first-step logits: f32 rows carry only float32 rounding (about 1e-5 here). An fp8
+#: row may round a latent value to the neighbouring fp8 step on one device and not the other, and
+#: one e4m3 step is an eighth of the value: on the H200 such flips moved first-step logits by up
+#: to 0.17 (0.068 DeepSeek-V3.2, 0.169 GLM-5, 4 prompts each), so fp8 gets 0.3. The tokens are
+#: compared exactly (tie-aware) above; the tolerance only bounds how far a flip may move logits.
+LOGIT_TOL = {"f32": 1e-3, "fp8": 0.3}
 
 
 def _has_dsa_transformers() -> bool:
