@@ -201,6 +201,11 @@ class HiSparseConnector(KVConnectorBase_V1, SupportsHMA):
     def get_kv_connector_stats(self) -> Optional[HiSparseKVConnectorStats]:
         if self.worker is None:
             return self._scheduler.gauges() if self._scheduler is not None else None
+        if self.has_connector_metadata() and not self._get_connector_metadata().req_ids:
+            # A step with nothing scheduled (vLLM runs one after the last request finishes, to
+            # pass on its id): nothing decodes, so waiting for the counters costs nothing, and the
+            # last steps' counts reach the scrape now instead of with the next request.
+            return self.worker.drain_stats()
         return self.worker.get_kv_connector_stats()
 
     # vLLM >= 0.33's sleep-mode hooks. Sleep mode frees and remaps vLLM's KV cache (the indexer

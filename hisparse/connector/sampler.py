@@ -4,8 +4,8 @@ Phase 1 of a call returns the snapshot armed earlier once its event has complete
 the call and, every ``interval`` calls or once ``seconds`` have passed since the last snapshot was
 armed (so a small server's counters reach a scrape within seconds, not thousands of steps), arms
 the next one: copy the counters to pinned host memory without blocking, zero them, record an
-event. Reading the host clock is not a device sync. Nothing here synchronises the host with the device,
-except ``drain`` (end of run, shutdown, tests).
+event. Reading the host clock is not a device sync. Nothing here synchronises the host with the
+device, except ``drain`` (end of run, shutdown, tests, a step with nothing scheduled).
 
 The device plumbing it needs (the compute stream, an event, "is a CUDA graph being captured") is
 injected as ``DeviceHooks``, so tests can observe the ordering without a GPU.

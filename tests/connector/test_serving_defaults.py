@@ -50,6 +50,22 @@ def test_a_snapshot_is_armed_once_the_set_time_has_passed():
     assert not w.sampler.pending  # the timer restarts at each arming
 
 
+def test_the_empty_step_after_the_last_request_reports_every_count():
+    """vLLM runs one step with nothing scheduled after the last request finishes: the counts of
+    the steps since the last snapshot are reported there, not with the next request."""
+    sched, work, caches, clock = _timed_pair(5.0)
+    wl = Workload(sched, work, caches, seed=8)
+    for _ in range(5):
+        assert wl.step() is None
+    assert wl.truth.hits + wl.truth.misses > 0
+    work.bind_connector_metadata(sched.build_connector_meta(StepSchedule({})))
+    work.start_load_kv(None)
+    got = work.get_kv_connector_stats()
+    work.clear_connector_metadata()
+    assert (got.data["hits"][0], got.data["misses"][0]) == (wl.truth.hits, wl.truth.misses)
+    assert work.get_kv_connector_stats() is None  # nothing left over
+
+
 def test_the_timer_can_be_switched_off():
     sched, work, caches, clock = _timed_pair(0)
     wl = Workload(sched, work, caches, seed=3)
