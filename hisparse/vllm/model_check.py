@@ -33,6 +33,11 @@ def _architectures(vllm_config: Any) -> str:
 
 
 def _message(archs: str) -> str:
+    from hisparse.vllm.dsa import override_hint
+
+    hint = override_hint(archs)
+    if hint:  # DeepSeek-V3.2 / GLM-5: vLLM's own class never calls the connector
+        return f"HiSparse connector: model architecture {archs} is vLLM's own; add {hint}"
     return (
         f"HiSparse connector: model architecture {archs} has no HiSparse sparse-attention "
         "layers, so nothing would call the connector; serve a model whose attention calls it "

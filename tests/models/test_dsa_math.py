@@ -139,3 +139,11 @@ def test_f32_rows_round_trip_exactly():
     rows = encode_rows(kv, "f32")
     assert rows.shape == (4, ROW_LAYOUTS["f32"].row_bytes) and rows.shape[1] % 16 == 0
     assert torch.equal(decode_rows(rows, "f32", torch.float32), kv)
+
+
+def test_the_connector_refusal_of_a_dsa_checkpoint_names_the_override_to_add():
+    from hisparse.vllm.model_check import _message
+
+    line = _message("GlmMoeDsaForCausalLM")
+    assert """--hf-overrides '{"architectures": ["HiSparseGlmMoeDsaForCausalLM"]}'""" in line
+    assert "\n" not in line and "--hf-overrides" not in _message("LlamaForCausalLM")

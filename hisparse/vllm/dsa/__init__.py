@@ -17,3 +17,11 @@ DSA_ARCHITECTURES = {
         "hisparse.vllm.dsa.model:HiSparseGlmMoeDsaForCausalLM",
     ),
 }
+
+
+def override_hint(archs: str) -> str:
+    """The ``--hf-overrides`` that serves a checkpoint of ``archs`` with our class ('' if none)."""
+    for checkpoint_arch, (ours, _) in DSA_ARCHITECTURES.items():
+        if checkpoint_arch in archs.split(", "):
+            return f"""--hf-overrides '{{"architectures": ["{ours}"]}}'"""
+    return ""
