@@ -9,7 +9,9 @@
 #     scrape at default settings, the early refusals (test_vllm_startup.py); forced preemption
 #     with the resident tokens (test_vllm_preemption.py). Servers are always shut down;
 #  3. soak: mixed traffic with disconnects for HISPARSE_SOAK_SECONDS (default 40; 600 for the long
-#     form), then idle gauges, counters, memory growth and SIGTERM (test_vllm_soak.py).
+#     form), then idle gauges, counters, memory growth and SIGTERM (test_vllm_soak.py);
+#  4. DeepSeek-V3.2 and GLM-5: tiny transformers-made checkpoints served through the plugin's
+#     classes, tokens vs transformers, HiSparse on = off in f32 and fp8 rows (test_vllm_dsa.py).
 # vLLM is large (~3.5 GB installed), so it lives in its own venv, never in the default install.
 #
 #   bash .ci/vllm_conformance.sh
@@ -73,6 +75,15 @@ rc=$?
 if [ $rc -ne 0 ]; then
     echo "VLLM CONFORMANCE FAILED in the soak stage (exit $rc); server log:"
     tail -60 "$HISPARSE_E2E_LOG_DIR/soak.log" 2>/dev/null
+    exit $rc
+fi
+echo "--- stage 4: DeepSeek-V3.2 / GLM-5 checkpoints against transformers (bounded: 25 min)"
+timeout 1500 "$VENV/bin/python" -m pytest -q -p no:cacheprovider "$CUT" -s \
+    "$ROOT/tests/vllm_conformance/test_vllm_dsa.py"
+rc=$?
+if [ $rc -ne 0 ]; then
+    echo "VLLM CONFORMANCE FAILED in the DSA stage (exit $rc); server logs:"
+    for f in "$HISPARSE_E2E_LOG_DIR"/dsa-*.log; do [ -f "$f" ] && { echo "== $f"; tail -40 "$f"; }; done
     exit $rc
 fi
 echo "VLLM CONFORMANCE PASSED"
