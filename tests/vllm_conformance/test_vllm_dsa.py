@@ -130,9 +130,10 @@ def _lookups(server: Server, groups: int) -> tuple:
     after = _flush(server)
     delta = {k: after[k] - before.get(k, 0.0) for k in after}
     assert delta.get("vllm:num_preemptions_total", 0.0) == 0
-    counted = delta["vllm:hisparse_cache_hits_total"] + delta["vllm:hisparse_cache_misses_total"]
+    misses = delta["vllm:hisparse_cache_misses_total"]
+    counted = delta["vllm:hisparse_cache_hits_total"] + misses
     expected = groups * sum(min(INDEX_TOPK, len(p) + i) for p in prompts for i in range(1, GEN))
-    return counted, expected
+    return counted, expected, misses, delta["vllm:hisparse_host_to_device_bytes_total"]
 
 
 def _run(model_dir, log, arch, row_format, hisparse: bool, full: bool) -> dict:
@@ -147,6 +148,10 @@ def _run(model_dir, log, arch, row_format, hisparse: bool, full: bool) -> dict:
         if full and hisparse:
             cfg = DSAConfig.from_hf(json.loads((model_dir / "config.json").read_text()))
             out["lookups"] = _lookups(srv, cfg.indexer_types.count("full"))
+            # A miss of a group copies the row of each of its layers (equal groups here).
+            out["row_bytes_per_miss"] = (
+                cfg.num_layers // cfg.indexer_types.count("full") * ROW_LAYOUTS["f32"].row_bytes
+            )
         return out
     finally:
         srv.stop()
@@ -217,6 +222,8 @@ def test_hisparse_runs_at_least_twice_the_requests_under_one_budget(served):
 
 
 def test_metrics_count_every_lookup_exactly(served):
-    counted, expected = served[("f32", True)]["lookups"]
+    run = served[("f32", True)]
+    counted, expected, misses, moved = run["lookups"]
     print(f"\n/metrics lookups {counted:.0f}, independent count {expected}")
-    assert counted == expected
+    assert counted == expected and misses > 0
+    assert moved == misses * run["row_bytes_per_miss"]
