@@ -56,10 +56,10 @@ class DSADecoderLayer(nn.Module):
         self.self_attn = DSAAttention(
             cfg, layer, names.rows[layer], names.index[layer], names.fmt, hf.max_position_embeddings
         )
-        dense = layer < getattr(hf, "first_k_dense_replace", 0) or (
-            getattr(hf, "mlp_layer_types", None) is not None
-            and hf.mlp_layer_types[layer] == "dense"
-        )
+        # transformers' per-layer list wins; older configs only give first_k_dense_replace.
+        kinds = getattr(hf, "mlp_layer_types", None)
+        first_dense = getattr(hf, "first_k_dense_replace", 0)
+        dense = kinds[layer] == "dense" if kinds is not None else layer < first_dense
         if dense:
             self.mlp = DeepseekV2MLP(
                 cfg.hidden_size, hf.intermediate_size, hf.hidden_act, prefix=f"{prefix}.mlp"
