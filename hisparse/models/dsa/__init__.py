@@ -7,6 +7,8 @@ Pure torch over tensors on any device; nothing here imports vLLM or transformers
 * ``attention`` -- MLA over latent rows: the row of a token, the absorbed query, attention over
   gathered rows, the value expansion.
 * ``indexer``   -- the DSA indexer: key normalisation, scores, causal top-k selection.
+* ``make_checkpoint`` -- seeded tiny checkpoints made by transformers' own classes (imports
+  transformers only when called).
 """
 
 from hisparse.models.dsa.config import DSAConfig, DSAConfigError
