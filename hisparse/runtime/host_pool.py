@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import weakref
 
 import torch
 
@@ -24,6 +25,11 @@ def available_host_bytes() -> int:
     except OSError:
         pass
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def _unpin(raw: torch.Tensor) -> None:
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaHostUnregister(raw.data_ptr())
 
 
 class HostPool:
@@ -59,6 +65,11 @@ class HostPool:
                     f"(cudaError {int(err)}); is the memlock limit too low?"
                 )
             self.pinned = True
+            # A pool dropped without release() must not free memory the driver still has
+            # registered: a later allocation at the same addresses would then fail its copies
+            # ("invalid argument"). The finalizer holds the allocation until it is unpinned.
+            self._unpin = weakref.finalize(self, _unpin, self.raw)
+            self._unpin.atexit = False  # the process is going; the driver drops it anyway
 
     def release(self) -> None:
         """Unpin and drop the allocation (safe to call twice). The GPU must be done with it:
@@ -66,8 +77,7 @@ class HostPool:
         if self.raw is None:
             return
         if self.pinned:
-            torch.cuda.synchronize()
-            torch.cuda.cudart().cudaHostUnregister(self.raw.data_ptr())
+            self._unpin()
             self.pinned = False
         self.raw = None
 

@@ -115,3 +115,21 @@ def test_whole_step_captures_in_a_cuda_graph():
     assert torch.equal(graphed[1].lru, eager[1].lru)
     assert graphed[1].counters.tolist() == eager[1].counters.tolist()
     assert torch.equal(graphed[3], eager[3])
+
+
+def test_a_pinned_pool_dropped_without_release_is_unpinned():
+    """A HostPool that goes out of scope without release() unpins its memory before freeing it:
+    a freed range the driver still counts as registered makes copies from memory allocated
+    there later fail ("invalid argument"). Same-size allocations usually land on the freed
+    range, so they are copied to the device a few times."""
+    import gc
+
+    n = 64 << 20
+    pool = HostPool(n, pin=True)
+    ptr = pool.raw.data_ptr()
+    del pool
+    gc.collect()
+    for _ in range(4):
+        src = torch.ones(n, dtype=torch.uint8)
+        reused = src.data_ptr() == ptr
+        assert int(src.to("cuda").sum()) == n, f"copy failed (allocation reused the pool: {reused})"
