@@ -1,5 +1,5 @@
-"""`import hisparse` never imports vLLM; hisparse.connector.stats/connector use vLLM's bases only when vLLM
-imports, and fall back to their own otherwise. Each case runs in a fresh interpreter."""
+"""`import hisparse` never imports vLLM; hisparse.connector (and its stats) use vLLM's bases only
+when vLLM imports, and fall back to their own otherwise. Each case runs in a fresh interpreter."""
 
 from __future__ import annotations
 
