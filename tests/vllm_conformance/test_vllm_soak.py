@@ -241,6 +241,7 @@ def _check_sigterm(srv: Server) -> None:
     """SIGTERM to the API server only, as a process supervisor sends it: the server and every
     process it started exit within SHUTDOWN_S seconds."""
     procs = [psutil.Process(srv.proc.pid)] + psutil.Process(srv.proc.pid).children(recursive=True)
+    served = len(srv.log.read_text(errors="replace"))
     t0 = time.time()
     srv.proc.send_signal(signal.SIGTERM)
     gone, alive = psutil.wait_procs(procs, timeout=SHUTDOWN_S)
@@ -248,7 +249,13 @@ def _check_sigterm(srv: Server) -> None:
     assert not alive, f"still running {took:.0f} s after SIGTERM: {[p.pid for p in alive]}"
     print(f"SIGTERM: {len(gone)} processes gone in {took:.1f} s, exit {srv.proc.wait(5)}")
     log = srv.log.read_text(errors="replace")
-    assert "Traceback" not in log, srv.tail(60)
+    # Nothing failed while serving; during the teardown vLLM 0.32 itself may print a traceback
+    # (its output handler sees the engine core it force-kills: EngineDeadError), which is not
+    # ours, but a traceback through hisparse's code is.
+    assert "Traceback" not in log[:served], srv.tail(60)
+    shutdown = log[served:]
+    after_traceback = shutdown[shutdown.find("Traceback") :] if "Traceback" in shutdown else ""
+    assert "/hisparse/" not in after_traceback, srv.tail(60)
 
 
 def test_soak_of_the_server_with_hisparse(soak_model, tmp_path):
