@@ -15,6 +15,8 @@ steps. After the rounds every mode has run the same steps from the same start, s
 hidden state are compared bit for bit with resident's. Then eager steps (not captured) with CUDA
 events at the phase boundaries split HiSparse's per-layer time into resolve, gather (the copy's
 own duration, on the copy stream) and wait (the main stream's stall before attention).
+Bit-identity across modes rests on cuBLAS's fixed-workspace mode, which importing
+hisparse.engine.graph sets (before cuBLAS starts).
 Capacity: `config.MemoryBudget` (a 61-layer model's KV state on one GPU of 8 x H200) gives each
 mode's largest batch; throughput is batch / step time at that batch.
 """
@@ -23,18 +25,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
 
-# Before cuBLAS starts: with its default per-stream workspaces, a GEMM of one shape can take a
-# different (equally valid) reduction order depending on what ran on other streams, so two modes
-# of the same step diverged bit-wise at batch >= 64. A fixed workspace config makes cuBLAS
-# deterministic across streams (NVIDIA's documented setting); every mode then matches resident.
-os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-
-import torch  # noqa: E402
+import torch
 from capped_gather import cap_gathers
 from tpot_report import markdown
 

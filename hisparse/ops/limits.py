@@ -37,7 +37,8 @@ def check_extension(ext) -> None:
     bad = [f"{k}={got[k]} (expected {v})" for k, v in EXPECTED.items() if got[k] != v]
     if bad:
         raise ImportError(
-            f"hisparse._C was built with other limits than hisparse/limits.py: {', '.join(bad)}; "
+            "hisparse._C was built with other limits than hisparse/ops/limits.py: "
+            f"{', '.join(bad)}; "
             "rebuild it with `pip install --no-build-isolation -e .`"
         )
 

@@ -185,7 +185,7 @@ def test_cpu_unit_job(steps):
     ]
     assert cpu and all(s.get("num_devices", 1) == 1 for s in cpu)
     assert _covered("tests/ci/test_buildkite.py", cpu[0]["source_file_dependencies"])
-    assert _covered("hisparse/runtime.py", cpu[0]["source_file_dependencies"])
+    assert _covered("hisparse/runtime/index_group.py", cpu[0]["source_file_dependencies"])
 
 
 def test_pipeline_yml_bootstraps_the_generator():
