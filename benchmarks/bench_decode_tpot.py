@@ -43,6 +43,7 @@ from hisparse.engine.graph import (
     Weights,
     counters,
     hit_rate,
+    kernels,
     profile_eager,
 )
 
@@ -60,6 +61,10 @@ def variants(budget, cfg, batch, args):
     ]
     if batch >= 2:
         out.append(("hisparse_split", "hisparse", 2, 0, True))
+    if args.in_read:
+        out.append(("hisparse_in_read", "hisparse", 1, 0, True))
+        if batch >= 2:
+            out.append(("hisparse_split_in_read", "hisparse", 2, 0, True))
     r = budget.hybrid_resident(cfg, batch)
     if batch > budget.max_batch(cfg, True) and 0 < r < batch:
         out.append(("hybrid", "hybrid", 1, r, True))
@@ -74,7 +79,11 @@ def run_batch(cfg, w, kv, budget, batch, args):
     """Every variant at one batch: interleaved timing rounds, hit rate, parity, eager profile."""
     graphs = {}
     for name, mode, split, res, overlap in variants(budget, cfg, batch, args):
-        step = DecodeStep(cfg, w, kv, mode, batch, split=split, resident=res, overlap=overlap)
+        in_read = name.endswith("_in_read")
+        step = DecodeStep(
+            cfg, w, kv, mode, batch, split=split, resident=res, overlap=overlap, fused=args.fused,
+            copy_in_read=in_read,
+        )  # fmt: skip
         drift = Drift(kv.max_batch, cfg.ctx_len, cfg.top_k, args.miss, "cuda", seed=11)
         try:
             if name.endswith("_capped"):
@@ -115,7 +124,7 @@ def run_batch(cfg, w, kv, budget, batch, args):
             resident_requests=res if name == "hybrid" else None,
         )
     for name, (gs, _) in graphs.items():
-        if name not in ("resident", "hisparse_serial"):
+        if name not in ("resident", "hisparse_serial") and not name.endswith("_in_read"):
             row["modes"][name]["profile_per_layer"] = profile_eager(gs, args.profile_steps)
     flat(row)
     del graphs
@@ -138,7 +147,12 @@ def flat(row):
     row["ratio_serial"] = m["hisparse_serial"]["ratio"]
     if "hybrid" in m:
         row["hybrid_ms_per_step"] = m["hybrid"]["ms_per_step"]
-    for k in ("hisparse_capped", "hisparse_split_capped"):
+    for k in (
+        "hisparse_capped",
+        "hisparse_split_capped",
+        "hisparse_in_read",
+        "hisparse_split_in_read",
+    ):
         if k in m:
             row[f"{k}_ms_per_step"] = m[k]["ms_per_step"]
             row[f"ratio_{k.removeprefix('hisparse_')}"] = m[k]["ratio"]
@@ -151,7 +165,8 @@ def capacity(rows, res_max, hs_max):
     res = [r for r in rows if r["batch"] <= res_max]
     best = max(res, key=lambda r: tok_s(r, "resident_ms_per_step"))
     hs = next(r for r in rows if r["batch"] == hs_max)
-    hs_ms = min(hs.get("hisparse_split_ms_per_step", 1e30), hs["hisparse_ms_per_step"])
+    keys = ("hisparse", "hisparse_split", "hisparse_in_read", "hisparse_split_in_read")
+    hs_ms = min(hs[f"{k}_ms_per_step"] for k in keys if f"{k}_ms_per_step" in hs)
     capped = [
         hs.get(k) for k in ("hisparse_capped_ms_per_step", "hisparse_split_capped_ms_per_step")
     ]
@@ -186,6 +201,19 @@ def main(argv=None):
         default=0,
         help="what-if: also time HiSparse with capped_gather's copy of this many CTAs (0: off)",
     )
+    ap.add_argument(
+        "--in-read",
+        action="store_true",
+        help="also time HiSparse with the misses read from the host pool inside the row read",
+    )
+    ap.add_argument(
+        "--torch-path",
+        dest="fused",
+        action="store_const",
+        const=False,
+        default=None,
+        help="every mode without the Triton kernels (gather + decode_rows, bf16 indexer products)",
+    )
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     cfg = GraphConfig.deepseek_v32(
@@ -214,6 +242,7 @@ def main(argv=None):
         device=torch.cuda.get_device_name(),
         torch=torch.__version__,
         config=cfg.__dict__,
+        kernels="triton" if args.fused is not False and kernels.available("cuda") else "torch",
         budget=f"{budget.kv_gib:g} GiB of KV state per GPU over {budget.model_layers} layers",
         args=vars(args),
         batches=rows,

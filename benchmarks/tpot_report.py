@@ -35,6 +35,36 @@ def _whatif_table(res):
     return out
 
 
+def _in_read_table(res):
+    """HiSparse with the misses read inside attention's row read (no separate copy), if run."""
+    rows = [r for r in res["batches"] if "hisparse_in_read" in r["modes"]]
+    if not rows:
+        return []
+    out = [
+        "",
+        "Misses read from the host pool inside attention's row read (`copy_in_read`: no "
+        "separate copy; the kernel also writes them to their hot rows), same run:",
+        "",
+        "| batch | in-read ms/step | ratio | added us/layer | split + in-read ms/step | ratio "
+        "| bit-identical |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    layers = res["config"]["layers"]
+    for r in rows:
+        m = r["modes"]
+        sp = m.get("hisparse_split_in_read")
+        ok = m["hisparse_in_read"]["bit_identical_to_resident"] and (
+            sp is None or sp["bit_identical_to_resident"]
+        )
+        added = (m["hisparse_in_read"]["ms_per_step"] - m["resident"]["ms_per_step"]) / layers
+        out.append(
+            f"| {r['batch']} | {_rng(m, 'hisparse_in_read')} | {r['ratio_in_read']:.3f} | "
+            f"{added * 1e3:.1f} | {_rng(m, 'hisparse_split_in_read') if sp else '-'} | "
+            f"{r['ratio_split_in_read'] if sp else 0:.3f} | {ok} |"
+        )
+    return out
+
+
 def markdown(res):
     cfg = res["config"]
     out = [
@@ -44,7 +74,8 @@ def markdown(res):
         f"{cfg['top_k']}), {cfg['layers']} layers, dense MLP {cfg['mlp_inter']} (MoE's active "
         f"width), context {cfg['ctx_len']} per request, hot buffer {cfg['hot_size']} rows; one "
         f"CUDA graph per step; median of {res['args']['runs']} interleaved rounds x "
-        f"{res['args']['steps']} steps (min-max of the round medians); ratio = same-round.",
+        f"{res['args']['steps']} steps (min-max of the round medians); ratio = same-round. "
+        f"Row read and indexer: {res.get('kernels', 'torch')} kernels in every mode.",
         "",
         "| batch | resident ms/step | HiSparse ms/step | ratio | no-overlap ms/step | ratio | "
         "split ms/step | ratio | hybrid ms/step | hit rate | ms/token res / HS | bit-identical |",
@@ -64,6 +95,7 @@ def markdown(res):
             f"{m['hisparse']['ms_per_token']:.4f} | {ok} |"
         )
     out += _whatif_table(res)
+    out += _in_read_table(res)
     c = res["capacity"]
     out += [
         "",

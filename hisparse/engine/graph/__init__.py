@@ -2,7 +2,8 @@
 graph, in resident, always-host (HiSparse) and hybrid modes with bit-identical results.
 
 Modules: `config` (shapes, the device-memory budget behind capacity), `model` (weights and the
-bf16 math), `kv` (the indexer cache, resident rows, hot region and pinned host pool shared by all
+bf16 math), `kernels` (Triton kernels for the row read and the indexer, used by every mode on
+CUDA), `kv` (the indexer cache, resident rows, hot region and pinned host pool shared by all
 modes), `step` (one decode step over batch parts; HiSparse parts go through
 `hisparse.runtime`'s index groups), `replay` (selection drift, graph capture, timing, hit rate,
 the eager phase profile). benchmarks/bench_decode_tpot.py drives it.

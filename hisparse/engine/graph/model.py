@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from hisparse.engine.graph import kernels
 from hisparse.engine.graph.config import GraphConfig
 from hisparse.models.rows import decode_rows
 
@@ -58,16 +59,19 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float = 1e-6) -> torch.Tenso
 
 
 def indexer_scores(
-    cfg: GraphConfig, w: dict, qr: torch.Tensor, a: torch.Tensor, keys: torch.Tensor
+    cfg: GraphConfig, w: dict, qr: torch.Tensor, a: torch.Tensor, keys: torch.Tensor, fused: bool
 ) -> torch.Tensor:
-    """DSA indexer: sum_h w_h * relu(q_h . k_t) over each request's context keys.
+    """DSA indexer: sum_h w_h * relu(q_h . k_t) over each request's context keys; ``fused``: the
+    Triton kernel (float32 throughout, keys read once), else bf16 matrix products.
 
     qr [n, q_lora], a [n, hidden], keys [n, ctx, idx_dim] -> scores [n, ctx] fp32."""
     n = qr.shape[0]
     q = (qr @ w["idx_q"]).view(n, cfg.idx_heads, cfg.idx_dim)
-    hw = (a @ w["idx_w"]).view(n, 1, cfg.idx_heads)
+    hw = a @ w["idx_w"]
+    if fused:
+        return kernels.indexer_scores(q, hw, keys)
     logits = torch.bmm(q, keys.transpose(1, 2)).relu_()  # [n, idx_heads, ctx]
-    return torch.bmm(hw, logits).view(n, -1).float()
+    return torch.bmm(hw.view(n, 1, cfg.idx_heads), logits).view(n, -1).float()
 
 
 def select(scores: torch.Tensor, bias: torch.Tensor, top_k: int) -> torch.Tensor:
@@ -87,10 +91,18 @@ def query(cfg: GraphConfig, w: dict, qr: torch.Tensor) -> torch.Tensor:
     return torch.cat([q_lat, q_rope], dim=-1)
 
 
-def attend(cfg: GraphConfig, q: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """Sparse MLA over gathered rows: q [n, heads, 576], rows uint8 [n, top_k, 656] ->
+def read_rows(src: torch.Tensor, ids: torch.Tensor, fused: bool) -> torch.Tensor:
+    """Rows ``ids`` [n, top_k] of ``src`` (uint8 [rows, 656]) as bf16 values [n, top_k, 576]:
+    one Triton pass when ``fused``, else a gather then ``decode_rows`` (the same values)."""
+    if fused:
+        return kernels.gather_decode(src, ids)
+    rows = src.index_select(0, ids.reshape(-1)).view(*ids.shape, -1)
+    return decode_rows(rows, "fp8", DT)
+
+
+def attend(cfg: GraphConfig, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+    """Sparse MLA over the selected rows: q [n, heads, 576], kv [n, top_k, 576] ->
     latent mix [n, heads, latent]."""
-    kv = decode_rows(rows, "fp8", DT)  # [n, top_k, 576]
     scale = (cfg.nope + cfg.rope) ** -0.5
     s = torch.bmm(q, kv.transpose(1, 2)).float().mul_(scale)
     p = torch.softmax(s, dim=-1).to(DT)

@@ -35,7 +35,11 @@ class Drift:
         j = torch.randint(ctx, (B, self.m), generator=self.g, device=self.device)
         top = self.bias.max(dim=1, keepdim=True).values
         # Integer-spaced above every rank: no two positions tie, even after the squashed score.
-        new = top + 1.0 + torch.arange(self.m, device=self.device, dtype=torch.float32)
+        # The value follows the position, not the draw: a position drawn twice gets the same
+        # value from both writes, so which write lands last (not specified for scatter_, and it
+        # varied with what else the GPU ran) cannot change the bias. Exact in float32 for
+        # 2**23 / ctx steps (256 at 32k).
+        new = top + 1.0 + j.to(torch.float32)
         self.bias.scatter_(1, j, new)
 
 

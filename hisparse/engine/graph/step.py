@@ -28,6 +28,7 @@ from typing import Optional
 
 import torch
 
+from hisparse.engine.graph import kernels
 from hisparse.engine.graph import model as M
 from hisparse.engine.graph.config import ROW_BYTES, GraphConfig
 from hisparse.engine.graph.kv import HOT_POISON, KVStore
@@ -79,12 +80,25 @@ class DecodeStep:
         split: int = 1,
         resident: int = 0,
         overlap: bool = True,
+        fused: Optional[bool] = None,
+        copy_in_read: bool = False,
     ) -> None:
         if not 1 <= batch <= kv.max_batch:
             raise ValueError(f"batch must lie in [1, {kv.max_batch}], got {batch}")
         self.cfg, self.w, self.kv, self.mode, self.batch = cfg, weights, kv, mode, batch
         self.overlap = overlap  # False: wait for each copy right after starting it (no overlap)
         dev = kv.device
+        # The Triton kernels where they run (None: wherever they can), else the torch path.
+        can = kernels.available(dev)
+        if fused and not can:
+            raise ValueError(f"fused=True needs Triton and a CUDA device; the KV is on {dev}")
+        self.fused = can if fused is None else fused
+        self.fused_indexer = self.fused and kernels.indexer_fits(cfg.idx_heads, cfg.idx_dim)
+        if copy_in_read and not self.fused:
+            raise ValueError("copy_in_read=True needs the Triton kernels (fused)")
+        # The misses read from the host pool inside attention's row read instead of copied by
+        # the op's gather first: pending[hot row] = its host key for this layer's misses.
+        self.copy_in_read = copy_in_read
         self.parts = [Part(a, b, h) for a, b, h in make_parts(mode, batch, split, resident)]
         # This step's own hot buffers (request b at rows b*hot_size ...), poisoned: a row no
         # gather wrote breaks parity instead of passing unnoticed.
@@ -96,6 +110,10 @@ class DecodeStep:
         for i, p in enumerate(self.parts):
             if p.host:
                 self._bind(i, p)
+        if copy_in_read:
+            self.pending = torch.full((n_hot + 1,), -1, dtype=torch.int32, device=dev)
+            self.slots = torch.arange(cfg.top_k, device=dev)[None, :]
+            self.pending_rows: dict = {}
         self.req_base = torch.arange(batch, device=dev, dtype=torch.int64)[:, None] * cfg.ctx_len
         self.x = torch.zeros(batch, cfg.hidden, dtype=M.DT, device=dev)
         self.bias = torch.zeros(batch, cfg.ctx_len, dtype=torch.float32, device=dev)
@@ -148,14 +166,19 @@ class DecodeStep:
         q = M.query(cfg, w, qr)
         mixes = []
         for i, (p, r) in enumerate(zip(self.parts, rows)):
+            if p.host and self.copy_in_read:
+                host = self.kv.host_views[layer]
+                kv = kernels.read_rows_from_host(self.hot[layer], host, self.pending, r)
+                self.pending.index_fill_(0, self.pending_rows.pop(i), -1)
+                mixes.append(M.attend(cfg, q[p.start : p.end], kv))
+                continue
             if p.host:
                 self._mark("wait0", layer, i)
                 p.runtimes[layer].wait_ready()
                 self._mark("wait1", layer, i)
             src = self.hot[layer] if p.host else self.kv.dev_rows[layer]
-            kv_rows = src.index_select(0, r.reshape(-1))
-            kv_rows = kv_rows.view(p.size, cfg.top_k, -1)
-            mixes.append(M.attend(cfg, q[p.start : p.end], kv_rows))
+            kv = M.read_rows(src, r, self.fused)
+            mixes.append(M.attend(cfg, q[p.start : p.end], kv))
         mix = mixes[0] if len(mixes) == 1 else torch.cat(mixes)
         h = h + M.attn_out(cfg, w, mix)
         return h + M.mlp(cfg, w, h)
@@ -163,7 +186,8 @@ class DecodeStep:
     def _rows(self, layer: int, i: int, p: Part, qr, a) -> torch.Tensor:
         """Rows attention reads for the part [n, top_k]; starts a host part's gather."""
         s, e, w = p.start, p.end, self.w.layers[layer]
-        scores = M.indexer_scores(self.cfg, w, qr[s:e], a[s:e], self.kv.idx_keys[layer][s:e])
+        keys = self.kv.idx_keys[layer][s:e]
+        scores = M.indexer_scores(self.cfg, w, qr[s:e], a[s:e], keys, self.fused_indexer)
         pos = M.select(scores, self.bias[s:e], self.cfg.top_k)
         ids = pos + self.req_base[s:e]  # resident row id == host row id of (request, position)
         if not p.host:
@@ -172,11 +196,23 @@ class DecodeStep:
         self._mark("res0", layer, i)
         out = rt.resolve(ids.to(torch.int32), p.state_rows)
         self._mark("res1", layer, i)
+        if self.copy_in_read:
+            self._stage_misses(i, rt.index_group)
+            return out
         rt.gather()
         self._mark("copy1", layer, i, rt.index_group.copy_stream)
         if not self.overlap:
             rt.wait_ready()
         return out
+
+    def _stage_misses(self, i: int, g) -> None:
+        """pending[miss_dst] = miss_src for the resolved misses (the unused plan entries go to
+        the spare last row, which no read names)."""
+        n = self.pending.shape[0] - 1
+        used = self.slots < g.miss_count[: g.batch, None]
+        rows = torch.where(used, g.miss_dst[: g.batch], n).reshape(-1).long()
+        self.pending.index_copy_(0, rows, g.miss_src[: g.batch].reshape(-1))
+        self.pending_rows[i] = rows
 
     def _mark(self, what: str, layer: int, i: int, stream=None) -> None:
         if self.probe is not None:

@@ -1,0 +1,107 @@
+"""The decode step's Triton kernels (hisparse.engine.graph.kernels) against the torch path they
+replace: the fused row read is bit-identical to gather + ``decode_rows``; the fused indexer
+matches a float64 reference, is deterministic, and gives a row the same scores whatever batch it
+is computed in (split and hybrid steps rely on that for parity)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hisparse.models.rows import decode_rows, encode_rows
+from tests.devices import needs_cuda
+
+pytestmark = [pytest.mark.cuda, needs_cuda]
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    pytest.importorskip("triton")
+    from hisparse.engine.graph import kernels
+
+    return kernels
+
+
+def _rows(n: int, seed: int) -> torch.Tensor:
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    kv = torch.randn(n, 576, generator=g, device="cuda")
+    # Rows across 12 orders of magnitude: fp8 subnormals, large scales, an all-zero row.
+    kv *= torch.logspace(-6, 6, n, device="cuda")[:, None]
+    kv[0] = 0
+    return encode_rows(kv, "fp8")
+
+
+def test_gather_decode_is_decode_rows_bit_for_bit(kernels):
+    src = _rows(5000, 1)
+    g = torch.Generator(device="cuda").manual_seed(2)
+    for shape, dtype in (((7, 64), torch.int64), ((3, 129), torch.int32), ((1,), torch.int64)):
+        ids = torch.randint(0, src.shape[0], shape, generator=g, device="cuda", dtype=dtype)
+        got = kernels.gather_decode(src, ids)
+        want = decode_rows(src[ids.long()], "fp8", torch.bfloat16)
+        assert got.shape == (*shape, 576)
+        assert torch.equal(got.view(torch.int16), want.view(torch.int16)), shape
+
+
+def test_gather_decode_refuses_other_rows(kernels):
+    with pytest.raises(ValueError, match="src must be uint8"):
+        kernels.gather_decode(torch.zeros(4, 1152, dtype=torch.uint8, device="cuda"),
+                              torch.zeros(2, dtype=torch.int64, device="cuda"))  # fmt: skip
+
+
+def _indexer_inputs(n: int, ctx: int, seed: int):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(n, 64, 128, generator=g, device="cuda").bfloat16()
+    hw = torch.randn(n, 64, generator=g, device="cuda").bfloat16()
+    keys = torch.randn(n, ctx, 128, generator=g, device="cuda").bfloat16()
+    return q, hw, keys
+
+
+def test_fused_indexer_matches_float64(kernels):
+    q, hw, keys = _indexer_inputs(3, 1000, 4)  # ctx not a multiple of the tile
+    got = kernels.indexer_scores(q, hw, keys)
+    logits = torch.einsum("nhd,ntd->nht", q.double(), keys.double()).relu()
+    want = torch.einsum("nh,nht->nt", hw.double(), logits)
+    assert got.dtype == torch.float32 and got.shape == (3, 1000)
+    scale = want.abs().max()
+    assert ((got.double() - want).abs().max() / scale) < 1e-4
+
+
+def test_fused_indexer_is_deterministic_and_batch_independent(kernels):
+    q, hw, keys = _indexer_inputs(6, 4096, 5)
+    whole = kernels.indexer_scores(q, hw, keys)
+    assert torch.equal(whole, kernels.indexer_scores(q, hw, keys))
+    halves = torch.cat(
+        [kernels.indexer_scores(q[a:b], hw[a:b], keys[a:b]) for a, b in ((0, 2), (2, 6))]
+    )
+    assert torch.equal(whole, halves)
+
+
+def test_fused_indexer_refuses_small_tiles(kernels):
+    q, hw, keys = _indexer_inputs(1, 64, 6)
+    with pytest.raises(ValueError, match="powers of two"):
+        kernels.indexer_scores(q[:, :4], hw[:, :4], keys)
+
+
+def test_read_rows_from_host_reads_misses_there_and_fills_their_hot_rows(kernels):
+    hot = _rows(300, 7)
+    host = _rows(1000, 8).cpu().pin_memory()
+    pending = torch.full((301,), -1, dtype=torch.int32, device="cuda")
+    ids = torch.tensor([[5, 17, 40, 299], [0, 1, 2, 3]], device="cuda")
+    miss = {17: 123, 299: 999, 2: 0}  # hot row -> host key
+    for h, k in miss.items():
+        pending[h] = k
+    want_src = hot.clone()
+    for h, k in miss.items():
+        want_src[h] = host[k].cuda()
+    got = kernels.read_rows_from_host(hot, host, pending, ids)
+    want = decode_rows(want_src[ids], "fp8", torch.bfloat16)
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+    assert torch.equal(hot, want_src)  # the misses' bytes now sit in their hot rows
+
+
+def test_read_rows_from_host_refuses_unpinned_host(kernels):
+    hot = _rows(4, 9)
+    with pytest.raises(ValueError, match="host must be pinned"):
+        kernels.read_rows_from_host(hot, hot.cpu(), torch.full((5,), -1, dtype=torch.int32,
+                                    device="cuda"), torch.zeros(1, 1, dtype=torch.int64,
+                                    device="cuda"))  # fmt: skip
