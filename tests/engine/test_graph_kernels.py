@@ -52,14 +52,16 @@ def _indexer_inputs(n: int, ctx: int, seed: int):
     g = torch.Generator(device="cuda").manual_seed(seed)
     q = torch.randn(n, 64, 128, generator=g, device="cuda").bfloat16()
     hw = torch.randn(n, 64, generator=g, device="cuda").bfloat16()
-    keys = torch.randn(n, ctx, 128, generator=g, device="cuda").bfloat16()
-    return q, hw, keys
+    keys = torch.randn(n, ctx, 128, generator=g, device="cuda").to(torch.float8_e4m3fn)
+    scales = torch.rand(n, ctx, generator=g, device="cuda") + 0.01
+    return q, hw, keys, scales
 
 
 def test_fused_indexer_matches_float64(kernels):
-    q, hw, keys = _indexer_inputs(3, 1000, 4)  # ctx not a multiple of the tile
-    got = kernels.indexer_scores(q, hw, keys)
-    logits = torch.einsum("nhd,ntd->nht", q.double(), keys.double()).relu()
+    q, hw, keys, scales = _indexer_inputs(3, 1000, 4)  # ctx not a multiple of the tile
+    got = kernels.indexer_scores(q, hw, keys, scales)
+    k = keys.double() * scales.double()[..., None]
+    logits = torch.einsum("nhd,ntd->nht", q.double(), k).relu()
     want = torch.einsum("nh,nht->nt", hw.double(), logits)
     assert got.dtype == torch.float32 and got.shape == (3, 1000)
     scale = want.abs().max()
@@ -67,19 +69,22 @@ def test_fused_indexer_matches_float64(kernels):
 
 
 def test_fused_indexer_is_deterministic_and_batch_independent(kernels):
-    q, hw, keys = _indexer_inputs(6, 4096, 5)
-    whole = kernels.indexer_scores(q, hw, keys)
-    assert torch.equal(whole, kernels.indexer_scores(q, hw, keys))
+    q, hw, keys, scales = _indexer_inputs(6, 4096, 5)
+    whole = kernels.indexer_scores(q, hw, keys, scales)
+    assert torch.equal(whole, kernels.indexer_scores(q, hw, keys, scales))
+    parts = [(0, 2), (2, 6)]
     halves = torch.cat(
-        [kernels.indexer_scores(q[a:b], hw[a:b], keys[a:b]) for a, b in ((0, 2), (2, 6))]
+        [kernels.indexer_scores(q[a:b], hw[a:b], keys[a:b], scales[a:b]) for a, b in parts]
     )
     assert torch.equal(whole, halves)
 
 
-def test_fused_indexer_refuses_small_tiles(kernels):
-    q, hw, keys = _indexer_inputs(1, 64, 6)
+def test_fused_indexer_refuses_what_it_cannot_read(kernels):
+    q, hw, keys, scales = _indexer_inputs(1, 64, 6)
     with pytest.raises(ValueError, match="powers of two"):
-        kernels.indexer_scores(q[:, :4], hw[:, :4], keys)
+        kernels.indexer_scores(q[:, :4], hw[:, :4], keys, scales)
+    with pytest.raises(ValueError, match="keys must be float8_e4m3fn"):
+        kernels.indexer_scores(q, hw, keys.bfloat16(), scales)
 
 
 def test_read_rows_from_host_reads_misses_there_and_fills_their_hot_rows(kernels):

@@ -8,7 +8,8 @@ Why: at batch 112 the torch path spends about 40 % of the step's kernel time in
 ``decode_rows``' seven elementwise passes (contiguous copies, the fp8 and scale conversions, a
 broadcast multiply, a concatenation) and another 20 % writing, rectifying and re-reading the
 indexer's [batch, heads, context] logits (benchmarks/results/step_kernels_h200.md). That is cost
-per request, which is what bounds throughput at HiSparse's capacity.
+per request, which is what bounds throughput at HiSparse's capacity. The indexer kernel reads the
+keys in FP8 with a scale per token, as DeepSeek-V3.2 stores them.
 
 ``read_rows_from_host`` is the same row read for a HiSparse part whose misses have not been
 copied: a row the resolve op planned as a miss (``pending[row]`` = its host key) is read from the
@@ -68,7 +69,10 @@ if triton is not None:
         tl.store(dst + LAT + e[None, :], rope, mask=ok[:, None])
 
     @triton.jit
-    def _indexer(q, hw, keys, out, ctx, H: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr):
+    def _indexer(
+        q, hw, keys, scales, out, ctx, H: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr
+    ):
+        # One tile of keys per program (several pipelined per program measured 9 % slower).
         b = tl.program_id(0).to(tl.int64)
         t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
         ok = t < ctx
@@ -76,9 +80,11 @@ if triton is not None:
         d = tl.arange(0, D)
         qb = tl.load(q + b * H * D + h[:, None] * D + d[None, :])
         k = tl.load(keys + (b * ctx + t[:, None]) * D + d[None, :], mask=ok[:, None], other=0.0)
-        logits = tl.maximum(tl.dot(k, tl.trans(qb)), 0.0)  # [BLOCK_T, H], float32
+        logits = tl.maximum(tl.dot(k.to(tl.bfloat16), tl.trans(qb)), 0.0)  # [BLOCK_T, H]
         w = tl.load(hw + b * H + h).to(tl.float32)
-        tl.store(out + b * ctx + t, tl.sum(logits * w[None, :], axis=1), mask=ok)
+        s = tl.load(scales + b * ctx + t, mask=ok, other=0.0)
+        # relu(s x) = s relu(x) for the positive per-token scale: applied once, after the sum.
+        tl.store(out + b * ctx + t, tl.sum(logits * w[None, :], axis=1) * s, mask=ok)
 
     @triton.jit
     def _read_host_misses(
@@ -181,15 +187,22 @@ def indexer_fits(heads: int, dim: int) -> bool:
     return all(x >= 16 and x & (x - 1) == 0 for x in (heads, dim))
 
 
-def indexer_scores(q: torch.Tensor, hw: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-    """sum_h hw[b, h] * relu(q[b, h] . keys[b, t]) in float32: q [n, H, D] and keys [n, ctx, D]
-    bf16, hw [n, H] -> [n, ctx] float32, the keys read once (no [n, H, ctx] logits)."""
+def indexer_scores(
+    q: torch.Tensor, hw: torch.Tensor, keys: torch.Tensor, scales: torch.Tensor
+) -> torch.Tensor:
+    """sum_h hw[b, h] * relu(q[b, h] . keys[b, t] * scales[b, t]) in float32: q [n, H, D] bf16,
+    hw [n, H], keys [n, ctx, D] float8_e4m3fn, scales [n, ctx] float32 (positive) -> [n, ctx]
+    float32, the keys read once (no [n, H, ctx] logits)."""
     n, H, D = q.shape
     ctx = keys.shape[1]
     if not indexer_fits(H, D):
         raise ValueError(f"the fused indexer needs powers of two >= 16, got {H} heads x {D}")
+    if keys.dtype != torch.float8_e4m3fn or scales.shape != keys.shape[:2]:
+        raise ValueError("keys must be float8_e4m3fn [n, ctx, D] with float32 scales [n, ctx]")
     q, hw, keys = q.contiguous(), hw.contiguous(), keys.contiguous()
+    scales = scales.to(torch.float32).contiguous()
     out = torch.empty(n, ctx, dtype=torch.float32, device=q.device)
     block_t = 128
-    _indexer[(n, triton.cdiv(ctx, block_t))](q, hw, keys, out, ctx, H, D, block_t, num_warps=4)
+    grid = (n, triton.cdiv(ctx, block_t))
+    _indexer[grid](q, hw, keys, scales, out, ctx, H, D, block_t, num_warps=4)
     return out

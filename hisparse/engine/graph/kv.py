@@ -1,8 +1,10 @@
 """KV state shared by every mode of the GPU-bound decode step, built once per run.
 
 Per layer:
-* `idx_keys[l]`  [max_batch, ctx, idx_dim] bf16 on the device: the DSA indexer cache, which stays
-  on the device in every mode (the indexer reads the whole context each step);
+* `idx_keys[l]`  [max_batch, ctx, idx_dim] float8_e4m3fn and `idx_scales[l]` [max_batch, ctx]
+  float32 on the device: the DSA indexer cache as DeepSeek-V3.2 keeps it (132 B per token: FP8
+  key, one scale), which stays on the device in every mode (the indexer reads the whole context
+  each step);
 * `dev_rows[l]`  uint8 [max_batch * ctx, 656] on the device: the resident rows (request b's
   context at rows b*ctx ...);
 * `host_views[l]` uint8 [max_batch * ctx, 656] in one pinned host pool, layer-major: request b's
@@ -19,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from hisparse.engine.graph.config import ROW_BYTES, GraphConfig
-from hisparse.models.rows import encode_rows
+from hisparse.models.rows import FP8_MAX, encode_rows
 from hisparse.runtime.host_pool import HostPool, HostPoolError
 
 # Requests' rows repeat a per-layer template of this many distinct rows at per-request offsets
@@ -46,6 +48,18 @@ def _host_pool(n: int, pin: bool):
         return _RawPool(n, pin)
 
 
+def _fp8_keys(B: int, ctx: int, dim: int, g: torch.Generator, device) -> tuple:
+    """Random indexer keys quantized per token: (fp8 [B, ctx, dim], float32 scales [B, ctx])."""
+    keys = torch.empty(B, ctx, dim, dtype=torch.float8_e4m3fn, device=device)
+    scales = torch.empty(B, ctx, dtype=torch.float32, device=device)
+    for b in range(B):  # one request at a time: the float32 draw of all of them would not fit
+        k = torch.randn(ctx, dim, generator=g, device=device)
+        s = k.abs().amax(dim=-1).clamp_min(1e-12) / FP8_MAX
+        keys[b] = (k / s[:, None]).to(torch.float8_e4m3fn)
+        scales[b] = s
+    return keys, scales
+
+
 class KVStore:
     def __init__(self, cfg: GraphConfig, max_batch: int, device) -> None:
         cfg.check()
@@ -56,10 +70,11 @@ class KVStore:
         layer_bytes = B * ctx * ROW_BYTES
         self.pool = _host_pool(layer_bytes * cfg.layers, on_cuda)
         g = torch.Generator(device=self.device).manual_seed(cfg.seed + 1)
-        self.idx_keys, self.dev_rows, self.host_views = [], [], []
+        self.idx_keys, self.idx_scales, self.dev_rows, self.host_views = [], [], [], []
         for layer in range(cfg.layers):
-            keys = torch.randn(B, ctx, cfg.idx_dim, generator=g, device=self.device)
-            self.idx_keys.append(keys.to(torch.bfloat16))
+            keys, scales = _fp8_keys(B, ctx, cfg.idx_dim, g, self.device)
+            self.idx_keys.append(keys)
+            self.idx_scales.append(scales)
             rows = torch.empty(B * ctx, ROW_BYTES, dtype=torch.uint8, device=self.device)
             host = self.pool.raw[layer * layer_bytes : (layer + 1) * layer_bytes]
             host = host.view(B * ctx, ROW_BYTES)
@@ -86,6 +101,7 @@ class KVStore:
 
     def release(self) -> None:
         self.idx_keys.clear()
+        self.idx_scales.clear()
         self.dev_rows.clear()
         self.host_views.clear()
         self.pool.release()

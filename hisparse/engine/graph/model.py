@@ -59,18 +59,22 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float = 1e-6) -> torch.Tenso
 
 
 def indexer_scores(
-    cfg: GraphConfig, w: dict, qr: torch.Tensor, a: torch.Tensor, keys: torch.Tensor, fused: bool
+    cfg: GraphConfig, w: dict, qr: torch.Tensor, a: torch.Tensor, keys: tuple, fused: bool
 ) -> torch.Tensor:
-    """DSA indexer: sum_h w_h * relu(q_h . k_t) over each request's context keys; ``fused``: the
-    Triton kernel (float32 throughout, keys read once), else bf16 matrix products.
+    """DSA indexer: sum_h w_h * relu(q_h . k_t) over each request's context keys, k_t an FP8 key
+    times its scale; ``fused``: the Triton kernel (float32 throughout, the FP8 keys read once),
+    else bf16 matrix products over the dequantized keys.
 
-    qr [n, q_lora], a [n, hidden], keys [n, ctx, idx_dim] -> scores [n, ctx] fp32."""
+    qr [n, q_lora], a [n, hidden], keys (fp8 [n, ctx, idx_dim], scales [n, ctx]) -> scores
+    [n, ctx] fp32."""
     n = qr.shape[0]
     q = (qr @ w["idx_q"]).view(n, cfg.idx_heads, cfg.idx_dim)
     hw = a @ w["idx_w"]
+    k8, scales = keys
     if fused:
-        return kernels.indexer_scores(q, hw, keys)
-    logits = torch.bmm(q, keys.transpose(1, 2)).relu_()  # [n, idx_heads, ctx]
+        return kernels.indexer_scores(q, hw, k8, scales)
+    k = (k8.to(torch.float32) * scales[..., None]).to(DT)
+    logits = torch.bmm(q, k.transpose(1, 2)).relu_()  # [n, idx_heads, ctx]
     return torch.bmm(hw.view(n, 1, cfg.idx_heads), logits).view(n, -1).float()
 
 

@@ -186,7 +186,7 @@ class DecodeStep:
     def _rows(self, layer: int, i: int, p: Part, qr, a) -> torch.Tensor:
         """Rows attention reads for the part [n, top_k]; starts a host part's gather."""
         s, e, w = p.start, p.end, self.w.layers[layer]
-        keys = self.kv.idx_keys[layer][s:e]
+        keys = (self.kv.idx_keys[layer][s:e], self.kv.idx_scales[layer][s:e])
         scores = M.indexer_scores(self.cfg, w, qr[s:e], a[s:e], keys, self.fused_indexer)
         pos = M.select(scores, self.bias[s:e], self.cfg.top_k)
         ids = pos + self.req_base[s:e]  # resident row id == host row id of (request, position)
