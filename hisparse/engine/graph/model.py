@@ -108,9 +108,11 @@ def attend(cfg: GraphConfig, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
     """Sparse MLA over the selected rows: q [n, heads, 576], kv [n, top_k, 576] ->
     latent mix [n, heads, latent]."""
     scale = (cfg.nope + cfg.rope) ** -0.5
-    s = torch.bmm(q, kv.transpose(1, 2)).float().mul_(scale)
-    p = torch.softmax(s, dim=-1).to(DT)
-    return torch.bmm(p, kv[..., : cfg.latent])
+    # The scale in the product's float32 epilogue and softmax on the bf16 scores (it accumulates
+    # in float32): three passes over [n, heads, top_k] instead of six.
+    s = q.new_empty(q.shape[0], q.shape[1], kv.shape[1])
+    s = torch.baddbmm(s, q, kv.transpose(1, 2), beta=0.0, alpha=scale)
+    return torch.bmm(torch.softmax(s, dim=-1), kv[..., : cfg.latent])
 
 
 def attn_out(cfg: GraphConfig, w: dict, mix: torch.Tensor) -> torch.Tensor:
