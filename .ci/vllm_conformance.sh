@@ -11,7 +11,9 @@
 #  3. soak: mixed traffic with disconnects for HISPARSE_SOAK_SECONDS (default 40; 600 for the long
 #     form), then idle gauges, counters, memory growth and SIGTERM (test_vllm_soak.py);
 #  4. DeepSeek-V3.2 and GLM-5: tiny transformers-made checkpoints served through the plugin's
-#     classes, tokens vs transformers, HiSparse on = off in f32 and fp8 rows (test_vllm_dsa.py).
+#     classes, tokens vs transformers, HiSparse on = off in f32 and fp8 rows (test_vllm_dsa.py);
+#  5. tensor parallel: a seeded GLM-5 checkpoint at --tensor-parallel-size 2 with the connector, tokens
+#     equal to TP 1, one host pool shared by the ranks (host RAM 1x) (test_vllm_tp.py).
 # vLLM is large (~3.5 GB installed), so it lives in its own venv, never in the default install.
 #
 #   bash .ci/vllm_conformance.sh
@@ -57,17 +59,22 @@ if [ $rc -ne 0 ]; then
     echo "VLLM CONFORMANCE FAILED in the pipeline stage (pytest exit $rc)"
     exit $rc
 fi
+# served_stage NAME SECONDS LOG_GLOB TEST_FILE...: one bounded pytest step that starts servers; on
+# failure it prints the tail of each server log matching LOG_GLOB and stops the stage.
+served_stage() {
+    local name=$1 limit=$2 glob=$3 rc f
+    shift 3
+    timeout "$limit" "$VENV/bin/python" -m pytest -q -p no:cacheprovider "$CUT" -s \
+        "${@/#/$ROOT/tests/vllm_conformance/}"
+    rc=$?
+    if [ $rc -ne 0 ]; then
+        echo "VLLM CONFORMANCE FAILED in the $name stage (exit $rc); server logs:"
+        for f in "$HISPARSE_E2E_LOG_DIR"/$glob; do [ -f "$f" ] && { echo "== $f"; tail -40 "$f"; }; done
+        exit $rc
+    fi
+}
 echo "--- stage 2: end to end through vLLM's OpenAI server (bounded: 40 min)"
-timeout 2400 "$VENV/bin/python" -m pytest -q -p no:cacheprovider "$CUT" -s \
-    "$ROOT/tests/vllm_conformance/test_vllm_serve.py" \
-    "$ROOT/tests/vllm_conformance/test_vllm_startup.py" \
-    "$ROOT/tests/vllm_conformance/test_vllm_preemption.py"
-rc=$?
-if [ $rc -ne 0 ]; then
-    echo "VLLM CONFORMANCE FAILED in the end-to-end stage (exit $rc); server logs:"
-    for f in "$HISPARSE_E2E_LOG_DIR"/*.log; do [ -f "$f" ] && { echo "== $f"; tail -40 "$f"; }; done
-    exit $rc
-fi
+served_stage end-to-end 2400 '*.log' test_vllm_serve.py test_vllm_startup.py test_vllm_preemption.py
 echo "--- stage 3: a bounded soak of the server (HISPARSE_SOAK_SECONDS, default 40)"
 timeout 1200 "$VENV/bin/python" -m pytest -q -p no:cacheprovider "$CUT" -s \
     "$ROOT/tests/vllm_conformance/test_vllm_soak.py"
@@ -78,12 +85,7 @@ if [ $rc -ne 0 ]; then
     exit $rc
 fi
 echo "--- stage 4: DeepSeek-V3.2 / GLM-5 checkpoints against transformers (bounded: 25 min)"
-timeout 1500 "$VENV/bin/python" -m pytest -q -p no:cacheprovider "$CUT" -s \
-    "$ROOT/tests/vllm_conformance/test_vllm_dsa.py"
-rc=$?
-if [ $rc -ne 0 ]; then
-    echo "VLLM CONFORMANCE FAILED in the DSA stage (exit $rc); server logs:"
-    for f in "$HISPARSE_E2E_LOG_DIR"/dsa-*.log; do [ -f "$f" ] && { echo "== $f"; tail -40 "$f"; }; done
-    exit $rc
-fi
+served_stage DSA 1500 'dsa-*.log' test_vllm_dsa.py
+echo "--- stage 5: tensor parallel, TP 2 vs TP 1 with one shared host pool (bounded: 10 min)"
+served_stage tensor-parallel 600 'tp*.log' test_vllm_tp.py
 echo "VLLM CONFORMANCE PASSED"

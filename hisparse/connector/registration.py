@@ -10,14 +10,17 @@ The result is a ``Registration``; the per-step side (``step_driver``) only reads
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence, Union
 
 import torch
 
 from hisparse.connector.config import HiSparseConfig, HiSparseConfigError
+from hisparse.connector.tp_pool import make_pool
 from hisparse.ops.limits import INT32_MAX, ROW_ALIGN
 from hisparse.runtime import HiSparseIndexGroup, HiSparseRuntime
 from hisparse.runtime.host_pool import HostPool
+from hisparse.runtime.pool_fence import PoolFence
+from hisparse.runtime.shared_pool import SharedHostPool
 from hisparse.runtime.views import BindingError, PackedLayout, bind_layers, check_disjoint
 
 
@@ -27,11 +30,12 @@ class Registration:
 
     device: torch.device
     layer_names: tuple
-    host_pool: HostPool
+    host_pool: Union[HostPool, SharedHostPool]
     host_rows: int  # keys: rows of every layer's host view
     hot_base: int  # first hot-buffer row of every registered buffer
     groups: list  # HiSparseIndexGroup, in layer order of their leaders
     runtimes: dict  # layer name -> HiSparseRuntime
+    fence: Optional[PoolFence] = None  # set when the TP ranks share the pool (layer_names order)
 
 
 def register(
@@ -40,8 +44,10 @@ def register(
     *,
     host_rows: Optional[int] = None,
     groups: Optional[Sequence[Sequence[str]]] = None,
+    peers: Any = None,
 ) -> Registration:
-    """Bind every layer of ``kv_caches`` (see ``HiSparseConnectorWorker.register_kv_caches``)."""
+    """Bind every layer of ``kv_caches`` (see ``HiSparseConnectorWorker.register_kv_caches``).
+    ``peers``: the worker's TP group (``hisparse.connector.tp_pool``), None for one rank."""
     if not isinstance(kv_caches, Mapping) or not kv_caches:
         raise ValueError("kv_caches must be a non-empty dict {layer_name: tensor}")
     names = tuple(kv_caches)
@@ -55,7 +61,16 @@ def register(
     hot_base = _hot_base(views, cfg.max_num_seqs, cfg.device_buffer_size)
     row_bytes = {n: int(views[n].shape[1]) for n in names}
     host_rows = _host_pool_rows(cfg, sum(row_bytes.values()), host_rows)
-    pool, host_views = _bind_host_pool(cfg, row_bytes, groups, host_rows, pin)
+    pool, fence = make_pool(
+        cfg,
+        device,
+        host_rows * sum(row_bytes.values()),
+        len(names),
+        peers,
+        pin=pin,
+        what="HiSparse host pool (kv_connector_extra_config['host_pool_gib'])",
+    )
+    host_views = _bind_host_pool(pool, row_bytes, groups, host_rows)
     group_objs, runtimes = [], {}
     for gi, members in enumerate(groups):
         g = HiSparseIndexGroup(
@@ -71,7 +86,7 @@ def register(
         for n in members:
             runtimes[n] = HiSparseRuntime(n, g, host_views[n], views[n])
         group_objs.append(g)
-    return Registration(device, names, pool, host_rows, hot_base, group_objs, runtimes)
+    return Registration(device, names, pool, host_rows, hot_base, group_objs, runtimes, fence)
 
 
 def _layer_groups(names: tuple, groups, share: int) -> list:
@@ -159,23 +174,17 @@ def _host_pool_rows(cfg: HiSparseConfig, per_row: int, host_rows: Optional[int])
 
 
 def _bind_host_pool(
-    cfg: HiSparseConfig,
+    pool: Union[HostPool, SharedHostPool],
     row_bytes: dict,
     groups: Sequence[Sequence[str]],
     host_rows: int,
-    pin: bool,
-) -> tuple:
-    """``(pool, {layer: host view})``. Each index group gets one region of the pool in which a
+) -> dict:
+    """``{layer: host view}`` in ``pool``. Each index group gets one region of the pool in which a
     token's rows of every member layer sit next to each other (token-major; each member's view
     strides over the group's row); the groups follow one another. The members of a group gather
     the same plan, so one host page, and one GPU address translation, serves all of them: on an
     H200 a 4-layer group gathers 2.6x faster from a 32 GiB pool this way than from layer-major
     rows (benchmarks/results/bench_ops_h200.md). A group of one layer is plain layer-major."""
-    pool = HostPool(
-        host_rows * sum(row_bytes.values()),
-        pin=pin,
-        what="HiSparse host pool (kv_connector_extra_config['host_pool_gib'])",
-    )
     host_views: dict = {}
     offset = 0
     for members in groups:
@@ -189,4 +198,4 @@ def _bind_host_pool(
             col += row_bytes[n]
         offset += host_rows * stride
     check_disjoint(host_views)
-    return pool, host_views
+    return host_views

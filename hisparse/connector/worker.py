@@ -10,7 +10,7 @@ event-gated sampling of ``get_kv_connector_stats``.
 
 from __future__ import annotations
 
-from typing import Mapping, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 import torch
 
@@ -21,6 +21,7 @@ from hisparse.connector.registration import register
 from hisparse.connector.sampler import CounterSampler, DeviceHooks
 from hisparse.connector.stats import HiSparseKVConnectorStats
 from hisparse.connector.step_driver import StepDriver
+from hisparse.connector.tp_pool import shared_steps
 from hisparse.runtime import HiSparseRuntime
 from hisparse.runtime.host_pool import HostPool
 
@@ -53,6 +54,7 @@ class HiSparseConnectorWorker:
         self._hooks = hooks
         self.sampler: Optional[CounterSampler] = None
         self._step: Optional[StepDriver] = None
+        self._shared = None  # tp_pool.SharedSteps when the TP ranks share the host pool
         self._shut_down = False
 
     # ------------------------------------------------------------------ setup
@@ -66,15 +68,18 @@ class HiSparseConnectorWorker:
         *,
         host_rows: Optional[int] = None,
         groups: Optional[Sequence[Sequence[str]]] = None,
+        peers: Any = None,
     ) -> None:
         """Bind every layer: its registered buffer (attention rows, hot buffers at the end) and a
         host view in a freshly allocated host pool; build index groups of ``index_share`` layers
         (or the explicit ``groups``, leader first). ``host_rows``: the key space (e.g. vLLM's
-        slots); by default as many whole blocks as ``host_pool_gib`` holds."""
+        slots); by default as many whole blocks as ``host_pool_gib`` holds. ``peers``: the TP
+        group, whose ranks may share one host pool (``hisparse.connector.tp_pool``)."""
         self._check_alive()
         if self.registered:
             raise RuntimeError("register_kv_caches was already called on this worker")
-        reg = register(self.config, kv_caches, host_rows=host_rows, groups=groups)
+        reg = register(self.config, kv_caches, host_rows=host_rows, groups=groups, peers=peers)
+        self._shared = shared_steps(reg.fence, reg.layer_names)
         self.device = reg.device
         self.layer_names = reg.layer_names
         self.host_pool = reg.host_pool
@@ -132,6 +137,8 @@ class HiSparseConnectorWorker:
     def start_step(self, meta: HiSparseConnectorMetadata) -> None:
         """Apply the scheduler's metadata: reset rows, drop rewritten keys, set state rows."""
         self._check_registered()
+        if self._shared is not None:
+            self._shared.start()
         self._step.start(meta)
 
     def end_step(self) -> None:
@@ -139,6 +146,8 @@ class HiSparseConnectorWorker:
         ``start_step``."""
         if self._step is not None:
             self._step.end()
+        if self._shared is not None:
+            self._shared.end()
 
     def resolve(
         self,
@@ -166,8 +175,15 @@ class HiSparseConnectorWorker:
     ) -> None:
         """Write this step's new KV rows of one layer into the host pool at their slots (keys).
         Slots < 0 are padding and skipped. ``slot_mapping``: a list, a CPU tensor, or (CUDA) a
-        tensor on the rows' device, which is used there without a host sync."""
-        save_kv_rows(self.runtime(layer_name), kv_rows, slot_mapping, self.host_rows)
+        tensor on the rows' device, which is used there without a host sync. With a host pool
+        shared by the TP ranks only rank 0 writes; the others wait here until it has."""
+        rt = self.runtime(layer_name)
+        if self._shared is None:
+            save_kv_rows(rt, kv_rows, slot_mapping, self.host_rows)
+            return
+        self._shared.save(
+            layer_name, lambda: save_kv_rows(rt, kv_rows, slot_mapping, self.host_rows)
+        )
 
     # ------------------------------------------------------------ telemetry
     def get_kv_connector_stats(self) -> Optional[HiSparseKVConnectorStats]:
@@ -202,6 +218,7 @@ class HiSparseConnectorWorker:
         self.groups = []
         self.host_pool = None
         self._step = None
+        self._shared = None
         self.sampler = None
         return self.final_stats
 

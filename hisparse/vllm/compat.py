@@ -16,7 +16,8 @@ This module heads hisparse's vLLM-version layer; what differs between the suppor
   the connector defines all three on every version (refusing sleep mode), so 0.32 just never
   calls them;
 * what the connector reads of vLLM's objects (the engine's config, each step's scheduler
-  output) is read here: ``engine_defaults`` and ``scheduled_requests``;
+  output, the worker's tensor-parallel group) is read here: ``engine_defaults``,
+  ``scheduled_requests`` and ``tensor_parallel_peers``;
 * both key their in-tree HiSparse on the connector name, size KV in the engine core's
   ``get_kv_cache_configs`` and build configs in ``EngineArgs.create_engine_config``: the patches
   there live in ``hisparse.vllm.patches``, each checking its target is still in place.
@@ -252,3 +253,37 @@ def scheduled_requests(scheduler_output: Any) -> dict:
         for rid, nc, new in zip(cached.req_ids, cached.num_computed_tokens, cached.new_block_ids):
             view[rid] = (int(nc), list(new[0]) if new is not None else None, rid in resumed)
     return view
+
+
+class _TPPeers:
+    """A vLLM worker's TP group as ``hisparse.connector.tp_pool`` uses it."""
+
+    def __init__(self, group: Any) -> None:
+        self._group = group
+        self.rank = int(group.rank_in_group)
+        self.world_size = int(group.world_size)
+
+    def broadcast(self, obj: Any) -> Any:
+        """Rank 0's ``obj`` on every rank (over the group's CPU side)."""
+        return self._group.broadcast_object(obj, src=0)
+
+    def all_agree(self, flag: bool) -> bool:
+        """True on every rank when every rank passed True."""
+        import torch
+        import torch.distributed as dist
+
+        t = torch.tensor([1 if flag else 0], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self._group.cpu_group)
+        return bool(t.item())
+
+
+def tensor_parallel_peers() -> Optional[_TPPeers]:
+    """This worker's tensor-parallel group (rank, world size, broadcast, all_agree), or None
+    without vLLM or outside a vLLM worker whose parallel groups are set up."""
+    if not HAVE_VLLM:
+        return None
+    from vllm.distributed import parallel_state as ps
+
+    if not ps.model_parallel_is_initialized():
+        return None
+    return _TPPeers(ps.get_tp_group())

@@ -19,6 +19,7 @@ if os.environ.get("HISPARSE_VLLM_CONFORMANCE", "") in ("", "0"):
         "test_vllm_startup.py",
         "test_vllm_preemption.py",
         "test_vllm_dsa.py",
+        "test_vllm_tp.py",
     ]
 elif os.environ.get("HISPARSE_VLLM_EXPECT_INSTALLED") == "1":
     import hisparse

