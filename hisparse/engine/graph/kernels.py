@@ -141,10 +141,18 @@ class _HostRows:
 
 
 def read_rows_from_host(
-    hot: torch.Tensor, host: torch.Tensor, pending: torch.Tensor, ids: torch.Tensor
+    hot: torch.Tensor,
+    host: torch.Tensor,
+    pending: torch.Tensor,
+    ids: torch.Tensor,
+    *,
+    block: int = 64,
+    warps: int = 8,
 ) -> torch.Tensor:
     """``gather_decode(hot, ids)``, except that a row ``h`` with ``pending[h] = key >= 0`` is
-    read from ``host[key]`` (pinned, uint8 [N, 656]) and its bytes written to ``hot[h]``."""
+    read from ``host[key]`` (pinned, uint8 [N, 656]) and its bytes written to ``hot[h]``.
+    ``block`` rows per program, ``warps`` per program: 64 x 8 was the fastest of five shapes at
+    batches 1-112 on an H200 (benchmarks/results/in_read_h200.json)."""
     for what, t in (("hot", hot), ("host", host)):
         if t.dtype != torch.uint8 or t.dim() != 2 or t.shape[1] != ROW_BYTES:
             raise ValueError(f"{what} must be uint8 [rows, {ROW_BYTES}], got {t.dtype} {t.shape}")
@@ -154,12 +162,12 @@ def read_rows_from_host(
         raise ValueError("host must be pinned (page-locked) memory")
     flat = ids.reshape(-1).contiguous()
     out = torch.empty(*ids.shape, KV_DIM, dtype=torch.bfloat16, device=hot.device)
-    n, block = flat.numel(), 16
+    n = flat.numel()
     hv = [_HostRows(host, d) for d in (torch.uint8, torch.float32, torch.bfloat16)]
     _read_host_misses[(triton.cdiv(n, block),)](
         hot, hot.view(torch.float32), hot.view(torch.bfloat16), *hv, pending, flat, out, n,
         ROW_BYTES, ROW_BYTES // 4, ROW_BYTES // 2, SCALE_AT, ROPE_AT, ROPE_DIM,
-        LATENT_DIM // FP8_TILE, FP8_TILE, KV_DIM, block, num_warps=4,
+        LATENT_DIM // FP8_TILE, FP8_TILE, KV_DIM, block, num_warps=warps,
     )  # fmt: skip
     return out
 

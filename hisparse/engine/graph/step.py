@@ -111,8 +111,13 @@ class DecodeStep:
             if p.host:
                 self._bind(i, p)
         if copy_in_read:
-            self.pending = torch.full((n_hot + 1,), -1, dtype=torch.int32, device=dev)
-            self.slots = torch.arange(cfg.top_k, device=dev)[None, :]
+            # Past the hot rows, one spare entry per plan entry: the plan's unused entries land
+            # on distinct addresses (all on one spare row, their writes serialised on it).
+            K = cfg.top_k
+            self.pending = torch.full((n_hot + batch * K,), -1, dtype=torch.int32, device=dev)
+            self.slots = torch.arange(K, device=dev)[None, :]
+            spare = n_hot + torch.arange(batch * K, device=dev).view(batch, K)
+            self.spare = {i: spare[p.start : p.end] for i, p in enumerate(self.parts) if p.host}
             self.pending_rows: dict = {}
         self.req_base = torch.arange(batch, device=dev, dtype=torch.int64)[:, None] * cfg.ctx_len
         self.x = torch.zeros(batch, cfg.hidden, dtype=M.DT, device=dev)
@@ -207,10 +212,9 @@ class DecodeStep:
 
     def _stage_misses(self, i: int, g) -> None:
         """pending[miss_dst] = miss_src for the resolved misses (the unused plan entries go to
-        the spare last row, which no read names)."""
-        n = self.pending.shape[0] - 1
+        spare entries, which no read names)."""
         used = self.slots < g.miss_count[: g.batch, None]
-        rows = torch.where(used, g.miss_dst[: g.batch], n).reshape(-1).long()
+        rows = torch.where(used, g.miss_dst[: g.batch], self.spare[i]).reshape(-1).long()
         self.pending.index_copy_(0, rows, g.miss_src[: g.batch].reshape(-1))
         self.pending_rows[i] = rows
 

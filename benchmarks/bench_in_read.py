@@ -1,0 +1,86 @@
+"""The in-read row kernel alone (hisparse.engine.graph.kernels.read_rows_from_host): how long the
+row read takes when ~5 % of the rows come over PCIe from the pinned pool, against the same read
+with every row hot (gather_decode), per launch shape.
+
+    python benchmarks/bench_in_read.py --json benchmarks/results/in_read_h200.json
+
+Per batch: each request's 2048 selected rows are distinct rows of its own 4096-row hot region;
+`--miss` of them are planned misses whose host keys lie in the request's own 32k-token region of
+a pinned pool (as a server's would). Median of `--reps` launches (CUDA events).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+
+import torch
+
+from hisparse.engine.graph import kernels
+from hisparse.engine.graph.config import ROW_BYTES
+
+SHAPES = ((8, 2), (16, 4), (32, 4), (32, 8), (64, 8))  # (rows per program, warps)
+
+
+def _time(fn, reps: int) -> float:
+    ev = [[torch.cuda.Event(enable_timing=True) for _ in range(2)] for _ in range(reps)]
+    fn()
+    for a, b in ev:
+        a.record()
+        fn()
+        b.record()
+    torch.cuda.synchronize()
+    return statistics.median(a.elapsed_time(b) * 1e3 for a, b in ev)
+
+
+def plan(batch: int, top_k: int, hot: int, ctx: int, miss: float, g: torch.Generator):
+    ids = torch.stack([torch.randperm(hot, generator=g)[:top_k] + b * hot for b in range(batch)])
+    pending = torch.full((batch * hot + 1,), -1, dtype=torch.int32)
+    n_miss = int(round(miss * top_k))
+    for b in range(batch):
+        rows = ids[b, torch.randperm(top_k, generator=g)[:n_miss]]
+        pending[rows] = (torch.randperm(ctx, generator=g)[:n_miss] + b * ctx).to(torch.int32)
+    return ids.cuda(), pending.cuda()
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--batches", default="1,16,64,112")
+    ap.add_argument("--miss", type=float, default=0.05)
+    ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    top_k, hot_size, ctx = 2048, 4096, 32768
+    batches = [int(b) for b in args.batches.split(",")]
+    B = max(batches)
+    host = torch.empty(B * ctx, ROW_BYTES, dtype=torch.uint8).pin_memory()
+    host.random_(0, 120)  # valid FP8 bytes (no NaN patterns)
+    hot = torch.randint(0, 120, (B * hot_size, ROW_BYTES), dtype=torch.uint8, device="cuda")
+    g = torch.Generator().manual_seed(0)
+    rows = []
+    for b in batches:
+        ids, pending = plan(b, top_k, hot_size, ctx, args.miss, g)
+        base = _time(lambda: kernels.gather_decode(hot, ids), args.reps)
+        row = dict(batch=b, all_hot_us=base, shapes={})
+        for blk, w in SHAPES:
+            t = _time(
+                lambda: kernels.read_rows_from_host(hot, host, pending, ids, block=blk, warps=w),
+                args.reps,
+            )
+            row["shapes"][f"{blk}x{w}"] = t
+        print(
+            f"B={b}: all hot {base:.1f} us; "
+            + ", ".join(f"{k}: {v:.1f}" for k, v in row["shapes"].items()),
+            flush=True,
+        )
+        rows.append(row)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(device=torch.cuda.get_device_name(), miss=args.miss, rows=rows), f)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
