@@ -77,23 +77,6 @@ def _prioritise(step: DecodeStep) -> None:
                 g._prio = True
 
 
-def _capture(step: DecodeStep, drift: Drift, keep: bool) -> GraphStep:
-    if not keep:
-        return GraphStep(step, drift, warmup=2)
-    gs = GraphStep.__new__(GraphStep)
-    gs.step, gs.drift = step, drift
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            gs.advance_eager()
-    torch.cuda.current_stream().wait_stream(side)
-    gs.graph = torch.cuda.CUDAGraph(keep_graph=True)
-    with torch.cuda.graph(gs.graph):
-        step.forward()
-    return gs
-
-
 VARIANTS = (
     # name, split, priority, capped blocks (0: the op's grid), node-priority instantiation
     ("resident", 1, False, 0, False),
@@ -135,7 +118,7 @@ def run_batch(cfg, w, kv, batch, args, lib) -> dict:
             cap_gathers(step, blocks)
         drift = Drift(kv.max_batch, cfg.ctx_len, cfg.top_k, args.miss, "cuda", seed=11)
         try:
-            gs = _capture(step, drift, keep=np_)
+            gs = GraphStep(step, drift, warmup=2, keep_graph=np_)
             replay = NodePriorityGraph(gs, lib).replay if np_ else gs.replay
         except Exception as e:  # the node-priority path depends on torch and the runtime
             print(f"B={batch} {name}: skipped ({type(e).__name__}: {e})", flush=True)

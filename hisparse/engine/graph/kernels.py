@@ -41,6 +41,15 @@ def available(device: torch.device) -> bool:
     return triton is not None and torch.device(device).type == "cuda"
 
 
+def use_triton(fused, device) -> bool:
+    """Whether a step on ``device`` runs these kernels: ``fused`` None means wherever they can;
+    True where they cannot is refused by name."""
+    can = available(device)
+    if fused and not can:
+        raise ValueError(f"fused=True needs Triton and a CUDA device; the KV is on {device}")
+    return can if fused is None else bool(fused)
+
+
 if triton is not None:
 
     @triton.jit

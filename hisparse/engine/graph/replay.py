@@ -46,7 +46,11 @@ class Drift:
 class GraphStep:
     """A DecodeStep captured as one CUDA graph (after eager warm-up steps on a side stream)."""
 
-    def __init__(self, step: DecodeStep, drift: Drift, warmup: int = 2) -> None:
+    def __init__(
+        self, step: DecodeStep, drift: Drift, warmup: int = 2, keep_graph: bool = False
+    ) -> None:
+        """``keep_graph``: torch keeps the captured graph (``graph.raw_cuda_graph()``), for a
+        caller that instantiates it itself."""
         self.step, self.drift = step, drift
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
@@ -54,7 +58,7 @@ class GraphStep:
             for _ in range(warmup):
                 self.advance_eager()
         torch.cuda.current_stream().wait_stream(side)
-        self.graph = torch.cuda.CUDAGraph()
+        self.graph = torch.cuda.CUDAGraph(keep_graph=keep_graph)
         with torch.cuda.graph(self.graph):
             step.forward()
 

@@ -88,11 +88,7 @@ class DecodeStep:
         self.cfg, self.w, self.kv, self.mode, self.batch = cfg, weights, kv, mode, batch
         self.overlap = overlap  # False: wait for each copy right after starting it (no overlap)
         dev = kv.device
-        # The Triton kernels where they run (None: wherever they can), else the torch path.
-        can = kernels.available(dev)
-        if fused and not can:
-            raise ValueError(f"fused=True needs Triton and a CUDA device; the KV is on {dev}")
-        self.fused = can if fused is None else fused
+        self.fused = kernels.use_triton(fused, dev)  # else the torch path
         self.fused_indexer = self.fused and kernels.indexer_fits(cfg.idx_heads, cfg.idx_dim)
         if copy_in_read and not self.fused:
             raise ValueError("copy_in_read=True needs the Triton kernels (fused)")
