@@ -6,7 +6,9 @@ with every row hot (gather_decode), per launch shape.
 
 Per batch: each request's 2048 selected rows are distinct rows of its own 4096-row hot region;
 `--miss` of them are planned misses whose host keys lie in the request's own 32k-token region of
-a pinned pool (as a server's would). Median of `--reps` launches (CUDA events).
+a pinned pool (as a server's would). A timed launch is what the step runs: `stage_misses` (the
+plan into the pending table) then the read, which retires the entries it used. Median of
+`--reps` launches (CUDA events).
 """
 
 from __future__ import annotations
@@ -36,13 +38,16 @@ def _time(fn, reps: int) -> float:
 
 
 def plan(batch: int, top_k: int, hot: int, ctx: int, miss: float, g: torch.Generator):
+    """ids [batch, top_k] and the resolve op's plan (miss_src, miss_dst, miss_count)."""
     ids = torch.stack([torch.randperm(hot, generator=g)[:top_k] + b * hot for b in range(batch)])
-    pending = torch.full((batch * hot + 1,), -1, dtype=torch.int32)
     n_miss = int(round(miss * top_k))
+    src = torch.zeros(batch, top_k, dtype=torch.int32)
+    dst = torch.zeros(batch, top_k, dtype=torch.int32)
     for b in range(batch):
-        rows = ids[b, torch.randperm(top_k, generator=g)[:n_miss]]
-        pending[rows] = (torch.randperm(ctx, generator=g)[:n_miss] + b * ctx).to(torch.int32)
-    return ids.cuda(), pending.cuda()
+        dst[b, :n_miss] = ids[b, torch.randperm(top_k, generator=g)[:n_miss]]
+        src[b, :n_miss] = (torch.randperm(ctx, generator=g)[:n_miss] + b * ctx).to(torch.int32)
+    count = torch.full((batch,), n_miss, dtype=torch.int32)
+    return ids.cuda(), (src.cuda(), dst.cuda(), count.cuda())
 
 
 def main(argv=None) -> int:
@@ -61,14 +66,17 @@ def main(argv=None) -> int:
     g = torch.Generator().manual_seed(0)
     rows = []
     for b in batches:
-        ids, pending = plan(b, top_k, hot_size, ctx, args.miss, g)
+        ids, misses = plan(b, top_k, hot_size, ctx, args.miss, g)
+        pending = torch.full((b * hot_size,), -1, dtype=torch.int32, device="cuda")
+
+        def in_read(blk, w):
+            kernels.stage_misses(pending, *misses)
+            return kernels.read_rows_from_host(hot, host, pending, ids, block=blk, warps=w)
+
         base = _time(lambda: kernels.gather_decode(hot, ids), args.reps)
         row = dict(batch=b, all_hot_us=base, shapes={})
         for blk, w in SHAPES:
-            t = _time(
-                lambda: kernels.read_rows_from_host(hot, host, pending, ids, block=blk, warps=w),
-                args.reps,
-            )
+            t = _time(lambda: in_read(blk, w), args.reps)
             row["shapes"][f"{blk}x{w}"] = t
         print(
             f"B={b}: all hot {base:.1f} us; "

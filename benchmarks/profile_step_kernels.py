@@ -36,11 +36,34 @@ def kernel_table(step: DecodeStep, drift: Drift, steps: int) -> tuple:
     return us, sum(us.values())
 
 
+def added_vs_resident(tables: dict, batch: int, layers: int) -> list:
+    """Per mode, the kernels whose time differs from resident's by over 1 us per step, per
+    layer: where a mode's added time goes."""
+    if "resident" not in tables:
+        return []
+    lines = []
+    base = tables["resident"]
+    for mode, us in tables.items():
+        if mode == "resident":
+            continue
+        diff = {k: us.get(k, 0.0) - base.get(k, 0.0) for k in set(us) | set(base)}
+        total = sum(diff.values()) / layers
+        lines += [f"## batch {batch}, {mode} minus resident: {total:.1f} us per layer", ""]
+        lines += ["| kernel | us/layer |", "|---|---:|"]
+        for name, t in sorted(diff.items(), key=lambda kv: -abs(kv[1])):
+            if abs(t) > 1.0:
+                lines.append(f"| `{name.replace('|', '/')}` | {t / layers:+.1f} |")
+        lines.append("")
+    return lines
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--batches", default="30,112")
-    ap.add_argument("--modes", default="resident,hisparse")
+    ap.add_argument(
+        "--modes", default="resident,hisparse", help="of resident, hisparse, hisparse_in_read"
+    )
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--top", type=int, default=18)
     ap.add_argument("--out", default=None)
@@ -55,10 +78,13 @@ def main(argv=None) -> int:
         "",
     ]
     for b in batches:
+        tables = {}
         for mode in args.modes.split(","):
-            step = DecodeStep(cfg, w, kv, mode, b)
+            in_read = mode.endswith("_in_read")
+            step = DecodeStep(cfg, w, kv, mode.removesuffix("_in_read"), b, copy_in_read=in_read)
             drift = Drift(kv.max_batch, cfg.ctx_len, cfg.top_k, 0.05, "cuda", seed=11)
             us, total = kernel_table(step, drift, args.steps)
+            tables[mode] = us
             lines += [f"## batch {b}, {mode}: {total:.0f} us of kernels per step", ""]
             lines += ["| kernel | us/step | share |", "|---|---:|---:|"]
             for name, t in us.most_common(args.top):
@@ -67,6 +93,7 @@ def main(argv=None) -> int:
             lines.append("")
             del step
             torch.cuda.empty_cache()
+        lines += added_vs_resident(tables, b, cfg.layers)
     text = "\n".join(lines)
     print(text)
     if args.out:

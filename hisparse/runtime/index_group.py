@@ -154,7 +154,8 @@ class HiSparseIndexGroup:
         self.batch = B
         return self.out_rows[:B]
 
-    def _plan(self) -> tuple:
+    def plan(self) -> tuple:
+        """The last resolve's miss plan: (miss_src, miss_dst, miss_count) for its batch."""
         B = self.batch
         return self.miss_src[:B], self.miss_dst[:B], self.miss_count[:B]
 
@@ -263,7 +264,7 @@ class HiSparseRuntime:
     def gather(self) -> None:
         """Copy this step's misses host -> hot for this layer (copy stream on CUDA)."""
         g = self.index_group
-        plan = g._plan()
+        plan = g.plan()
         if g.copy_stream is None:
             ops.gather([self.host_view], [self.hot_view], *plan, g.moved_bytes)
             return

@@ -102,6 +102,34 @@ def test_read_rows_from_host_reads_misses_there_and_fills_their_hot_rows(kernels
     want = decode_rows(want_src[ids], "fp8", torch.bfloat16)
     assert torch.equal(got.view(torch.int16), want.view(torch.int16))
     assert torch.equal(hot, want_src)  # the misses' bytes now sit in their hot rows
+    assert (pending == -1).all()  # and every entry the read used is retired
+
+
+def test_stage_misses_writes_only_the_planned_entries(kernels):
+    K = 1500  # not a multiple of the launch block
+    pending = torch.full((4 * 4096,), -1, dtype=torch.int32, device="cuda")
+    count = torch.tensor([0, 3, K, 1027], dtype=torch.int32, device="cuda")
+    g = torch.Generator(device="cuda").manual_seed(3)
+    dst = torch.stack(
+        [torch.randperm(4096, generator=g, device="cuda")[:K] + b * 4096 for b in range(4)]
+    ).to(torch.int32)
+    src = torch.randint(0, 1 << 30, (4, K), generator=g, device="cuda", dtype=torch.int32)
+    want = pending.clone()
+    for b in range(4):
+        n = int(count[b])
+        want[dst[b, :n].long()] = src[b, :n]
+    kernels.stage_misses(pending, src, dst, count)
+    assert torch.equal(pending, want)
+    with pytest.raises(ValueError, match="miss_src must be contiguous int32"):
+        kernels.stage_misses(pending, src.long(), dst, count)
+
+
+@pytest.mark.parametrize("block_t,tiles,warps", [(64, 4, 4), (256, 2, 8)])
+def test_fused_indexer_launch_shapes_give_the_same_scores(kernels, block_t, tiles, warps):
+    q, hw, keys, scales = _indexer_inputs(2, 3000, 7)
+    base = kernels.indexer_scores(q, hw, keys, scales)
+    got = kernels.indexer_scores(q, hw, keys, scales, block_t=block_t, tiles=tiles, warps=warps)
+    assert torch.allclose(got, base, rtol=1e-5, atol=1e-5 * base.abs().max().item())
 
 
 def test_read_rows_from_host_refuses_unpinned_host(kernels):

@@ -15,6 +15,8 @@ keys in FP8 with a scale per token, as DeepSeek-V3.2 stores them.
 copied: a row the resolve op planned as a miss (``pending[row]`` = its host key) is read from the
 pinned host pool over PCIe inside the kernel and written to its hot row for later steps, beside
 the hits read from HBM; the copy then needs no SMs of its own apart from the read.
+``stage_misses`` writes the resolve op's plan into ``pending`` in one launch and the read retires
+each entry it uses: two launches per layer between the resolve and attention.
 
 ``available()`` says whether they can run (CUDA tensors, Triton importable); the step falls back
 to the torch path otherwise (the CPU tests run that one).
@@ -79,21 +81,23 @@ if triton is not None:
 
     @triton.jit
     def _indexer(
-        q, hw, keys, scales, out, ctx, H: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr
-    ):
-        # One tile of keys per program (several pipelined per program measured 9 % slower).
+        q, hw, keys, scales, out, ctx,
+        H: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr, TILES: tl.constexpr,
+    ):  # fmt: skip
+        # TILES tiles of keys per program, the query and head weights loaded once for them.
         b = tl.program_id(0).to(tl.int64)
-        t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
-        ok = t < ctx
         h = tl.arange(0, H)
         d = tl.arange(0, D)
         qb = tl.load(q + b * H * D + h[:, None] * D + d[None, :])
-        k = tl.load(keys + (b * ctx + t[:, None]) * D + d[None, :], mask=ok[:, None], other=0.0)
-        logits = tl.maximum(tl.dot(k.to(tl.bfloat16), tl.trans(qb)), 0.0)  # [BLOCK_T, H]
         w = tl.load(hw + b * H + h).to(tl.float32)
-        s = tl.load(scales + b * ctx + t, mask=ok, other=0.0)
-        # relu(s x) = s relu(x) for the positive per-token scale: applied once, after the sum.
-        tl.store(out + b * ctx + t, tl.sum(logits * w[None, :], axis=1) * s, mask=ok)
+        for i in tl.range(0, TILES):
+            t = (tl.program_id(1) * TILES + i) * BLOCK_T + tl.arange(0, BLOCK_T)
+            ok = t < ctx
+            k = tl.load(keys + (b * ctx + t[:, None]) * D + d[None, :], mask=ok[:, None], other=0.0)
+            logits = tl.maximum(tl.dot(k.to(tl.bfloat16), tl.trans(qb)), 0.0)  # [BLOCK_T, H]
+            s = tl.load(scales + b * ctx + t, mask=ok, other=0.0)
+            # relu(s x) = s relu(x) for the positive per-token scale: applied once, after the sum.
+            tl.store(out + b * ctx + t, tl.sum(logits * w[None, :], axis=1) * s, mask=ok)
 
     @triton.jit
     def _read_host_misses(
@@ -109,6 +113,9 @@ if triton is not None:
         miss = ok & (k >= 0)
         hit = ok & (k < 0)
         k = tl.where(miss, k, 0)
+        # Each hot row is named once per step (distinct positions per request, disjoint hot
+        # regions), so the lane that reads a planned miss also retires its entry.
+        tl.store(pending + h, -1, mask=miss)
         dst = out + r.to(tl.int64)[:, None, None] * OUT_W
         t = tl.arange(0, TILES)
         j = tl.arange(0, TILE)
@@ -136,6 +143,15 @@ if triton is not None:
         tl.store(out + r.to(tl.int64)[:, None] * OUT_W + TILES * TILE + e[None, :], rope,
                  mask=ok[:, None])  # fmt: skip
 
+    @triton.jit
+    def _stage_misses(pending, miss_src, miss_dst, miss_count, K, BLOCK: tl.constexpr):
+        b = tl.program_id(0)
+        j = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        used = j < tl.load(miss_count + b)
+        at = b.to(tl.int64) * K + j
+        dst = tl.load(miss_dst + at, mask=used, other=0)
+        tl.store(pending + dst, tl.load(miss_src + at, mask=used, other=0), mask=used)
+
 
 class _HostRows:
     """A pinned host tensor as Triton sees a device pointer (registered host memory is mapped at
@@ -159,7 +175,8 @@ def read_rows_from_host(
     warps: int = 8,
 ) -> torch.Tensor:
     """``gather_decode(hot, ids)``, except that a row ``h`` with ``pending[h] = key >= 0`` is
-    read from ``host[key]`` (pinned, uint8 [N, 656]) and its bytes written to ``hot[h]``.
+    read from ``host[key]`` (pinned, uint8 [N, 656]), its bytes written to ``hot[h]`` and
+    ``pending[h]`` reset to -1 (so the next layer's plan starts from an empty table).
     ``block`` rows per program, ``warps`` per program: 64 x 8 was the fastest of five shapes at
     batches 1-112 on an H200 (benchmarks/results/in_read_h200.json)."""
     for what, t in (("hot", hot), ("host", host)):
@@ -179,6 +196,25 @@ def read_rows_from_host(
         LATENT_DIM // FP8_TILE, FP8_TILE, KV_DIM, block, num_warps=warps,
     )  # fmt: skip
     return out
+
+
+def stage_misses(
+    pending: torch.Tensor, miss_src: torch.Tensor, miss_dst: torch.Tensor, miss_count: torch.Tensor
+) -> None:
+    """``pending[miss_dst[b, j]] = miss_src[b, j]`` for ``j < miss_count[b]``: the resolve op's
+    miss plan (int32 [B, K], [B, K], [B]) as ``read_rows_from_host`` takes it, in one launch."""
+    for what, t in (("miss_src", miss_src), ("miss_dst", miss_dst), ("miss_count", miss_count)):
+        if t.dtype != torch.int32 or not t.is_contiguous():
+            raise ValueError(f"{what} must be contiguous int32, got {t.dtype}")
+    if pending.dtype != torch.int32:
+        raise ValueError(f"pending must be int32, got {pending.dtype}")
+    B, K = miss_dst.shape
+    if B == 0:
+        return
+    block = 1024
+    _stage_misses[(B, triton.cdiv(K, block))](
+        pending, miss_src, miss_dst, miss_count, K, block, num_warps=4
+    )
 
 
 def gather_decode(src: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -205,11 +241,19 @@ def indexer_fits(heads: int, dim: int) -> bool:
 
 
 def indexer_scores(
-    q: torch.Tensor, hw: torch.Tensor, keys: torch.Tensor, scales: torch.Tensor
+    q: torch.Tensor,
+    hw: torch.Tensor,
+    keys: torch.Tensor,
+    scales: torch.Tensor,
+    *,
+    block_t: int = 128,
+    tiles: int = 1,
+    warps: int = 4,
 ) -> torch.Tensor:
     """sum_h hw[b, h] * relu(q[b, h] . keys[b, t] * scales[b, t]) in float32: q [n, H, D] bf16,
     hw [n, H], keys [n, ctx, D] float8_e4m3fn, scales [n, ctx] float32 (positive) -> [n, ctx]
-    float32, the keys read once (no [n, H, ctx] logits)."""
+    float32, the keys read once (no [n, H, ctx] logits). A program scores ``tiles`` tiles of
+    ``block_t`` keys with ``warps`` warps (benchmarks/bench_indexer.py compares shapes)."""
     n, H, D = q.shape
     ctx = keys.shape[1]
     if not indexer_fits(H, D):
@@ -219,7 +263,6 @@ def indexer_scores(
     q, hw, keys = q.contiguous(), hw.contiguous(), keys.contiguous()
     scales = scales.to(torch.float32).contiguous()
     out = torch.empty(n, ctx, dtype=torch.float32, device=q.device)
-    block_t = 128
-    grid = (n, triton.cdiv(ctx, block_t))
-    _indexer[grid](q, hw, keys, scales, out, ctx, H, D, block_t, num_warps=4)
+    grid = (n, triton.cdiv(ctx, block_t * tiles))
+    _indexer[grid](q, hw, keys, scales, out, ctx, H, D, block_t, tiles, num_warps=warps)
     return out

@@ -107,14 +107,8 @@ class DecodeStep:
             if p.host:
                 self._bind(i, p)
         if copy_in_read:
-            # Past the hot rows, one spare entry per plan entry: the plan's unused entries land
-            # on distinct addresses (all on one spare row, their writes serialised on it).
-            K = cfg.top_k
-            self.pending = torch.full((n_hot + batch * K,), -1, dtype=torch.int32, device=dev)
-            self.slots = torch.arange(K, device=dev)[None, :]
-            spare = n_hot + torch.arange(batch * K, device=dev).view(batch, K)
-            self.spare = {i: spare[p.start : p.end] for i, p in enumerate(self.parts) if p.host}
-            self.pending_rows: dict = {}
+            # pending[hot row] = its host key while a planned miss waits for the row read.
+            self.pending = torch.full((n_hot,), -1, dtype=torch.int32, device=dev)
         self.req_base = torch.arange(batch, device=dev, dtype=torch.int64)[:, None] * cfg.ctx_len
         self.x = torch.zeros(batch, cfg.hidden, dtype=M.DT, device=dev)
         self.bias = torch.zeros(batch, cfg.ctx_len, dtype=torch.float32, device=dev)
@@ -170,7 +164,6 @@ class DecodeStep:
             if p.host and self.copy_in_read:
                 host = self.kv.host_views[layer]
                 kv = kernels.read_rows_from_host(self.hot[layer], host, self.pending, r)
-                self.pending.index_fill_(0, self.pending_rows.pop(i), -1)
                 mixes.append(M.attend(cfg, q[p.start : p.end], kv))
                 continue
             if p.host:
@@ -198,21 +191,13 @@ class DecodeStep:
         out = rt.resolve(ids.to(torch.int32), p.state_rows)
         self._mark("res1", layer, i)
         if self.copy_in_read:
-            self._stage_misses(i, rt.index_group)
+            kernels.stage_misses(self.pending, *rt.index_group.plan())
             return out
         rt.gather()
         self._mark("copy1", layer, i, rt.index_group.copy_stream)
         if not self.overlap:
             rt.wait_ready()
         return out
-
-    def _stage_misses(self, i: int, g) -> None:
-        """pending[miss_dst] = miss_src for the resolved misses (the unused plan entries go to
-        spare entries, which no read names)."""
-        used = self.slots < g.miss_count[: g.batch, None]
-        rows = torch.where(used, g.miss_dst[: g.batch], self.spare[i]).reshape(-1).long()
-        self.pending.index_copy_(0, rows, g.miss_src[: g.batch].reshape(-1))
-        self.pending_rows[i] = rows
 
     def _mark(self, what: str, layer: int, i: int, stream=None) -> None:
         if self.probe is not None:
