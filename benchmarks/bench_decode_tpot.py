@@ -61,10 +61,11 @@ def variants(budget, cfg, batch, args):
     ]
     if batch >= 2:
         out.append(("hisparse_split", "hisparse", 2, 0, True))
-    if args.in_read:
-        out.append(("hisparse_in_read", "hisparse", 1, 0, True))
-        if batch >= 2:
-            out.append(("hisparse_split_in_read", "hisparse", 2, 0, True))
+    for path in ("in_read", "beside"):
+        if getattr(args, path):
+            out.append((f"hisparse_{path}", "hisparse", 1, 0, True))
+            if batch >= 2:
+                out.append((f"hisparse_split_{path}", "hisparse", 2, 0, True))
     r = budget.hybrid_resident(cfg, batch)
     if batch > budget.max_batch(cfg, True) and 0 < r < batch:
         out.append(("hybrid", "hybrid", 1, r, True))
@@ -79,10 +80,10 @@ def run_batch(cfg, w, kv, budget, batch, args):
     """Every variant at one batch: interleaved timing rounds, hit rate, parity, eager profile."""
     graphs = {}
     for name, mode, split, res, overlap in variants(budget, cfg, batch, args):
-        in_read = name.endswith("_in_read")
+        path = next((p for p in ("in_read", "beside") if name.endswith(p)), "op")
         step = DecodeStep(
             cfg, w, kv, mode, batch, split=split, resident=res, overlap=overlap, fused=args.fused,
-            copy_in_read=in_read,
+            misses=path,
         )  # fmt: skip
         drift = Drift(kv.max_batch, cfg.ctx_len, cfg.top_k, args.miss, "cuda", seed=11)
         try:
@@ -125,6 +126,7 @@ def run_batch(cfg, w, kv, budget, batch, args):
         )
     for name, (gs, _) in graphs.items():
         if name not in ("resident", "hisparse_serial") and not name.endswith("_in_read"):
+            # (in-read has no copy of its own to time; beside's copy is timed like the op's)
             row["modes"][name]["profile_per_layer"] = profile_eager(gs, args.profile_steps)
     flat(row)
     del graphs
@@ -152,6 +154,8 @@ def flat(row):
         "hisparse_split_capped",
         "hisparse_in_read",
         "hisparse_split_in_read",
+        "hisparse_beside",
+        "hisparse_split_beside",
     ):
         if k in m:
             row[f"{k}_ms_per_step"] = m[k]["ms_per_step"]
@@ -165,7 +169,14 @@ def capacity(rows, res_max, hs_max):
     res = [r for r in rows if r["batch"] <= res_max]
     best = max(res, key=lambda r: tok_s(r, "resident_ms_per_step"))
     hs = next(r for r in rows if r["batch"] == hs_max)
-    keys = ("hisparse", "hisparse_split", "hisparse_in_read", "hisparse_split_in_read")
+    keys = (
+        "hisparse",
+        "hisparse_split",
+        "hisparse_in_read",
+        "hisparse_split_in_read",
+        "hisparse_beside",
+        "hisparse_split_beside",
+    )
     hs_ms = min(hs[f"{k}_ms_per_step"] for k in keys if f"{k}_ms_per_step" in hs)
     capped = [
         hs.get(k) for k in ("hisparse_capped_ms_per_step", "hisparse_split_capped_ms_per_step")
@@ -213,6 +224,11 @@ def main(argv=None):
         const=False,
         default=None,
         help="every mode without the Triton kernels (gather + decode_rows, bf16 indexer products)",
+    )
+    ap.add_argument(
+        "--beside",
+        action="store_true",
+        help="also time HiSparse with the misses copied beside the read of the rows already hot",
     )
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)

@@ -51,7 +51,8 @@ def main(argv=None) -> int:
         "resident": dict(mode="resident"),
         "hisparse": dict(mode="hisparse"),
         "hisparse_serial": dict(mode="hisparse", overlap=False),
-        "hisparse_in_read": dict(mode="hisparse", copy_in_read=True),
+        "hisparse_in_read": dict(mode="hisparse", misses="in_read"),
+        "hisparse_beside": dict(mode="hisparse", misses="beside"),
     }
     graphs = {}
     for name, kw in variants.items():

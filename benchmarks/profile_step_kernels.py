@@ -62,7 +62,9 @@ def main(argv=None) -> int:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--batches", default="30,112")
     ap.add_argument(
-        "--modes", default="resident,hisparse", help="of resident, hisparse, hisparse_in_read"
+        "--modes",
+        default="resident,hisparse",
+        help="of resident, hisparse, hisparse_in_read, hisparse_beside",
     )
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--top", type=int, default=18)
@@ -80,8 +82,8 @@ def main(argv=None) -> int:
     for b in batches:
         tables = {}
         for mode in args.modes.split(","):
-            in_read = mode.endswith("_in_read")
-            step = DecodeStep(cfg, w, kv, mode.removesuffix("_in_read"), b, copy_in_read=in_read)
+            base, _, path = mode.partition("_")  # hisparse_in_read -> hisparse, misses="in_read"
+            step = DecodeStep(cfg, w, kv, base, b, misses=path or "op")
             drift = Drift(kv.max_batch, cfg.ctx_len, cfg.top_k, 0.05, "cuda", seed=11)
             us, total = kernel_table(step, drift, args.steps)
             tables[mode] = us

@@ -35,32 +35,44 @@ def _whatif_table(res):
     return out
 
 
-def _in_read_table(res):
-    """HiSparse with the misses read inside attention's row read (no separate copy), if run."""
-    rows = [r for r in res["batches"] if "hisparse_in_read" in r["modes"]]
+PATH_TABLES = {
+    "in_read": (
+        "in-read",
+        'Misses read from the host pool inside attention\'s row read (`misses="in_read"`: no '
+        "separate copy; the kernel also writes them to their hot rows), same run:",
+    ),
+    "beside": (
+        "beside",
+        "Misses copied by a Triton kernel on the copy stream while the rows already hot are read "
+        '(`misses="beside"`), then the misses\' rows read, same run:',
+    ),
+}
+
+
+def _path_table(res, path):
+    """HiSparse with the misses brought in by another path than the op's gather, if run."""
+    key, label, intro = f"hisparse_{path}", *PATH_TABLES[path]
+    rows = [r for r in res["batches"] if key in r["modes"]]
     if not rows:
         return []
     out = [
         "",
-        "Misses read from the host pool inside attention's row read (`copy_in_read`: no "
-        "separate copy; the kernel also writes them to their hot rows), same run:",
+        intro,
         "",
-        "| batch | in-read ms/step | ratio | added us/layer | split + in-read ms/step | ratio "
+        f"| batch | {label} ms/step | ratio | added us/layer | split + {label} ms/step | ratio "
         "| bit-identical |",
         "|---|---|---|---|---|---|---|",
     ]
     layers = res["config"]["layers"]
     for r in rows:
         m = r["modes"]
-        sp = m.get("hisparse_split_in_read")
-        ok = m["hisparse_in_read"]["bit_identical_to_resident"] and (
-            sp is None or sp["bit_identical_to_resident"]
-        )
-        added = (m["hisparse_in_read"]["ms_per_step"] - m["resident"]["ms_per_step"]) / layers
+        sp = m.get(f"hisparse_split_{path}")
+        ok = m[key]["bit_identical_to_resident"] and (sp is None or sp["bit_identical_to_resident"])
+        added = (m[key]["ms_per_step"] - m["resident"]["ms_per_step"]) / layers
         out.append(
-            f"| {r['batch']} | {_rng(m, 'hisparse_in_read')} | {r['ratio_in_read']:.3f} | "
-            f"{added * 1e3:.1f} | {_rng(m, 'hisparse_split_in_read') if sp else '-'} | "
-            f"{r['ratio_split_in_read'] if sp else 0:.3f} | {ok} |"
+            f"| {r['batch']} | {_rng(m, key)} | {m[key]['ratio']:.3f} | "
+            f"{added * 1e3:.1f} | {_rng(m, f'hisparse_split_{path}') if sp else '-'} | "
+            f"{sp['ratio'] if sp else 0:.3f} | {ok} |"
         )
     return out
 
@@ -95,7 +107,8 @@ def markdown(res):
             f"{m['hisparse']['ms_per_token']:.4f} | {ok} |"
         )
     out += _whatif_table(res)
-    out += _in_read_table(res)
+    for path in PATH_TABLES:
+        out += _path_table(res, path)
     c = res["capacity"]
     out += [
         "",

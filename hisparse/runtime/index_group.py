@@ -8,7 +8,7 @@ layer's attention waits only for its own rows (`wait_ready`).
 
 from __future__ import annotations
 
-from typing import Optional, Sequence, Union
+from typing import Callable, Optional, Sequence, Union
 
 import torch
 
@@ -261,16 +261,25 @@ class HiSparseRuntime:
             raise RuntimeError(f"{self.layer_name} is a follower; only the leader resolves")
         return self.index_group.resolve(top_k, state_rows, resident_rows)
 
-    def gather(self) -> None:
-        """Copy this step's misses host -> hot for this layer (copy stream on CUDA)."""
+    def gather(self, copy: Optional[Callable] = None) -> None:
+        """Copy this step's misses host -> hot for this layer (copy stream on CUDA). ``copy``,
+        called as copy(host_view, hot_view, miss_src, miss_dst, miss_count), replaces the op's
+        gather (and its count of moved bytes)."""
         g = self.index_group
         plan = g.plan()
+
+        def run() -> None:
+            if copy is None:
+                ops.gather([self.host_view], [self.hot_view], *plan, g.moved_bytes)
+            else:
+                copy(self.host_view, self.hot_view, *plan)
+
         if g.copy_stream is None:
-            ops.gather([self.host_view], [self.hot_view], *plan, g.moved_bytes)
+            run()
             return
         g.copy_stream.wait_event(g._resolved)
         with torch.cuda.stream(g.copy_stream):
-            ops.gather([self.host_view], [self.hot_view], *plan, g.moved_bytes)
+            run()
             self.ready.record(g.copy_stream)
 
     def wait_ready(self) -> None:

@@ -22,6 +22,14 @@ def kernels():
     return kernels
 
 
+@pytest.fixture(scope="module")
+def mk():
+    pytest.importorskip("triton")
+    from hisparse.engine.graph import miss_kernels
+
+    return miss_kernels
+
+
 def _rows(n: int, seed: int) -> torch.Tensor:
     g = torch.Generator(device="cuda").manual_seed(seed)
     kv = torch.randn(n, 576, generator=g, device="cuda")
@@ -87,7 +95,7 @@ def test_fused_indexer_refuses_what_it_cannot_read(kernels):
         kernels.indexer_scores(q, hw, keys.bfloat16(), scales)
 
 
-def test_read_rows_from_host_reads_misses_there_and_fills_their_hot_rows(kernels):
+def test_read_rows_from_host_reads_misses_there_and_fills_their_hot_rows(mk):
     hot = _rows(300, 7)
     host = _rows(1000, 8).cpu().pin_memory()
     pending = torch.full((301,), -1, dtype=torch.int32, device="cuda")
@@ -98,14 +106,14 @@ def test_read_rows_from_host_reads_misses_there_and_fills_their_hot_rows(kernels
     want_src = hot.clone()
     for h, k in miss.items():
         want_src[h] = host[k].cuda()
-    got = kernels.read_rows_from_host(hot, host, pending, ids)
+    got = mk.read_rows_from_host(hot, host, pending, ids)
     want = decode_rows(want_src[ids], "fp8", torch.bfloat16)
     assert torch.equal(got.view(torch.int16), want.view(torch.int16))
     assert torch.equal(hot, want_src)  # the misses' bytes now sit in their hot rows
     assert (pending == -1).all()  # and every entry the read used is retired
 
 
-def test_stage_misses_writes_only_the_planned_entries(kernels):
+def test_stage_misses_writes_only_the_planned_entries(mk):
     K = 1500  # not a multiple of the launch block
     pending = torch.full((4 * 4096,), -1, dtype=torch.int32, device="cuda")
     count = torch.tensor([0, 3, K, 1027], dtype=torch.int32, device="cuda")
@@ -118,10 +126,10 @@ def test_stage_misses_writes_only_the_planned_entries(kernels):
     for b in range(4):
         n = int(count[b])
         want[dst[b, :n].long()] = src[b, :n]
-    kernels.stage_misses(pending, src, dst, count)
+    mk.stage_misses(pending, src, dst, count)
     assert torch.equal(pending, want)
     with pytest.raises(ValueError, match="miss_src must be contiguous int32"):
-        kernels.stage_misses(pending, src.long(), dst, count)
+        mk.stage_misses(pending, src.long(), dst, count)
 
 
 @pytest.mark.parametrize("block_t,tiles,warps", [(64, 4, 4), (256, 2, 8)])
@@ -132,9 +140,63 @@ def test_fused_indexer_launch_shapes_give_the_same_scores(kernels, block_t, tile
     assert torch.allclose(got, base, rtol=1e-5, atol=1e-5 * base.abs().max().item())
 
 
-def test_read_rows_from_host_refuses_unpinned_host(kernels):
+def test_read_rows_from_host_refuses_unpinned_host(mk):
     hot = _rows(4, 9)
     with pytest.raises(ValueError, match="host must be pinned"):
-        kernels.read_rows_from_host(hot, hot.cpu(), torch.full((5,), -1, dtype=torch.int32,
+        mk.read_rows_from_host(hot, hot.cpu(), torch.full((5,), -1, dtype=torch.int32,
                                     device="cuda"), torch.zeros(1, 1, dtype=torch.int64,
                                     device="cuda"))  # fmt: skip
+
+
+def _plan(batch: int, hot_rows: int, K: int, n_miss: int, keys: int, seed: int):
+    """ids [batch, K] of distinct hot rows per request and a miss plan naming n_miss of them."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    ids = torch.stack(
+        [
+            torch.randperm(hot_rows, generator=g, device="cuda")[:K] + b * hot_rows
+            for b in range(batch)
+        ]
+    )
+    dst = torch.zeros(batch, K, dtype=torch.int32, device="cuda")
+    src = torch.zeros_like(dst)
+    for b in range(batch):
+        pick = torch.randperm(K, generator=g, device="cuda")[:n_miss]
+        dst[b, :n_miss] = ids[b, pick].to(torch.int32)
+        src[b, :n_miss] = torch.randperm(keys, generator=g, device="cuda")[:n_miss].to(torch.int32)
+    count = torch.full((batch,), n_miss, dtype=torch.int32, device="cuda")
+    return ids, (src, dst, count)
+
+
+def test_copy_misses_then_two_part_read_equals_the_whole_read(kernels, mk):
+    hot, host = _rows(3 * 256, 11), _rows(2000, 12).cpu().pin_memory()
+    ids, plan = _plan(3, 256, 200, 37, 2000, 13)
+    want_hot = hot.clone()
+    src, dst, count = plan
+    want_hot[dst[:, :37].reshape(-1).long()] = host[src[:, :37].reshape(-1).long().cpu()].cuda()
+    pending = torch.full((3 * 256,), -1, dtype=torch.int32, device="cuda")
+    mk.stage_misses(pending, *plan)
+    untouched = hot.clone()
+    out = torch.full((*ids.shape, 576), float("nan"), dtype=torch.bfloat16, device="cuda")
+    hits = kernels.gather_decode(hot, ids, pending=pending, part="hits", out=out)
+    written = ~hits.isnan().all(-1)
+    assert int((~written).sum()) == 3 * 37  # the planned misses are left for later, only they
+    assert bool((pending[ids[~written]] >= 0).all())
+    mk.copy_misses(hot, host, *plan, block=16)
+    assert torch.equal(hot, want_hot)  # exactly the planned rows changed
+    assert not torch.equal(untouched, want_hot)
+    got = kernels.gather_decode(hot, ids, pending=pending, part="misses", out=hits)
+    want = decode_rows(want_hot[ids], "fp8", torch.bfloat16)
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+    assert bool((pending == -1).all())  # the misses' read retired every entry
+
+
+def test_gather_decode_parts_need_pending_and_a_matching_out(kernels):
+    src = _rows(64, 14)
+    ids = torch.arange(8, device="cuda")
+    pending = torch.full((64,), -1, dtype=torch.int32, device="cuda")
+    with pytest.raises(ValueError, match="pending is needed"):
+        kernels.gather_decode(src, ids, part="hits")
+    with pytest.raises(ValueError, match="part must be one of"):
+        kernels.gather_decode(src, ids, pending=pending, part="some")
+    with pytest.raises(ValueError, match="out must be contiguous bfloat16"):
+        kernels.gather_decode(src, ids, pending=pending, part="misses", out=torch.empty(1))

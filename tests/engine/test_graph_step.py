@@ -89,6 +89,9 @@ GPU_CASES = [
     ("hisparse", 1, 0, True),
     ("hisparse", 1, 0, "in_read"),
     ("hisparse", 2, 0, "in_read"),
+    ("hisparse", 1, 0, "beside"),
+    ("hisparse", 2, 0, "beside"),
+    ("hybrid", 1, 2, "beside"),
     ("hisparse", 1, 0, False),
     ("hisparse", 2, 0, True),
     ("hybrid", 1, 2, True),
@@ -107,10 +110,10 @@ def _graph(state, mode, split=1, resident=0, overlap=True, steps=5, fused=None):
     from hisparse.engine.graph import GraphStep
 
     cfg, w, kv = state
-    in_read = overlap == "in_read"  # misses read from the host pool inside the row read
+    misses = overlap if isinstance(overlap, str) else "op"  # a miss path other than the op's
     step = DecodeStep(
         cfg, w, kv, mode, 6, split=split, resident=resident, overlap=overlap is not False,
-        fused=fused, copy_in_read=in_read,
+        fused=fused, misses=misses,
     )  # fmt: skip
     gs = GraphStep(step, Drift(6, cfg.ctx_len, cfg.top_k, 0.05, "cuda", seed=5), warmup=2)
     seq = []
@@ -131,6 +134,8 @@ def test_cuda_graph_replay_parity(gpu_state, mode, split, resident, overlap):
     assert _same(ref, out), (mode, split, resident, overlap)
     hits, misses, _ = counters(step)
     assert misses > 0 and hits / (hits + misses) > 0.8
+    if step.misses != "op":  # every staged miss was read and retired
+        assert bool((step.pending == -1).all())
 
 
 @pytest.mark.cuda
@@ -161,8 +166,11 @@ def test_fused_kernels_are_refused_where_they_cannot_run(tiny):
     cfg, w, kv = tiny
     with pytest.raises(ValueError, match="fused=True needs Triton and a CUDA device"):
         DecodeStep(cfg, w, kv, "resident", 2, fused=True)
-    with pytest.raises(ValueError, match="copy_in_read=True needs the Triton kernels"):
-        DecodeStep(cfg, w, kv, "hisparse", 2, copy_in_read=True)
+    for path in ("in_read", "beside"):
+        with pytest.raises(ValueError, match=f"misses='{path}' needs the Triton kernels"):
+            DecodeStep(cfg, w, kv, "hisparse", 2, misses=path)
+    with pytest.raises(ValueError, match="misses must be one of"):
+        DecodeStep(cfg, w, kv, "hisparse", 2, misses="dma")
     assert not DecodeStep(cfg, w, kv, "resident", 2).fused
 
 
@@ -193,7 +201,7 @@ def test_cpu_negative_control_skipped_gather_breaks_parity(tiny, monkeypatch):
 
     cfg, w, kv = tiny
     _, ref = _eager(cfg, w, kv, "resident", 5, 3)
-    monkeypatch.setattr(HiSparseRuntime, "gather", lambda self: None)
+    monkeypatch.setattr(HiSparseRuntime, "gather", lambda self, copy=None: None)
     _, out = _eager(cfg, w, kv, "hisparse", 5, 3)
     assert not _same(ref, out)
 

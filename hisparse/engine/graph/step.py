@@ -15,6 +15,7 @@ then the query projection for the whole batch, then each part's attention: part 
 under part 1's indexer and the query projection, part 1's under part 0's attention. The only
 sync with the copies is each part's `wait_ready` right before its attention reads the rows
 (``overlap=False`` waits right after starting the copy instead: the no-overlap reference).
+``misses`` (`MISS_PATHS`) says how a host part's misses reach its row read.
 
 Everything the step reads that changes between steps (the selection bias) lives in static
 buffers staged before a replay; the step writes its next input (the embedding of the token it
@@ -28,13 +29,17 @@ from typing import Optional
 
 import torch
 
-from hisparse.engine.graph import kernels
+from hisparse.engine.graph import kernels, miss_kernels
 from hisparse.engine.graph import model as M
 from hisparse.engine.graph.config import ROW_BYTES, GraphConfig
 from hisparse.engine.graph.kv import HOT_POISON, KVStore
 from hisparse.runtime import HiSparseIndexGroup, HiSparseRuntime
 
 MODES = ("resident", "hisparse", "hybrid")
+# How a host part's misses reach its row read: "op" the resolve op's gather on the copy stream,
+# then the whole read; "in_read" read from the host pool inside the row read; "beside" a Triton
+# copy on the copy stream while the rows already hot are read, then the misses' rows.
+MISS_PATHS = ("op", "in_read", "beside")
 
 
 @dataclass
@@ -66,6 +71,10 @@ def make_parts(mode: str, batch: int, split: int = 1, resident: int = 0) -> list
     return [(a, b, mode == "hisparse") for a, b in zip(cuts[:-1], cuts[1:])]
 
 
+def _copy_beside(host_view, hot_view, miss_src, miss_dst, miss_count) -> None:
+    miss_kernels.copy_misses(hot_view, host_view, miss_src, miss_dst, miss_count)
+
+
 class DecodeStep:
     """Static buffers plus `forward()`, the captured work of one step for `batch` requests."""
 
@@ -81,7 +90,7 @@ class DecodeStep:
         resident: int = 0,
         overlap: bool = True,
         fused: Optional[bool] = None,
-        copy_in_read: bool = False,
+        misses: str = "op",
     ) -> None:
         if not 1 <= batch <= kv.max_batch:
             raise ValueError(f"batch must lie in [1, {kv.max_batch}], got {batch}")
@@ -90,11 +99,11 @@ class DecodeStep:
         dev = kv.device
         self.fused = kernels.use_triton(fused, dev)  # else the torch path
         self.fused_indexer = self.fused and kernels.indexer_fits(cfg.idx_heads, cfg.idx_dim)
-        if copy_in_read and not self.fused:
-            raise ValueError("copy_in_read=True needs the Triton kernels (fused)")
-        # The misses read from the host pool inside attention's row read instead of copied by
-        # the op's gather first: pending[hot row] = its host key for this layer's misses.
-        self.copy_in_read = copy_in_read
+        if misses not in MISS_PATHS:
+            raise ValueError(f"misses must be one of {MISS_PATHS}, got {misses!r}")
+        if misses != "op" and not self.fused:
+            raise ValueError(f"misses={misses!r} needs the Triton kernels (fused)")
+        self.misses = misses
         self.parts = [Part(a, b, h) for a, b, h in make_parts(mode, batch, split, resident)]
         # This step's own hot buffers (request b at rows b*hot_size ...), poisoned: a row no
         # gather wrote breaks parity instead of passing unnoticed.
@@ -106,7 +115,7 @@ class DecodeStep:
         for i, p in enumerate(self.parts):
             if p.host:
                 self._bind(i, p)
-        if copy_in_read:
+        if misses != "op":
             # pending[hot row] = its host key while a planned miss waits for the row read.
             self.pending = torch.full((n_hot,), -1, dtype=torch.int32, device=dev)
         self.req_base = torch.arange(batch, device=dev, dtype=torch.int64)[:, None] * cfg.ctx_len
@@ -161,17 +170,11 @@ class DecodeStep:
         q = M.query(cfg, w, qr)
         mixes = []
         for i, (p, r) in enumerate(zip(self.parts, rows)):
-            if p.host and self.copy_in_read:
-                host = self.kv.host_views[layer]
-                kv = kernels.read_rows_from_host(self.hot[layer], host, self.pending, r)
-                mixes.append(M.attend(cfg, q[p.start : p.end], kv))
-                continue
-            if p.host:
-                self._mark("wait0", layer, i)
-                p.runtimes[layer].wait_ready()
-                self._mark("wait1", layer, i)
-            src = self.hot[layer] if p.host else self.kv.dev_rows[layer]
-            kv = M.read_rows(src, r, self.fused)
+            kv = (
+                self._read(layer, i, p, r)
+                if p.host
+                else M.read_rows(self.kv.dev_rows[layer], r, self.fused)
+            )
             mixes.append(M.attend(cfg, q[p.start : p.end], kv))
         mix = mixes[0] if len(mixes) == 1 else torch.cat(mixes)
         h = h + M.attn_out(cfg, w, mix)
@@ -190,14 +193,30 @@ class DecodeStep:
         self._mark("res0", layer, i)
         out = rt.resolve(ids.to(torch.int32), p.state_rows)
         self._mark("res1", layer, i)
-        if self.copy_in_read:
-            kernels.stage_misses(self.pending, *rt.index_group.plan())
+        if self.misses != "op":
+            miss_kernels.stage_misses(self.pending, *rt.index_group.plan())
+        if self.misses == "in_read":
             return out
-        rt.gather()
+        rt.gather(copy=_copy_beside if self.misses == "beside" else None)
         self._mark("copy1", layer, i, rt.index_group.copy_stream)
         if not self.overlap:
             rt.wait_ready()
         return out
+
+    def _read(self, layer: int, i: int, p: Part, r: torch.Tensor) -> torch.Tensor:
+        """A host part's rows as attention reads them, once its misses are in (see MISS_PATHS)."""
+        hot, rt = self.hot[layer], p.runtimes[layer]
+        if self.misses == "in_read":
+            return miss_kernels.read_rows_from_host(hot, self.kv.host_views[layer], self.pending, r)
+        kv = None
+        if self.misses == "beside":  # the rows already hot while their copy is in flight
+            kv = kernels.gather_decode(hot, r, pending=self.pending, part="hits")
+        self._mark("wait0", layer, i)
+        rt.wait_ready()
+        self._mark("wait1", layer, i)
+        if kv is None:
+            return M.read_rows(hot, r, self.fused)
+        return kernels.gather_decode(hot, r, pending=self.pending, part="misses", out=kv)
 
     def _mark(self, what: str, layer: int, i: int, stream=None) -> None:
         if self.probe is not None:
