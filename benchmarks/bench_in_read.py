@@ -26,7 +26,7 @@ from hisparse.engine.graph import kernels, miss_kernels
 from hisparse.engine.graph.config import ROW_BYTES
 
 SHAPES = ((8, 2), (16, 4), (32, 4), (32, 8), (64, 8))  # (rows per program, warps)
-COPY_SHAPES = ((16, 4), (32, 4), (64, 4), (64, 8))
+COPY_SHAPES = ((16, 4, 4), (32, 4, 4), (32, 8, 4), (64, 4, 8))  # (rows, programs/request, warps)
 
 
 def _time(fn, reps: int) -> float:
@@ -94,16 +94,13 @@ def main(argv=None) -> int:
         for blk, w in SHAPES:
             t = _time(fresh(lambda m, blk=blk, w=w: in_read(m, blk, w)), args.reps)
             row["shapes"][f"{blk}x{w}"] = t
-        for blk, w in COPY_SHAPES:
-            t = _time(
-                fresh(
-                    lambda m, blk=blk, w=w: miss_kernels.copy_misses(
-                        hot, host, *m, block=blk, warps=w
-                    )
-                ),
-                args.reps,
-            )
-            row["copy_shapes"][f"{blk}x{w}"] = dict(us=t, gb_s=moved / t / 1e3)
+        for blk, progs, w in COPY_SHAPES:
+
+            def copy(m, blk=blk, progs=progs, w=w):
+                miss_kernels.copy_misses(hot, host, *m, block=blk, programs=progs, warps=w)
+
+            t = _time(fresh(copy), args.reps)
+            row["copy_shapes"][f"{blk}x{progs}x{w}"] = dict(us=t, gb_s=moved / t / 1e3)
         print(
             f"B={b}: all hot {base:.1f} us; in-read "
             + ", ".join(f"{k}: {v:.1f}" for k, v in row["shapes"].items())

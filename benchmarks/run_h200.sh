@@ -3,8 +3,10 @@
 # compute-sanitizer over the op workload, then the benchmarks. Logs and results go to $OUT.
 #   STAGES="build tests sanitizer bench engine demo" bash benchmarks/run_h200.sh
 # STAGES may also name "cudatests" (only the CUDA tests, the oracle property tests and the
-# save_rows tests: the quick gate after a kernel change) and "bench2" (a second bench_ops run,
-# for the spread between runs).
+# save_rows tests: the quick gate after a kernel change), "bench2" (a second bench_ops run,
+# for the spread between runs), "misspaths" (the GPU-bound step's miss paths: the kernels alone,
+# the per-kernel profile, the TPOT comparison at 32k) and "contexts" (capacity at 64k and 128k
+# tokens per request); each of the last two fits one 10-minute device call.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/hisparse-out}
@@ -53,6 +55,20 @@ fi
 if has engine; then
   timeout 400 python3 benchmarks/bench_engine.py --device cuda --out-dir "$OUT" > "$OUT/engine.txt" 2>&1 || status=1
   tail -20 "$OUT/engine.txt"
+fi
+if has misspaths; then
+  timeout 120 python3 benchmarks/bench_in_read.py --batches 16,64,112 --json "$OUT/in_read_h200.json" > "$OUT/in_read.txt" 2>&1 || status=1
+  tail -3 "$OUT/in_read.txt"
+  timeout 150 python3 benchmarks/profile_step_kernels.py --layers 4 --batches 64 --modes resident,hisparse,hisparse_in_read,hisparse_beside --out "$OUT/step_kernels_miss_paths_h200.md" > /dev/null 2>&1 || status=1
+  grep "minus resident" "$OUT/step_kernels_miss_paths_h200.md"
+  timeout 420 python3 benchmarks/bench_decode_tpot.py --layers 8 --batches 1,16,64 --in-read --beside --json "$OUT/engine_tpot_h200.json" > "$OUT/tpot.txt" 2>&1 || status=1
+  grep -E "^B=|^Capacity" "$OUT/tpot.txt"
+fi
+if has contexts; then
+  for ctx in 65536 131072; do
+    timeout 300 python3 benchmarks/bench_decode_tpot.py --layers 8 --ctx $ctx --batches 1 --in-read --beside --runs 3 --steps 10 --json "$OUT/engine_tpot_h200_ctx$ctx.json" > "$OUT/tpot_$ctx.txt" 2>&1 || status=1
+    grep -E "^B=|^Capacity" "$OUT/tpot_$ctx.txt"
+  done
 fi
 if has demo; then
   python3 -m hisparse demo --device cuda --no-progress --json "$OUT/demo_cuda.json" > "$OUT/demo.txt" 2>&1 || status=1

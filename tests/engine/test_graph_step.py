@@ -28,8 +28,8 @@ CASES = [
 ]
 
 
-def _eager(cfg, w, kv, mode, batch, steps, split=1, resident=0):
-    step = DecodeStep(cfg, w, kv, mode, batch, split=split, resident=resident)
+def _eager(cfg, w, kv, mode, batch, steps, split=1, resident=0, **kw):
+    step = DecodeStep(cfg, w, kv, mode, batch, split=split, resident=resident, **kw)
     drift = Drift(kv.max_batch, cfg.ctx_len, cfg.top_k, 0.05, kv.device, seed=3)
     out = []
     for _ in range(steps):

@@ -57,7 +57,7 @@ if triton is not None:
         SCALE0: tl.constexpr, ROPE0: tl.constexpr, LAT: tl.constexpr, ROPE: tl.constexpr,
         TILE: tl.constexpr, OUT_W: tl.constexpr, BLOCK: tl.constexpr, PART: tl.constexpr,
     ):  # fmt: skip
-        # PART 0: every row; 1: rows with no pending miss; 2: the pending misses (then retired).
+        # PART 0: every row; 1: rows with no pending miss; 2: the rows with one.
         r = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         ok = r < n
         row = tl.load(ids + r, mask=ok, other=0).to(tl.int64)
@@ -81,10 +81,6 @@ if triton is not None:
         rope = tl.load(src_bf16 + row[:, None] * ROW_BF16 + ROPE0 + e[None, :],
                        mask=ok[:, None], other=0.0)  # fmt: skip
         tl.store(dst + LAT + e[None, :], rope, mask=ok[:, None])
-        if PART == 2:
-            # Warps load replicated copies of `pending`: every load precedes any retirement.
-            tl.debug_barrier()
-            tl.store(pending + row, -1, mask=ok)
 
     @triton.jit
     def _indexer(
@@ -122,8 +118,8 @@ def gather_decode(
     bf16 [*ids.shape, 576]: ``decode_rows(src[ids], "fp8", torch.bfloat16)`` in one pass.
 
     ``part`` splits the read around a copy in flight: "hits" decodes only the rows with no
-    pending miss (``pending[row] < 0``), "misses" only the others (after their copy landed) and
-    retires their entries; both write into ``out``, so the two give exactly the "all" result."""
+    pending miss (``pending[row] < 0``), "misses" only the others (after their copy landed); both
+    write into ``out``, so the two give exactly the "all" result."""
     if src.dtype != torch.uint8 or src.dim() != 2 or src.shape[1] != ROW_BYTES:
         raise ValueError(f"src must be uint8 [rows, {ROW_BYTES}], got {src.dtype} {src.shape}")
     if not src.is_contiguous():

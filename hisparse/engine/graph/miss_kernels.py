@@ -2,7 +2,9 @@
 resolve op's own gather: Triton kernels over the op's miss plan (miss_src, miss_dst, miss_count).
 
 * ``stage_misses`` writes the plan into a ``pending`` table (``pending[hot row]`` = its host key)
-  in one launch; the reads below retire each entry they use.
+  in one launch, and with ``clear=True`` empties those entries again after the read. (A read
+  that retired its own entries would race: Triton replicates a row's ``pending`` load across
+  warps, so one warp's retirement could precede another's load.)
 * ``read_rows_from_host`` ("in-read"): attention's row read itself reads a pending row from the
   pinned host pool over PCIe, beside the hits read from HBM, and writes it to its hot row.
 * ``copy_misses`` ("beside"): the plan copied host -> hot rows by SM loads on a side stream
@@ -65,36 +67,39 @@ if triton is not None:
         tl.store(out + r.to(tl.int64)[:, None] * OUT_W + TILES * TILE + e[None, :], rope,
                  mask=ok[:, None])  # fmt: skip
 
-        # Each hot row is named once per step (distinct positions per request, disjoint hot
-        # regions), so the lane that read a planned miss retires its entry; the barrier because
-        # warps load replicated copies of `pending`.
-        tl.debug_barrier()
-        tl.store(pending + h, -1, mask=miss)
-
     @triton.jit
-    def _stage_misses(pending, miss_src, miss_dst, miss_count, K, BLOCK: tl.constexpr):
+    def _stage_misses(
+        pending, miss_src, miss_dst, miss_count, K, BLOCK: tl.constexpr, CLEAR: tl.constexpr
+    ):
         b = tl.program_id(0)
         j = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         used = j < tl.load(miss_count + b)
         at = b.to(tl.int64) * K + j
         dst = tl.load(miss_dst + at, mask=used, other=0)
-        tl.store(pending + dst, tl.load(miss_src + at, mask=used, other=0), mask=used)
+        if CLEAR:
+            tl.store(pending + dst, -1, mask=used)
+        else:
+            tl.store(pending + dst, tl.load(miss_src + at, mask=used, other=0), mask=used)
 
     @triton.jit
     def _copy_misses(
         hot, host, miss_src, miss_dst, miss_count, K,
         WORDS: tl.constexpr, WPAD: tl.constexpr, BLOCK: tl.constexpr,
     ):  # fmt: skip
+        # A few programs per request stride over its misses: a grid sized by the plan's width
+        # would be mostly empty programs (a step misses ~5 % of the top-k).
         b = tl.program_id(0)
-        j = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        used = j < tl.load(miss_count + b)
-        at = b.to(tl.int64) * K + j
-        src = tl.load(miss_src + at, mask=used, other=0).to(tl.int64)
-        dst = tl.load(miss_dst + at, mask=used, other=0).to(tl.int64)
+        count = tl.load(miss_count + b)
         w = tl.arange(0, WPAD)
-        m = used[:, None] & (w[None, :] < WORDS)
-        v = tl.load(host + src[:, None] * WORDS + w[None, :], mask=m)
-        tl.store(hot + dst[:, None] * WORDS + w[None, :], v, mask=m)
+        for j0 in range(tl.program_id(1) * BLOCK, count, tl.num_programs(1) * BLOCK):
+            j = j0 + tl.arange(0, BLOCK)
+            used = j < count
+            at = b.to(tl.int64) * K + j
+            src = tl.load(miss_src + at, mask=used, other=0).to(tl.int64)
+            dst = tl.load(miss_dst + at, mask=used, other=0).to(tl.int64)
+            m = used[:, None] & (w[None, :] < WORDS)
+            v = tl.load(host + src[:, None] * WORDS + w[None, :], mask=m)
+            tl.store(hot + dst[:, None] * WORDS + w[None, :], v, mask=m)
 
 
 class _HostRows:
@@ -119,8 +124,7 @@ def read_rows_from_host(
     warps: int = 8,
 ) -> torch.Tensor:
     """``gather_decode(hot, ids)``, except that a row ``h`` with ``pending[h] = key >= 0`` is
-    read from ``host[key]`` (pinned, uint8 [N, 656]), its bytes written to ``hot[h]`` and
-    ``pending[h]`` reset to -1 (so the next layer's plan starts from an empty table).
+    read from ``host[key]`` (pinned, uint8 [N, 656]) and its bytes written to ``hot[h]``.
     ``block`` rows per program, ``warps`` per program: 64 x 8 was the fastest of five shapes at
     batches 1-112 on an H200 (benchmarks/results/in_read_h200.json)."""
     for what, t in (("hot", hot), ("host", host)):
@@ -143,10 +147,16 @@ def read_rows_from_host(
 
 
 def stage_misses(
-    pending: torch.Tensor, miss_src: torch.Tensor, miss_dst: torch.Tensor, miss_count: torch.Tensor
+    pending: torch.Tensor,
+    miss_src: torch.Tensor,
+    miss_dst: torch.Tensor,
+    miss_count: torch.Tensor,
+    *,
+    clear: bool = False,
 ) -> None:
     """``pending[miss_dst[b, j]] = miss_src[b, j]`` for ``j < miss_count[b]``: the resolve op's
-    miss plan (int32 [B, K], [B, K], [B]) as ``read_rows_from_host`` takes it, in one launch."""
+    miss plan (int32 [B, K], [B, K], [B]) as the reads take it, in one launch. ``clear``: set
+    those entries back to -1 once the rows were read (the next layer's plan starts empty)."""
     for what, t in (("miss_src", miss_src), ("miss_dst", miss_dst), ("miss_count", miss_count)):
         if t.dtype != torch.int32 or not t.is_contiguous():
             raise ValueError(f"{what} must be contiguous int32, got {t.dtype}")
@@ -157,7 +167,7 @@ def stage_misses(
         return
     block = 1024
     _stage_misses[(B, triton.cdiv(K, block))](
-        pending, miss_src, miss_dst, miss_count, K, block, num_warps=4
+        pending, miss_src, miss_dst, miss_count, K, block, clear, num_warps=4
     )
 
 
@@ -169,11 +179,13 @@ def copy_misses(
     miss_count: torch.Tensor,
     *,
     block: int = 32,
+    programs: int = 4,
     warps: int = 4,
 ) -> None:
     """``hot[miss_dst[b, j]] = host[miss_src[b, j]]`` for ``j < miss_count[b]``: the resolve
     op's plan copied over PCIe by SM loads from the pinned pool (uint8 [N, 656] both), meant to
-    run on a side stream while ``gather_decode(part="hits")`` reads the rows already hot."""
+    run on a side stream while ``gather_decode(part="hits")`` reads the rows already hot;
+    ``programs`` per request, each ``block`` rows at a time."""
     for what, t in (("hot", hot), ("host", host)):
         if t.dtype != torch.uint8 or t.dim() != 2 or t.shape[1] != ROW_BYTES:
             raise ValueError(f"{what} must be uint8 [rows, {ROW_BYTES}], got {t.dtype} {t.shape}")
@@ -185,7 +197,7 @@ def copy_misses(
     if B == 0:
         return
     words = ROW_BYTES // 4
-    _copy_misses[(B, triton.cdiv(K, block))](
+    _copy_misses[(B, programs)](
         hot.view(torch.int32), _HostRows(host, torch.int32), miss_src, miss_dst, miss_count, K,
         words, triton.next_power_of_2(words), block, num_warps=warps,
     )  # fmt: skip

@@ -207,7 +207,9 @@ class DecodeStep:
         """A host part's rows as attention reads them, once its misses are in (see MISS_PATHS)."""
         hot, rt = self.hot[layer], p.runtimes[layer]
         if self.misses == "in_read":
-            return miss_kernels.read_rows_from_host(hot, self.kv.host_views[layer], self.pending, r)
+            kv = miss_kernels.read_rows_from_host(hot, self.kv.host_views[layer], self.pending, r)
+            miss_kernels.stage_misses(self.pending, *rt.index_group.plan(), clear=True)
+            return kv
         kv = None
         if self.misses == "beside":  # the rows already hot while their copy is in flight
             kv = kernels.gather_decode(hot, r, pending=self.pending, part="hits")
@@ -216,7 +218,9 @@ class DecodeStep:
         self._mark("wait1", layer, i)
         if kv is None:
             return M.read_rows(hot, r, self.fused)
-        return kernels.gather_decode(hot, r, pending=self.pending, part="misses", out=kv)
+        kernels.gather_decode(hot, r, pending=self.pending, part="misses", out=kv)
+        miss_kernels.stage_misses(self.pending, *rt.index_group.plan(), clear=True)
+        return kv
 
     def _mark(self, what: str, layer: int, i: int, stream=None) -> None:
         if self.probe is not None:
