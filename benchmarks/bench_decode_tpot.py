@@ -62,6 +62,8 @@ def variants(budget, cfg, batch, args):
     if batch >= 2:
         out.append(("hisparse_split", "hisparse", 2, 0, True))
     for path in ("in_read", "beside"):
+        if path == "in_read" and args.attention == "fused":
+            continue  # fused attention reads one buffer; the in-read path has no such form
         if getattr(args, path):
             out.append((f"hisparse_{path}", "hisparse", 1, 0, True))
             if batch >= 2:
@@ -83,7 +85,7 @@ def run_batch(cfg, w, kv, budget, batch, args):
         path = next((p for p in ("in_read", "beside") if name.endswith(p)), "op")
         step = DecodeStep(
             cfg, w, kv, mode, batch, split=split, resident=res, overlap=overlap, fused=args.fused,
-            misses=path,
+            misses=path, attention=args.attention,
         )  # fmt: skip
         drift = Drift(kv.max_batch, cfg.ctx_len, cfg.top_k, args.miss, "cuda", seed=11)
         try:
@@ -229,6 +231,12 @@ def main(argv=None):
         "--beside",
         action="store_true",
         help="also time HiSparse with the misses copied beside the read of the rows already hot",
+    )
+    ap.add_argument(
+        "--attention",
+        choices=("bmm", "fused"),
+        default="bmm",
+        help="every mode's attention: decoded rows + batched products, or the fused kernel",
     )
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)

@@ -67,6 +67,7 @@ def main(argv=None) -> int:
         help="of resident, hisparse, hisparse_in_read, hisparse_beside",
     )
     ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--attention", choices=("bmm", "fused"), default="bmm")
     ap.add_argument("--top", type=int, default=18)
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
@@ -83,7 +84,7 @@ def main(argv=None) -> int:
         tables = {}
         for mode in args.modes.split(","):
             base, _, path = mode.partition("_")  # hisparse_in_read -> hisparse, misses="in_read"
-            step = DecodeStep(cfg, w, kv, base, b, misses=path or "op")
+            step = DecodeStep(cfg, w, kv, base, b, misses=path or "op", attention=args.attention)
             drift = Drift(kv.max_batch, cfg.ctx_len, cfg.top_k, 0.05, "cuda", seed=11)
             us, total = kernel_table(step, drift, args.steps)
             tables[mode] = us

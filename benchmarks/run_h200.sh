@@ -6,7 +6,8 @@
 # save_rows tests: the quick gate after a kernel change), "bench2" (a second bench_ops run,
 # for the spread between runs), "misspaths" (the GPU-bound step's miss paths: the kernels alone,
 # the per-kernel profile, the TPOT comparison at 32k) and "contexts" (capacity at 64k and 128k
-# tokens per request); each of the last two fits one 10-minute device call.
+# tokens per request); each of the last two fits one 10-minute device call. "fusedattn": the
+# fused sparse-MLA kernel's profile and TPOT comparison (its own call).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/hisparse-out}
@@ -69,6 +70,12 @@ if has contexts; then
     timeout 300 python3 benchmarks/bench_decode_tpot.py --layers 8 --ctx $ctx --batches 1 --in-read --beside --runs 3 --steps 10 --json "$OUT/engine_tpot_h200_ctx$ctx.json" > "$OUT/tpot_$ctx.txt" 2>&1 || status=1
     grep -E "^B=|^Capacity" "$OUT/tpot_$ctx.txt"
   done
+fi
+if has fusedattn; then
+  timeout 150 python3 benchmarks/profile_step_kernels.py --layers 4 --batches 30,112 --attention fused --out "$OUT/step_kernels_fused_attention_h200.md" > /dev/null 2>&1 || status=1
+  grep "^## batch" "$OUT/step_kernels_fused_attention_h200.md"
+  timeout 420 python3 benchmarks/bench_decode_tpot.py --layers 8 --batches 1,16,64 --attention fused --beside --json "$OUT/engine_tpot_fused_attention_h200.json" > "$OUT/tpot_fused.txt" 2>&1 || status=1
+  grep -E "^B=|^Capacity" "$OUT/tpot_fused.txt"
 fi
 if has demo; then
   python3 -m hisparse demo --device cuda --no-progress --json "$OUT/demo_cuda.json" > "$OUT/demo.txt" 2>&1 || status=1

@@ -87,7 +87,8 @@ def markdown(res):
         f"width), context {cfg['ctx_len']} per request, hot buffer {cfg['hot_size']} rows; one "
         f"CUDA graph per step; median of {res['args']['runs']} interleaved rounds x "
         f"{res['args']['steps']} steps (min-max of the round medians); ratio = same-round. "
-        f"Row read and indexer: {res.get('kernels', 'torch')} kernels in every mode.",
+        f"Row read and indexer: {res.get('kernels', 'torch')} kernels in every mode; attention: "
+        f"{res.get('args', {}).get('attention', 'bmm')}.",
         "",
         "| batch | resident ms/step | HiSparse ms/step | ratio | no-overlap ms/step | ratio | "
         "split ms/step | ratio | hybrid ms/step | hit rate | ms/token res / HS | bit-identical |",

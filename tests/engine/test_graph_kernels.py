@@ -202,3 +202,25 @@ def test_gather_decode_parts_need_pending_and_a_matching_out(kernels):
         kernels.gather_decode(src, ids, pending=pending, part="some")
     with pytest.raises(ValueError, match="out must be contiguous bfloat16"):
         kernels.gather_decode(src, ids, pending=pending, part="misses", out=torch.empty(1))
+
+
+def test_sparse_mla_matches_float64_over_the_decoded_rows(kernels):
+    from hisparse.engine.graph.mla_kernel import sparse_mla
+
+    src = _rows(5000, 31)
+    g = torch.Generator(device="cuda").manual_seed(32)
+    n, H, K = 3, 128, 2000  # K not a multiple of the row block
+    ids = torch.stack([torch.randperm(5000, generator=g, device="cuda")[:K] for _ in range(n)])
+    q = torch.randn(n, H, 576, generator=g, device="cuda").bfloat16()
+    scale = 192**-0.5
+    kv = kernels.gather_decode(src, ids).double()
+    p = (torch.einsum("nhd,nkd->nhk", q.double(), kv) * scale).softmax(-1)
+    want = torch.einsum("nhk,nkd->nhd", p, kv[..., :512])
+    got = sparse_mla(q, src, ids, scale)
+    assert got.shape == (n, H, 512) and got.dtype == torch.bfloat16
+    assert float((got.double() - want).abs().max() / want.abs().max()) < 2e-2
+    assert torch.equal(got, sparse_mla(q, src, ids, scale))  # deterministic
+    halves = torch.cat(
+        [sparse_mla(q[:1], src, ids[:1], scale), sparse_mla(q[1:], src, ids[1:], scale)]
+    )
+    assert torch.equal(got, halves)  # a request's result does not depend on its batch

@@ -96,6 +96,12 @@ GPU_CASES = [
     ("hisparse", 2, 0, True),
     ("hybrid", 1, 2, True),
 ]
+# Fused attention: every mode against resident with the same kernel.
+FUSED_CASES = [
+    ("hisparse", 1, 0, True),
+    ("hisparse", 2, 0, "beside"),
+    ("hybrid", 1, 2, "beside"),
+]
 
 
 @pytest.fixture(scope="module")
@@ -106,14 +112,14 @@ def gpu_state():
     return cfg, Weights(cfg, "cuda"), KVStore(cfg, 6, "cuda")
 
 
-def _graph(state, mode, split=1, resident=0, overlap=True, steps=5, fused=None):
+def _graph(state, mode, split=1, resident=0, overlap=True, steps=5, fused=None, attention="bmm"):
     from hisparse.engine.graph import GraphStep
 
     cfg, w, kv = state
     misses = overlap if isinstance(overlap, str) else "op"  # a miss path other than the op's
     step = DecodeStep(
         cfg, w, kv, mode, 6, split=split, resident=resident, overlap=overlap is not False,
-        fused=fused, misses=misses,
+        fused=fused, misses=misses, attention=attention,
     )  # fmt: skip
     gs = GraphStep(step, Drift(6, cfg.ctx_len, cfg.top_k, 0.05, "cuda", seed=5), warmup=2)
     seq = []
@@ -136,6 +142,20 @@ def test_cuda_graph_replay_parity(gpu_state, mode, split, resident, overlap):
     assert misses > 0 and hits / (hits + misses) > 0.8
     if step.misses != "op":  # every staged miss was read and retired
         assert bool((step.pending == -1).all())
+
+
+@pytest.mark.cuda
+@needs_cuda
+@pytest.mark.parametrize("mode,split,resident,overlap", FUSED_CASES)
+def test_cuda_graph_replay_parity_with_fused_attention(gpu_state, mode, split, resident, overlap):
+    ref, _ = _graph(gpu_state, "resident", split, resident, attention="fused")
+    out, step = _graph(gpu_state, mode, split, resident, overlap, attention="fused")
+    assert _same(ref, out), (mode, split, resident, overlap)
+    bmm, _ = _graph(gpu_state, "resident", split, resident)
+    # Another summation than the products over decoded rows: close, and really the fused path.
+    assert not _same(bmm, ref)
+    a, b = bmm[0][1].float(), ref[0][1].float()  # the first step: the same inputs
+    assert float((a - b).norm() / a.norm()) < 0.05
 
 
 @pytest.mark.cuda
@@ -171,6 +191,10 @@ def test_fused_kernels_are_refused_where_they_cannot_run(tiny):
             DecodeStep(cfg, w, kv, "hisparse", 2, misses=path)
     with pytest.raises(ValueError, match="misses must be one of"):
         DecodeStep(cfg, w, kv, "hisparse", 2, misses="dma")
+    with pytest.raises(ValueError, match="attention='fused' needs the Triton kernels"):
+        DecodeStep(cfg, w, kv, "hisparse", 2, attention="fused")
+    with pytest.raises(ValueError, match="attention must be one of"):
+        DecodeStep(cfg, w, kv, "hisparse", 2, attention="flash")
     assert not DecodeStep(cfg, w, kv, "resident", 2).fused
 
 

@@ -6,11 +6,13 @@ which bytes land in which hot row, and the decode step's parity between resident
 path. Its float8 arithmetic differs from the GPU's, so bit-exactness against ``decode_rows`` is
 left to the CUDA tests (test_graph_kernels.py); here every comparison is between two runs under
 the interpreter. Three shims stand in for what only a GPU has: pinned memory (``is_pinned``),
-a host pointer the device reads (``_HostRows``: here the tensor itself) and ``available``.
+a host pointer the device reads (``_HostRows``: here the tensor itself) and ``available``; the
+fused attention runs its float32-operand variant (the interpreter's bf16 products are wrong).
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 
@@ -24,11 +26,16 @@ from hisparse.engine.graph import (
     Weights,
     counters,
     kernels,
+    mla_kernel,
 )
 from hisparse.engine.graph import miss_kernels as mk
 from hisparse.models.rows import encode_rows
 from tests.engine.test_graph_step import _eager, _same
 
+_sparse_mla = mla_kernel.sparse_mla
+# The interpreter's bf16 products are wrong; the kernel's float32-operand variant is the same
+# algorithm over the same (widened) values.
+mla_kernel.sparse_mla = functools.partial(_sparse_mla, products="fp32")
 mk._HostRows = lambda t, dtype: t.view(dtype)
 torch.Tensor.is_pinned = lambda self: True
 kernels.available = lambda device: True
@@ -88,6 +95,22 @@ def check_kernels() -> None:
     print("kernels ok")
 
 
+def check_attention() -> None:
+    g = torch.Generator().manual_seed(21)
+    src = _rows(300, 22)
+    n, H, K = 2, 40, 70  # heads over two blocks, the last one partly empty; K not a block multiple
+    ids = torch.stack([torch.randperm(300, generator=g)[:K] for _ in range(n)])
+    q = torch.randn(n, H, 576, generator=g).bfloat16()
+    scale = 576**-0.5
+    got = mla_kernel.sparse_mla(q, src, ids, scale, heads_per_program=32, block=16)
+    kv = kernels.gather_decode(src, ids).double()
+    p = (torch.einsum("nhd,nkd->nhk", q.double(), kv) * scale).softmax(-1)
+    want = torch.einsum("nhk,nkd->nhd", p, kv[..., :512])
+    err = float((got.double() - want).abs().max() / want.abs().max())
+    assert err < 1e-2, f"sparse_mla off by {err:.2e} (bf16 output: ~4e-3)"
+    print("attention ok")
+
+
 def check_step() -> None:
     torch.manual_seed(0)
     cfg = GraphConfig.tiny()
@@ -101,6 +124,16 @@ def check_step() -> None:
         ("hybrid", dict(misses="beside", resident=2)),
         ("hybrid", dict(misses="in_read", resident=2)),
     ]
+    _, fused_ref = _eager(cfg, w, kv, "resident", 5, 6, fused=True, attention="fused")
+    assert not _same(ref, fused_ref)  # another summation: close, not the same bits
+    cases_fused = [
+        ("hisparse", dict(misses="op")),
+        ("hisparse", dict(misses="beside", split=2)),
+        ("hybrid", dict(misses="beside", resident=2)),
+    ]
+    for mode, kw in cases_fused:
+        _, out = _eager(cfg, w, kv, mode, 5, 6, fused=True, attention="fused", **kw)
+        assert _same(fused_ref, out), f"fused attention {mode} {kw}: not bit-identical"
     for mode, kw in cases:
         step, out = _eager(cfg, w, kv, mode, 5, 6, fused=True, **kw)
         hits, misses, _ = counters(step)
@@ -122,5 +155,6 @@ def check_step() -> None:
 
 if __name__ == "__main__":
     check_kernels()
+    check_attention()
     check_step()
     sys.exit(0)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from hisparse.engine.graph import kernels
+from hisparse.engine.graph import kernels, mla_kernel
 from hisparse.engine.graph.config import GraphConfig
 from hisparse.models.rows import decode_rows
 
@@ -104,10 +104,20 @@ def read_rows(src: torch.Tensor, ids: torch.Tensor, fused: bool) -> torch.Tensor
     return decode_rows(rows, "fp8", DT)
 
 
+def _scale(cfg: GraphConfig) -> float:
+    return (cfg.nope + cfg.rope) ** -0.5
+
+
+def attend_rows(cfg: GraphConfig, q: torch.Tensor, src: torch.Tensor, ids: torch.Tensor):
+    """``attend(cfg, q, read_rows(src, ids, True))`` in one Triton kernel (rows and scores never
+    materialized; float32 scores and softmax, so close to it but not bit-identical)."""
+    return mla_kernel.sparse_mla(q, src, ids, _scale(cfg))
+
+
 def attend(cfg: GraphConfig, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
     """Sparse MLA over the selected rows: q [n, heads, 576], kv [n, top_k, 576] ->
     latent mix [n, heads, latent]."""
-    scale = (cfg.nope + cfg.rope) ** -0.5
+    scale = _scale(cfg)
     # The scale in the product's float32 epilogue and softmax on the bf16 scores (it accumulates
     # in float32): three passes over [n, heads, top_k] instead of six.
     s = q.new_empty(q.shape[0], q.shape[1], kv.shape[1])

@@ -15,7 +15,8 @@ then the query projection for the whole batch, then each part's attention: part 
 under part 1's indexer and the query projection, part 1's under part 0's attention. The only
 sync with the copies is each part's `wait_ready` right before its attention reads the rows
 (``overlap=False`` waits right after starting the copy instead: the no-overlap reference).
-``misses`` (`MISS_PATHS`) says how a host part's misses reach its row read.
+``misses`` (`MISS_PATHS`) says how a host part's misses reach its row read, ``attention``
+(`ATTENTION`) how attention reads the rows.
 
 Everything the step reads that changes between steps (the selection bias) lives in static
 buffers staged before a replay; the step writes its next input (the embedding of the token it
@@ -40,6 +41,9 @@ MODES = ("resident", "hisparse", "hybrid")
 # then the whole read; "in_read" read from the host pool inside the row read; "beside" a Triton
 # copy on the copy stream while the rows already hot are read, then the misses' rows.
 MISS_PATHS = ("op", "in_read", "beside")
+# Attention over the selected rows: "bmm" decodes them into a bf16 buffer, then two batched
+# products and a bf16 softmax; "fused" one Triton kernel over the FP8 rows (mla_kernel).
+ATTENTION = ("bmm", "fused")
 
 
 @dataclass
@@ -91,6 +95,7 @@ class DecodeStep:
         overlap: bool = True,
         fused: Optional[bool] = None,
         misses: str = "op",
+        attention: str = "bmm",
     ) -> None:
         if not 1 <= batch <= kv.max_batch:
             raise ValueError(f"batch must lie in [1, {kv.max_batch}], got {batch}")
@@ -103,7 +108,15 @@ class DecodeStep:
             raise ValueError(f"misses must be one of {MISS_PATHS}, got {misses!r}")
         if misses != "op" and not self.fused:
             raise ValueError(f"misses={misses!r} needs the Triton kernels (fused)")
-        self.misses = misses
+        if attention not in ATTENTION:
+            raise ValueError(f"attention must be one of {ATTENTION}, got {attention!r}")
+        if attention == "fused" and not self.fused:
+            raise ValueError("attention='fused' needs the Triton kernels (fused)")
+        if attention == "fused" and misses == "in_read":
+            raise ValueError(
+                "attention='fused' reads rows from one buffer: misses='op' or 'beside'"
+            )
+        self.misses, self.attention = misses, attention
         self.parts = [Part(a, b, h) for a, b, h in make_parts(mode, batch, split, resident)]
         # This step's own hot buffers (request b at rows b*hot_size ...), poisoned: a row no
         # gather wrote breaks parity instead of passing unnoticed.
@@ -170,6 +183,10 @@ class DecodeStep:
         q = M.query(cfg, w, qr)
         mixes = []
         for i, (p, r) in enumerate(zip(self.parts, rows)):
+            if self.attention == "fused":
+                src = self._hot_when_ready(layer, i, p) if p.host else self.kv.dev_rows[layer]
+                mixes.append(M.attend_rows(cfg, q[p.start : p.end], src, r))
+                continue
             kv = (
                 self._read(layer, i, p, r)
                 if p.host
@@ -193,7 +210,7 @@ class DecodeStep:
         self._mark("res0", layer, i)
         out = rt.resolve(ids.to(torch.int32), p.state_rows)
         self._mark("res1", layer, i)
-        if self.misses != "op":
+        if self.misses != "op" and self.attention == "bmm":
             miss_kernels.stage_misses(self.pending, *rt.index_group.plan())
         if self.misses == "in_read":
             return out
@@ -221,6 +238,13 @@ class DecodeStep:
         kernels.gather_decode(hot, r, pending=self.pending, part="misses", out=kv)
         miss_kernels.stage_misses(self.pending, *rt.index_group.plan(), clear=True)
         return kv
+
+    def _hot_when_ready(self, layer: int, i: int, p: Part) -> torch.Tensor:
+        """The layer's hot rows once the part's copy landed (fused attention reads them there)."""
+        self._mark("wait0", layer, i)
+        p.runtimes[layer].wait_ready()
+        self._mark("wait1", layer, i)
+        return self.hot[layer]
 
     def _mark(self, what: str, layer: int, i: int, stream=None) -> None:
         if self.probe is not None:

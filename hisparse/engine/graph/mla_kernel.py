@@ -1,0 +1,112 @@
+"""Sparse MLA decode in one Triton kernel: each request's selected FP8 rows are read by id,
+decoded, scored against the absorbed query and mixed by an online softmax, so neither the bf16
+rows [n, top_k, 576] nor the scores [n, heads, top_k] are ever written to memory.
+
+Why: at batch 112 the row read, the two batched products over the materialized rows and the
+softmax over the materialized scores are about half of the per-request cost of a decode step
+(benchmarks/results/step_kernels_h200.md), the cost that bounds throughput at HiSparse's
+capacity. The rows are decoded exactly as ``gather_decode`` does (the same bf16 values); the
+scores and the softmax stay in float32, so the result is as accurate as the products over
+materialized rows, not bit-identical to them. Resident and HiSparse call the same kernel on the
+same rows in the same order, so parity between them holds.
+
+A program takes ``heads_per_program`` heads of one request over all its rows, ``block`` rows at
+a time; every head block re-reads the request's rows (from L2 after the first).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hisparse.engine.graph.kernels import ROPE_AT, ROW_BYTES, SCALE_AT, triton
+from hisparse.models.rows import FP8_TILE, LATENT_DIM, ROPE_DIM
+
+if triton is not None:
+    import triton.language as tl
+
+    @triton.jit
+    def _sparse_mla(
+        q, src_u8, src_f32, src_bf16, ids, out, K, scale,
+        H: tl.constexpr, HB: tl.constexpr, BN: tl.constexpr,
+        ROW_U8: tl.constexpr, ROW_F32: tl.constexpr, ROW_BF16: tl.constexpr,
+        SCALE0: tl.constexpr, ROPE0: tl.constexpr, LAT: tl.constexpr, ROPE: tl.constexpr,
+        TILE: tl.constexpr, DOT: tl.constexpr,
+    ):  # fmt: skip
+        b = tl.program_id(0).to(tl.int64)
+        h = tl.program_id(1) * HB + tl.arange(0, HB)
+        c = tl.arange(0, LAT)
+        e = tl.arange(0, ROPE)
+        hm = (h < H)[:, None]  # a head block may pass the last head (fewer than 16 heads)
+        q_row = q + (b * H + h)[:, None] * (LAT + ROPE)
+        q_lat = tl.load(q_row + c[None, :], mask=hm, other=0.0).to(DOT)  # [HB, LAT]
+        q_rope = tl.load(q_row + LAT + e[None, :], mask=hm, other=0.0).to(DOT)  # [HB, ROPE]
+        m_i = tl.full([HB], float("-inf"), tl.float32)
+        l_i = tl.zeros([HB], tl.float32)
+        acc = tl.zeros([HB, LAT], tl.float32)
+        for k0 in range(0, K, BN):
+            j = k0 + tl.arange(0, BN)
+            ok = j < K
+            row = tl.load(ids + b * K + j, mask=ok, other=0).to(tl.int64)
+            k8 = tl.load(src_u8 + row[:, None] * ROW_U8 + c[None, :], mask=ok[:, None], other=0)
+            ks = tl.load(src_f32 + row[:, None] * ROW_F32 + SCALE0 + (c // TILE)[None, :],
+                         mask=ok[:, None], other=0.0)  # fmt: skip
+            # The values gather_decode gives: exact fp8 -> float, the scale rounded to bf16, one
+            # float product rounded to bf16.
+            kf = k8.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+            k_lat = (kf * ks.to(tl.bfloat16).to(tl.float32)).to(tl.bfloat16).to(DOT)  # [BN, LAT]
+            k_rope = tl.load(src_bf16 + row[:, None] * ROW_BF16 + ROPE0 + e[None, :],
+                             mask=ok[:, None], other=0.0).to(DOT)  # fmt: skip
+            s = tl.dot(q_lat, tl.trans(k_lat)) + tl.dot(q_rope, tl.trans(k_rope))  # [HB, BN]
+            s = tl.where(ok[None, :], s * scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            p = tl.exp(s - m_new[:, None])
+            alpha = tl.exp(m_i - m_new)
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(DOT), k_lat)
+            m_i = m_new
+        mix = (acc / l_i[:, None]).to(tl.bfloat16)
+        tl.store(out + (b * H + h)[:, None] * LAT + c[None, :], mix, mask=hm)
+
+
+PRODUCTS = {"bf16": tl.bfloat16, "fp32": tl.float32} if triton is not None else {}
+
+
+def sparse_mla(
+    q: torch.Tensor,
+    src: torch.Tensor,
+    ids: torch.Tensor,
+    scale: float,
+    *,
+    heads_per_program: int = 32,
+    block: int = 32,
+    warps: int = 8,
+    products: str = "bf16",
+) -> torch.Tensor:
+    """softmax(scale * q . k_t) . k_t[:512] over the rows ``ids`` [n, top_k] of ``src`` (uint8
+    [N, 656], FP8 layout): q [n, heads, 576] bf16 -> latent mix [n, heads, 512] bf16.
+    ``products="fp32"`` takes both products on float32 operands (the same values, widened): what
+    Triton's CPU interpreter can run, whose bf16 products are wrong; slow on a GPU."""
+    if products not in PRODUCTS:
+        raise ValueError(f"products must be one of {tuple(PRODUCTS)}, got {products!r}")
+    if src.dtype != torch.uint8 or src.dim() != 2 or src.shape[1] != ROW_BYTES:
+        raise ValueError(f"src must be uint8 [rows, {ROW_BYTES}], got {src.dtype} {src.shape}")
+    if not src.is_contiguous():
+        raise ValueError("src must be contiguous")
+    n, H, D = q.shape
+    if q.dtype != torch.bfloat16 or D != LATENT_DIM + ROPE_DIM:
+        raise ValueError(f"q must be bfloat16 [n, heads, {LATENT_DIM + ROPE_DIM}], got {q.dtype}")
+    if ids.dim() != 2 or ids.shape[0] != n:
+        raise ValueError(f"ids must be [{n}, top_k], got {tuple(ids.shape)}")
+    if heads_per_program < 16 or heads_per_program & (heads_per_program - 1):
+        raise ValueError(f"heads_per_program must be a power of two >= 16, got {heads_per_program}")
+    q, ids = q.contiguous(), ids.contiguous()
+    out = torch.empty(n, H, LATENT_DIM, dtype=torch.bfloat16, device=q.device)
+    if n == 0:
+        return out
+    _sparse_mla[(n, triton.cdiv(H, heads_per_program))](
+        q, src, src.view(torch.float32), src.view(torch.bfloat16), ids, out, ids.shape[1],
+        float(scale), H, heads_per_program, block,
+        ROW_BYTES, ROW_BYTES // 4, ROW_BYTES // 2, SCALE_AT, ROPE_AT, LATENT_DIM, ROPE_DIM,
+        FP8_TILE, PRODUCTS[products], num_warps=warps,
+    )  # fmt: skip
+    return out
