@@ -72,6 +72,7 @@ if has contexts; then
   done
 fi
 if has fusedattn; then
+  timeout 120 python3 benchmarks/bench_mla.py --json "$OUT/mla_h200.json" 2>&1 | tail -3 || status=1
   timeout 150 python3 benchmarks/profile_step_kernels.py --layers 4 --batches 30,112 --attention fused --out "$OUT/step_kernels_fused_attention_h200.md" > /dev/null 2>&1 || status=1
   grep "^## batch" "$OUT/step_kernels_fused_attention_h200.md"
   timeout 420 python3 benchmarks/bench_decode_tpot.py --layers 8 --batches 1,16,64 --attention fused --beside --json "$OUT/engine_tpot_fused_attention_h200.json" > "$OUT/tpot_fused.txt" 2>&1 || status=1

@@ -1,0 +1,90 @@
+"""The fused sparse-MLA decode kernel alone (hisparse.engine.graph.mla_kernel.sparse_mla) per
+launch shape, against the path it replaces: the Triton row read (gather_decode) then the two
+batched products and the bf16 softmax of model.attend, timed the same way.
+
+    python benchmarks/bench_mla.py --json benchmarks/results/mla_h200.json
+
+DeepSeek-V3.2's shapes: 128 heads, 2048 selected 656-B FP8 rows per request, each request's
+rows in its own region of a row buffer. Median of `--reps` launches (CUDA events).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+
+import torch
+
+from hisparse.engine.graph import GraphConfig, kernels
+from hisparse.engine.graph import model as M
+from hisparse.engine.graph.config import ROW_BYTES
+from hisparse.engine.graph.kernels import ROPE_AT, SCALE_AT
+from hisparse.engine.graph.mla_kernel import sparse_mla
+
+SHAPES = (  # (heads per program, rows per block, warps)
+    (32, 32, 4),
+    (32, 32, 8),
+    (64, 32, 8),
+    (64, 64, 8),
+    (16, 64, 4),
+    (32, 64, 8),
+)
+
+
+def _time(fn, reps: int) -> float:
+    ev = [[torch.cuda.Event(enable_timing=True) for _ in range(2)] for _ in range(reps)]
+    fn()
+    for a, b in ev:
+        a.record()
+        fn()
+        b.record()
+    torch.cuda.synchronize()
+    return statistics.median(a.elapsed_time(b) * 1e3 for a, b in ev)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--batches", default="30,64,112")
+    ap.add_argument("--rows-per-request", type=int, default=4096)
+    ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    cfg = GraphConfig.deepseek_v32()
+    g = torch.Generator(device="cuda").manual_seed(0)
+    R, K = args.rows_per_request, cfg.top_k
+    rows = []
+    for n in (int(b) for b in args.batches.split(",")):
+        src = torch.randint(0, 120, (n * R, ROW_BYTES), generator=g, device="cuda").to(torch.uint8)
+        # Small scales and rope values: finite scores (random bytes there would overflow).
+        src.view(torch.float32)[:, SCALE_AT : SCALE_AT + 4] = 0.01
+        src.view(torch.bfloat16)[:, ROPE_AT:] = 0.01
+        ids = torch.stack(
+            [torch.randperm(R, generator=g, device="cuda")[:K] + b * R for b in range(n)]
+        )
+        q = torch.randn(n, cfg.heads, 576, generator=g, device="cuda").bfloat16()
+        base = _time(lambda: M.attend(cfg, q, kernels.gather_decode(src, ids)), args.reps)
+        row = dict(batch=n, bmm_path_us=base, shapes={})
+        for hb, bn, w in SHAPES:
+            scale = (cfg.nope + cfg.rope) ** -0.5
+
+            def fused(hb=hb, bn=bn, w=w):
+                sparse_mla(q, src, ids, scale, heads_per_program=hb, block=bn, warps=w)
+
+            t = _time(fused, args.reps)
+            row["shapes"][f"{hb}x{bn}x{w}"] = dict(us=t, us_per_request=t / n, vs_bmm=t / base)
+        print(
+            f"B={n}: bmm path {base:.1f} us; "
+            + ", ".join(f"{k}: {v['us']:.1f}" for k, v in row["shapes"].items()),
+            flush=True,
+        )
+        rows.append(row)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(device=torch.cuda.get_device_name(), rows=rows), f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
