@@ -3,8 +3,9 @@ resolve op's own gather: Triton kernels over the op's miss plan (miss_src, miss_
 
 * ``stage_misses`` writes the plan into a ``pending`` table (``pending[hot row]`` = its host key)
   in one launch, and with ``clear=True`` empties those entries again after the read. (A read
-  that retired its own entries would race: Triton replicates a row's ``pending`` load across
-  warps, so one warp's retirement could precede another's load.)
+  that retired its own entries would need every warp's load of the entry to come before the
+  retirement, and Triton may give several warps their own copy of one row's load; an H200 run
+  of that form lost parity. A launch of its own needs no such ordering.)
 * ``read_rows_from_host`` ("in-read"): attention's row read itself reads a pending row from the
   pinned host pool over PCIe, beside the hits read from HBM, and writes it to its hot row.
 * ``copy_misses`` ("beside"): the plan copied host -> hot rows by SM loads on a side stream
@@ -126,7 +127,8 @@ def read_rows_from_host(
     """``gather_decode(hot, ids)``, except that a row ``h`` with ``pending[h] = key >= 0`` is
     read from ``host[key]`` (pinned, uint8 [N, 656]) and its bytes written to ``hot[h]``.
     ``block`` rows per program, ``warps`` per program: 64 x 8 was the fastest of five shapes at
-    batches 1-112 on an H200 (benchmarks/results/in_read_h200.json)."""
+    batches 1-112 on an H200 (benchmarks/results/in_read_h200.json, a run that repeated one plan,
+    so its host rows may have come from L2)."""
     for what, t in (("hot", hot), ("host", host)):
         if t.dtype != torch.uint8 or t.dim() != 2 or t.shape[1] != ROW_BYTES:
             raise ValueError(f"{what} must be uint8 [rows, {ROW_BYTES}], got {t.dtype} {t.shape}")
