@@ -179,7 +179,7 @@ def capacity(rows, res_max, hs_max):
         "hisparse_beside",
         "hisparse_split_beside",
     )
-    hs_ms = min(hs[f"{k}_ms_per_step"] for k in keys if f"{k}_ms_per_step" in hs)
+    hs_ms, hs_path = min((hs[f"{k}_ms_per_step"], k) for k in keys if f"{k}_ms_per_step" in hs)
     capped = [
         hs.get(k) for k in ("hisparse_capped_ms_per_step", "hisparse_split_capped_ms_per_step")
     ]
@@ -191,6 +191,7 @@ def capacity(rows, res_max, hs_max):
         resident_best_tok_s=tok_s(best, "resident_ms_per_step"),
         hisparse_batch=hs_max,
         hisparse_tok_s=hs_max / hs_ms * 1e3,
+        hisparse_variant=hs_path,
         ratio=(hs_max / hs_ms * 1e3) / tok_s(best, "resident_ms_per_step"),
     )
 

@@ -70,6 +70,7 @@ if has contexts; then
     timeout 300 python3 benchmarks/bench_decode_tpot.py --layers 8 --ctx $ctx --batches 1 --in-read --beside --runs 3 --steps 10 --json "$OUT/engine_tpot_h200_ctx$ctx.json" > "$OUT/tpot_$ctx.txt" 2>&1 || status=1
     grep -E "^B=|^Capacity" "$OUT/tpot_$ctx.txt"
   done
+  python3 benchmarks/capacity_report.py benchmarks/results/engine_tpot_h200.json "$OUT"/engine_tpot_h200_ctx*.json --out "$OUT/capacity_by_context_h200.md" || status=1
 fi
 if has fusedattn; then
   timeout 120 python3 benchmarks/bench_mla.py --json "$OUT/mla_h200.json" 2>&1 | tail -3 || status=1
