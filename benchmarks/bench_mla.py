@@ -5,7 +5,8 @@ batched products and the bf16 softmax of model.attend, timed the same way.
     python benchmarks/bench_mla.py --json benchmarks/results/mla_h200.json
 
 DeepSeek-V3.2's shapes: 128 heads, 2048 selected 656-B FP8 rows per request, each request's
-rows in its own region of a row buffer. Median of `--reps` launches (CUDA events).
+rows in its own region of a row buffer; each request's rows cut into `splits_for`'s number of
+runs, as the decode step does. Median of `--reps` launches (CUDA events).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from hisparse.engine.graph import GraphConfig, kernels
 from hisparse.engine.graph import model as M
 from hisparse.engine.graph.config import ROW_BYTES
 from hisparse.engine.graph.kernels import ROPE_AT, SCALE_AT
-from hisparse.engine.graph.mla_kernel import sparse_mla
+from hisparse.engine.graph.mla_kernel import sparse_mla, splits_for
 
 SHAPES = (  # (heads per program, rows per block, warps)
     (32, 32, 4),
@@ -46,7 +47,7 @@ def _time(fn, reps: int) -> float:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--batches", default="30,64,112")
+    ap.add_argument("--batches", default="1,16,30,64,112")
     ap.add_argument("--rows-per-request", type=int, default=4096)
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--json", default=None)
@@ -65,12 +66,14 @@ def main(argv=None) -> int:
         )
         q = torch.randn(n, cfg.heads, 576, generator=g, device="cuda").bfloat16()
         base = _time(lambda: M.attend(cfg, q, kernels.gather_decode(src, ids)), args.reps)
-        row = dict(batch=n, bmm_path_us=base, shapes={})
+        splits = splits_for(n, cfg.heads, "cuda")  # for the default 32 heads per program
+        row = dict(batch=n, bmm_path_us=base, splits=splits, shapes={})
         for hb, bn, w in SHAPES:
             scale = (cfg.nope + cfg.rope) ** -0.5
 
             def fused(hb=hb, bn=bn, w=w):
-                sparse_mla(q, src, ids, scale, heads_per_program=hb, block=bn, warps=w)
+                cut = splits_for(n, cfg.heads, "cuda", heads_per_program=hb)
+                sparse_mla(q, src, ids, scale, heads_per_program=hb, block=bn, warps=w, splits=cut)
 
             t = _time(fused, args.reps)
             row["shapes"][f"{hb}x{bn}x{w}"] = dict(us=t, us_per_request=t / n, vs_bmm=t / base)

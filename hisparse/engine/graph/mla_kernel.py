@@ -26,8 +26,8 @@ if triton is not None:
 
     @triton.jit
     def _sparse_mla(
-        q, src_u8, src_f32, src_bf16, ids, out, K, scale,
-        H: tl.constexpr, HB: tl.constexpr, BN: tl.constexpr,
+        q, src_u8, src_f32, src_bf16, ids, out, part_acc, part_ml, K, CHUNK, scale,
+        H: tl.constexpr, HB: tl.constexpr, BN: tl.constexpr, SPLITS: tl.constexpr,
         ROW_U8: tl.constexpr, ROW_F32: tl.constexpr, ROW_BF16: tl.constexpr,
         SCALE0: tl.constexpr, ROPE0: tl.constexpr, LAT: tl.constexpr, ROPE: tl.constexpr,
         TILE: tl.constexpr, DOT: tl.constexpr,
@@ -43,9 +43,11 @@ if triton is not None:
         m_i = tl.full([HB], float("-inf"), tl.float32)
         l_i = tl.zeros([HB], tl.float32)
         acc = tl.zeros([HB, LAT], tl.float32)
-        for k0 in range(0, K, BN):
+        split = tl.program_id(2)
+        end = tl.minimum((split + 1) * CHUNK, K)
+        for k0 in range(split * CHUNK, end, BN):
             j = k0 + tl.arange(0, BN)
-            ok = j < K
+            ok = j < end
             row = tl.load(ids + b * K + j, mask=ok, other=0).to(tl.int64)
             k8 = tl.load(src_u8 + row[:, None] * ROW_U8 + c[None, :], mask=ok[:, None], other=0)
             ks = tl.load(src_f32 + row[:, None] * ROW_F32 + SCALE0 + (c // TILE)[None, :],
@@ -64,10 +66,43 @@ if triton is not None:
             l_i = l_i * alpha + tl.sum(p, axis=1)
             acc = acc * alpha[:, None] + tl.dot(p.to(DOT), k_lat)
             m_i = m_new
-        mix = (acc / l_i[:, None]).to(tl.bfloat16)
-        tl.store(out + (b * H + h)[:, None] * LAT + c[None, :], mix, mask=hm)
+        if SPLITS == 1:
+            mix = (acc / l_i[:, None]).to(tl.bfloat16)
+            tl.store(out + (b * H + h)[:, None] * LAT + c[None, :], mix, mask=hm)
+        else:  # this split's unnormalized sum, its max and its denominator, for _combine
+            at = (b * H + h) * SPLITS + split
+            tl.store(part_acc + at[:, None] * LAT + c[None, :], acc, mask=hm)
+            tl.store(part_ml + at * 2, m_i, mask=h < H)
+            tl.store(part_ml + at * 2 + 1, l_i, mask=h < H)
+
+    @triton.jit
+    def _combine(
+        part_acc, part_ml, out, H: tl.constexpr, HB: tl.constexpr, SPLITS: tl.constexpr,
+        LAT: tl.constexpr,
+    ):  # fmt: skip
+        b = tl.program_id(0).to(tl.int64)
+        h = tl.program_id(1) * HB + tl.arange(0, HB)
+        hm = h < H
+        c = tl.arange(0, LAT)
+        base = (b * H + h) * SPLITS
+        m_all = tl.full([HB], float("-inf"), tl.float32)
+        for s in tl.static_range(SPLITS):
+            m_all = tl.maximum(m_all, tl.load(part_ml + (base + s) * 2, mask=hm, other=0.0))
+        acc = tl.zeros([HB, LAT], tl.float32)
+        den = tl.zeros([HB], tl.float32)
+        for s in tl.static_range(SPLITS):
+            # A split with no rows has max -inf and weight 0.
+            w = tl.exp(tl.load(part_ml + (base + s) * 2, mask=hm, other=0.0) - m_all)
+            den += w * tl.load(part_ml + (base + s) * 2 + 1, mask=hm, other=0.0)
+            a = tl.load(part_acc + (base + s)[:, None] * LAT + c[None, :], mask=hm[:, None],
+                        other=0.0)  # fmt: skip
+            acc += w[:, None] * a
+        den = tl.where(hm, den, 1.0)  # heads past the last: nothing was summed
+        mix = (acc / den[:, None]).to(tl.bfloat16)
+        tl.store(out + (b * H + h)[:, None] * LAT + c[None, :], mix, mask=hm[:, None])
 
 
+MAX_SPLITS = 16
 PRODUCTS = {"bf16": tl.bfloat16, "fp32": tl.float32} if triton is not None else {}
 
 
@@ -80,12 +115,16 @@ def sparse_mla(
     heads_per_program: int = 32,
     block: int = 32,
     warps: int = 8,
+    splits: int = 1,
     products: str = "bf16",
 ) -> torch.Tensor:
     """softmax(scale * q . k_t) . k_t[:512] over the rows ``ids`` [n, top_k] of ``src`` (uint8
     [N, 656], FP8 layout): q [n, heads, 576] bf16 -> latent mix [n, heads, 512] bf16.
     ``products="fp32"`` takes both products on float32 operands (the same values, widened): what
-    Triton's CPU interpreter can run, whose bf16 products are wrong; slow on a GPU."""
+    Triton's CPU interpreter can run, whose bf16 products are wrong; slow on a GPU.
+    ``splits`` > 1 cuts each request's rows into that many runs scored by programs of their own,
+    then merged (flash-decoding): more programs where the batch is small. The split changes the
+    order of the sums, so every part of a step must use the same value (``splits_for``)."""
     if products not in PRODUCTS:
         raise ValueError(f"products must be one of {tuple(PRODUCTS)}, got {products!r}")
     if src.dtype != torch.uint8 or src.dim() != 2 or src.shape[1] != ROW_BYTES:
@@ -103,10 +142,33 @@ def sparse_mla(
     out = torch.empty(n, H, LATENT_DIM, dtype=torch.bfloat16, device=q.device)
     if n == 0:
         return out
-    _sparse_mla[(n, triton.cdiv(H, heads_per_program))](
-        q, src, src.view(torch.float32), src.view(torch.bfloat16), ids, out, ids.shape[1],
-        float(scale), H, heads_per_program, block,
+    if not 1 <= splits <= MAX_SPLITS:
+        raise ValueError(f"splits must lie in [1, {MAX_SPLITS}], got {splits}")
+    K = ids.shape[1]
+    chunk = triton.cdiv(triton.cdiv(K, splits), block) * block
+    part_acc = part_ml = out  # unused unless split
+    if splits > 1:
+        part_acc = torch.empty(n * H * splits, LATENT_DIM, dtype=torch.float32, device=q.device)
+        part_ml = torch.empty(n * H * splits * 2, dtype=torch.float32, device=q.device)
+    _sparse_mla[(n, triton.cdiv(H, heads_per_program), splits)](
+        q, src, src.view(torch.float32), src.view(torch.bfloat16), ids, out, part_acc, part_ml,
+        K, chunk, float(scale), H, heads_per_program, block, splits,
         ROW_BYTES, ROW_BYTES // 4, ROW_BYTES // 2, SCALE_AT, ROPE_AT, LATENT_DIM, ROPE_DIM,
         FP8_TILE, PRODUCTS[products], num_warps=warps,
     )  # fmt: skip
+    if splits > 1:
+        _combine[(n, triton.cdiv(H, 16))](part_acc, part_ml, out, H, 16, splits, LATENT_DIM)
     return out
+
+
+def splits_for(batch: int, heads: int, device, heads_per_program: int = 32) -> int:
+    """How many runs to cut each request's rows into so that a step of ``batch`` requests fills
+    the device's SMs once (1 from about a third of the SM count up)."""
+    device = torch.device(device)
+    sms = (
+        torch.cuda.get_device_properties(device).multi_processor_count
+        if device.type == "cuda"
+        else 132
+    )
+    programs = batch * -(-heads // heads_per_program)
+    return max(1, min(MAX_SPLITS, -(-sms // programs)))

@@ -108,10 +108,11 @@ def _scale(cfg: GraphConfig) -> float:
     return (cfg.nope + cfg.rope) ** -0.5
 
 
-def attend_rows(cfg: GraphConfig, q: torch.Tensor, src: torch.Tensor, ids: torch.Tensor):
+def attend_rows(cfg: GraphConfig, q, src: torch.Tensor, ids: torch.Tensor, splits: int = 1):
     """``attend(cfg, q, read_rows(src, ids, True))`` in one Triton kernel (rows and scores never
-    materialized; float32 scores and softmax, so close to it but not bit-identical)."""
-    return mla_kernel.sparse_mla(q, src, ids, _scale(cfg))
+    materialized; float32 scores and softmax, so close to it but not bit-identical), each
+    request's rows in ``splits`` runs (``mla_kernel.splits_for``)."""
+    return mla_kernel.sparse_mla(q, src, ids, _scale(cfg), splits=splits)
 
 
 def attend(cfg: GraphConfig, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:

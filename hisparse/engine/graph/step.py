@@ -30,7 +30,7 @@ from typing import Optional
 
 import torch
 
-from hisparse.engine.graph import kernels, miss_kernels
+from hisparse.engine.graph import kernels, miss_kernels, mla_kernel
 from hisparse.engine.graph import model as M
 from hisparse.engine.graph.config import ROW_BYTES, GraphConfig
 from hisparse.engine.graph.kv import HOT_POISON, KVStore
@@ -117,6 +117,8 @@ class DecodeStep:
                 "attention='fused' reads rows from one buffer: misses='op' or 'beside'"
             )
         self.misses, self.attention = misses, attention
+        # One split count for every part: results then do not depend on how the batch is cut.
+        self.splits = mla_kernel.splits_for(batch, cfg.heads, dev) if attention == "fused" else 1
         self.parts = [Part(a, b, h) for a, b, h in make_parts(mode, batch, split, resident)]
         # This step's own hot buffers (request b at rows b*hot_size ...), poisoned: a row no
         # gather wrote breaks parity instead of passing unnoticed.
@@ -185,7 +187,7 @@ class DecodeStep:
         for i, (p, r) in enumerate(zip(self.parts, rows)):
             if self.attention == "fused":
                 src = self._hot_when_ready(layer, i, p) if p.host else self.kv.dev_rows[layer]
-                mixes.append(M.attend_rows(cfg, q[p.start : p.end], src, r))
+                mixes.append(M.attend_rows(cfg, q[p.start : p.end], src, r, self.splits))
                 continue
             kv = (
                 self._read(layer, i, p, r)
