@@ -24,13 +24,13 @@ from hisparse.engine.graph.config import ROW_BYTES
 from hisparse.engine.graph.kernels import ROPE_AT, SCALE_AT
 from hisparse.engine.graph.mla_kernel import sparse_mla, splits_for
 
-SHAPES = (  # (heads per program, rows per block, warps)
-    (32, 32, 4),
-    (32, 32, 8),
-    (64, 32, 8),
-    (64, 64, 8),
-    (16, 64, 4),
-    (32, 64, 8),
+SHAPES = (  # (heads per program, rows per block, warps, pipeline stages)
+    (64, 16, 8, 2),
+    (64, 16, 8, 1),
+    (64, 32, 8, 2),
+    (32, 16, 8, 1),
+    (16, 32, 8, 2),
+    (16, 16, 8, 1),
 )
 
 
@@ -66,17 +66,20 @@ def main(argv=None) -> int:
         )
         q = torch.randn(n, cfg.heads, 576, generator=g, device="cuda").bfloat16()
         base = _time(lambda: M.attend(cfg, q, kernels.gather_decode(src, ids)), args.reps)
-        splits = splits_for(n, cfg.heads, "cuda")  # for the default 32 heads per program
+        splits = splits_for(n, cfg.heads, "cuda")  # for the default heads per program
         row = dict(batch=n, bmm_path_us=base, splits=splits, shapes={})
-        for hb, bn, w in SHAPES:
+        for hb, bn, w, st in SHAPES:
             scale = (cfg.nope + cfg.rope) ** -0.5
 
-            def fused(hb=hb, bn=bn, w=w):
+            def fused(hb=hb, bn=bn, w=w, st=st):
                 cut = splits_for(n, cfg.heads, "cuda", heads_per_program=hb)
-                sparse_mla(q, src, ids, scale, heads_per_program=hb, block=bn, warps=w, splits=cut)
+                sparse_mla(
+                    q, src, ids, scale, heads_per_program=hb, block=bn, warps=w, stages=st,
+                    splits=cut,
+                )  # fmt: skip
 
             t = _time(fused, args.reps)
-            row["shapes"][f"{hb}x{bn}x{w}"] = dict(us=t, us_per_request=t / n, vs_bmm=t / base)
+            row["shapes"][f"{hb}x{bn}x{w}x{st}"] = dict(us=t, us_per_request=t / n, vs_bmm=t / base)
         print(
             f"B={n}: bmm path {base:.1f} us; "
             + ", ".join(f"{k}: {v['us']:.1f}" for k, v in row["shapes"].items()),

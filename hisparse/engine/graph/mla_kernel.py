@@ -11,7 +11,10 @@ materialized rows, not bit-identical to them. Resident and HiSparse call the sam
 same rows in the same order, so parity between them holds.
 
 A program takes ``heads_per_program`` heads of one request over all its rows, ``block`` rows at
-a time; every head block re-reads the request's rows (from L2 after the first).
+a time; every head block re-reads and re-decodes the request's rows (from L2 after the first).
+The defaults, 64 heads x 16 rows x 8 warps x 2 stages, are what compiles for sm_90 with Hopper's
+warpgroup MMA and the fewest register spills of the shapes tried
+(benchmarks/results/triton_kernels_sm90.md); their speed is for an H200 to say (bench_mla.py).
 """
 
 from __future__ import annotations
@@ -37,6 +40,8 @@ if triton is not None:
         c = tl.arange(0, LAT)
         e = tl.arange(0, ROPE)
         hm = (h < H)[:, None]  # a head block may pass the last head (fewer than 16 heads)
+        t = tl.arange(0, LAT // TILE)
+        lat3 = t[None, :, None] * TILE + tl.arange(0, TILE)[None, None, :]
         q_row = q + (b * H + h)[:, None] * (LAT + ROPE)
         q_lat = tl.load(q_row + c[None, :], mask=hm, other=0.0).to(DOT)  # [HB, LAT]
         q_rope = tl.load(q_row + LAT + e[None, :], mask=hm, other=0.0).to(DOT)  # [HB, ROPE]
@@ -49,13 +54,17 @@ if triton is not None:
             j = k0 + tl.arange(0, BN)
             ok = j < end
             row = tl.load(ids + b * K + j, mask=ok, other=0).to(tl.int64)
-            k8 = tl.load(src_u8 + row[:, None] * ROW_U8 + c[None, :], mask=ok[:, None], other=0)
-            ks = tl.load(src_f32 + row[:, None] * ROW_F32 + SCALE0 + (c // TILE)[None, :],
-                         mask=ok[:, None], other=0.0)  # fmt: skip
+            # The latent as [BN, tiles, TILE] beside one scale per tile: a scale is loaded once,
+            # not once per value.
+            k8 = tl.load(src_u8 + row[:, None, None] * ROW_U8 + lat3, mask=ok[:, None, None],
+                         other=0)  # fmt: skip
+            ks = tl.load(src_f32 + row[:, None] * ROW_F32 + SCALE0 + t[None, :], mask=ok[:, None],
+                         other=0.0)  # fmt: skip
             # The values gather_decode gives: exact fp8 -> float, the scale rounded to bf16, one
             # float product rounded to bf16.
             kf = k8.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-            k_lat = (kf * ks.to(tl.bfloat16).to(tl.float32)).to(tl.bfloat16).to(DOT)  # [BN, LAT]
+            kf = kf * ks.to(tl.bfloat16).to(tl.float32)[:, :, None]
+            k_lat = tl.reshape(kf.to(tl.bfloat16), [BN, LAT]).to(DOT)  # [BN, LAT]
             k_rope = tl.load(src_bf16 + row[:, None] * ROW_BF16 + ROPE0 + e[None, :],
                              mask=ok[:, None], other=0.0).to(DOT)  # fmt: skip
             s = tl.dot(q_lat, tl.trans(k_lat)) + tl.dot(q_rope, tl.trans(k_rope))  # [HB, BN]
@@ -112,9 +121,10 @@ def sparse_mla(
     ids: torch.Tensor,
     scale: float,
     *,
-    heads_per_program: int = 32,
-    block: int = 32,
+    heads_per_program: int = 64,
+    block: int = 16,
     warps: int = 8,
+    stages: int = 2,
     splits: int = 1,
     products: str = "bf16",
 ) -> torch.Tensor:
@@ -154,14 +164,16 @@ def sparse_mla(
         q, src, src.view(torch.float32), src.view(torch.bfloat16), ids, out, part_acc, part_ml,
         K, chunk, float(scale), H, heads_per_program, block, splits,
         ROW_BYTES, ROW_BYTES // 4, ROW_BYTES // 2, SCALE_AT, ROPE_AT, LATENT_DIM, ROPE_DIM,
-        FP8_TILE, PRODUCTS[products], num_warps=warps,
+        FP8_TILE, PRODUCTS[products], num_warps=warps, num_stages=stages,
     )  # fmt: skip
     if splits > 1:
-        _combine[(n, triton.cdiv(H, 16))](part_acc, part_ml, out, H, 16, splits, LATENT_DIM)
+        _combine[(n, triton.cdiv(H, 16))](
+            part_acc, part_ml, out, H, 16, splits, LATENT_DIM, num_warps=8
+        )
     return out
 
 
-def splits_for(batch: int, heads: int, device, heads_per_program: int = 32) -> int:
+def splits_for(batch: int, heads: int, device, heads_per_program: int = 64) -> int:
     """How many runs to cut each request's rows into so that a step of ``batch`` requests fills
     the device's SMs once (1 from about a third of the SM count up)."""
     device = torch.device(device)
