@@ -17,27 +17,16 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import statistics
 import sys
 
 import torch
+from cuda_timing import median_us
 
 from hisparse.engine.graph import kernels, miss_kernels
 from hisparse.engine.graph.config import ROW_BYTES
 
 SHAPES = ((8, 2), (16, 4), (32, 4), (32, 8), (64, 8))  # (rows per program, warps)
 COPY_SHAPES = ((16, 4, 4), (32, 4, 4), (32, 8, 4), (64, 4, 8))  # (rows, programs/request, warps)
-
-
-def _time(fn, reps: int) -> float:
-    ev = [[torch.cuda.Event(enable_timing=True) for _ in range(2)] for _ in range(reps)]
-    fn()
-    for a, b in ev:
-        a.record()
-        fn()
-        b.record()
-    torch.cuda.synchronize()
-    return statistics.median(a.elapsed_time(b) * 1e3 for a, b in ev)
 
 
 def plan(batch: int, top_k: int, hot: int, ctx: int, miss: float, g: torch.Generator, ids=None):
@@ -89,17 +78,17 @@ def main(argv=None) -> int:
             miss_kernels.stage_misses(pending, *misses)
             miss_kernels.read_rows_from_host(hot, host, pending, ids, block=blk, warps=w)
 
-        base = _time(lambda: kernels.gather_decode(hot, ids), args.reps)
+        base = median_us(lambda: kernels.gather_decode(hot, ids), args.reps)
         row = dict(batch=b, all_hot_us=base, miss_bytes=moved, shapes={}, copy_shapes={})
         for blk, w in SHAPES:
-            t = _time(fresh(lambda m, blk=blk, w=w: in_read(m, blk, w)), args.reps)
+            t = median_us(fresh(lambda m, blk=blk, w=w: in_read(m, blk, w)), args.reps)
             row["shapes"][f"{blk}x{w}"] = t
         for blk, progs, w in COPY_SHAPES:
 
             def copy(m, blk=blk, progs=progs, w=w):
                 miss_kernels.copy_misses(hot, host, *m, block=blk, programs=progs, warps=w)
 
-            t = _time(fresh(copy), args.reps)
+            t = median_us(fresh(copy), args.reps)
             row["copy_shapes"][f"{blk}x{progs}x{w}"] = dict(us=t, gb_s=moved / t / 1e3)
         print(
             f"B={b}: all hot {base:.1f} us; in-read "

@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 
 import torch
+from cuda_timing import median_us
 
 from hisparse.engine.graph import kernels
 
@@ -30,17 +30,6 @@ SHAPES = (  # (block_t, tiles, warps)
     (128, 4, 8),
     (256, 2, 8),
 )
-
-
-def _time(fn, reps: int) -> float:
-    ev = [[torch.cuda.Event(enable_timing=True) for _ in range(2)] for _ in range(reps)]
-    fn()
-    for a, b in ev:
-        a.record()
-        fn()
-        b.record()
-    torch.cuda.synchronize()
-    return statistics.median(a.elapsed_time(b) * 1e3 for a, b in ev)
 
 
 def main(argv=None) -> int:
@@ -60,7 +49,7 @@ def main(argv=None) -> int:
         moved = n * args.ctx * (128 + 4 + 4)
         row = dict(batch=n, ctx=args.ctx, shapes={})
         for bt, tiles, warps in SHAPES:
-            us = _time(
+            us = median_us(
                 lambda: kernels.indexer_scores(
                     q, hw, keys, scales, block_t=bt, tiles=tiles, warps=warps
                 ),

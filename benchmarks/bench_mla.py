@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 
 import torch
+from cuda_timing import median_us
 
 from hisparse.engine.graph import GraphConfig, kernels
 from hisparse.engine.graph import model as M
@@ -32,17 +32,6 @@ SHAPES = (  # (heads per program, rows per block, warps, pipeline stages)
     (16, 32, 8, 2),
     (16, 16, 8, 1),
 )
-
-
-def _time(fn, reps: int) -> float:
-    ev = [[torch.cuda.Event(enable_timing=True) for _ in range(2)] for _ in range(reps)]
-    fn()
-    for a, b in ev:
-        a.record()
-        fn()
-        b.record()
-    torch.cuda.synchronize()
-    return statistics.median(a.elapsed_time(b) * 1e3 for a, b in ev)
 
 
 def main(argv=None) -> int:
@@ -65,7 +54,7 @@ def main(argv=None) -> int:
             [torch.randperm(R, generator=g, device="cuda")[:K] + b * R for b in range(n)]
         )
         q = torch.randn(n, cfg.heads, 576, generator=g, device="cuda").bfloat16()
-        base = _time(lambda: M.attend(cfg, q, kernels.gather_decode(src, ids)), args.reps)
+        base = median_us(lambda: M.attend(cfg, q, kernels.gather_decode(src, ids)), args.reps)
         splits = splits_for(n, cfg.heads, "cuda")  # for the default heads per program
         row = dict(batch=n, bmm_path_us=base, splits=splits, shapes={})
         for hb, bn, w, st in SHAPES:
@@ -78,7 +67,7 @@ def main(argv=None) -> int:
                     splits=cut,
                 )  # fmt: skip
 
-            t = _time(fused, args.reps)
+            t = median_us(fused, args.reps)
             row["shapes"][f"{hb}x{bn}x{w}x{st}"] = dict(us=t, us_per_request=t / n, vs_bmm=t / base)
         print(
             f"B={n}: bmm path {base:.1f} us; "

@@ -1,0 +1,20 @@
+"""Timing of one GPU launch (or a short sequence) by CUDA events, shared by the kernel benches."""
+
+from __future__ import annotations
+
+import statistics
+
+import torch
+
+
+def median_us(fn, reps: int) -> float:
+    """Median over `reps` calls of `fn` (after one warm call) of the GPU time between events
+    recorded around it, in us. The calls are queued back to back, with no sync between them."""
+    ev = [[torch.cuda.Event(enable_timing=True) for _ in range(2)] for _ in range(reps)]
+    fn()
+    for a, b in ev:
+        a.record()
+        fn()
+        b.record()
+    torch.cuda.synchronize()
+    return statistics.median(a.elapsed_time(b) * 1e3 for a, b in ev)
