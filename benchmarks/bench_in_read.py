@@ -86,7 +86,7 @@ def main(argv=None) -> int:
         for blk, progs, w in COPY_SHAPES:
 
             def copy(m, blk=blk, progs=progs, w=w):
-                miss_kernels.copy_misses(hot, host, *m, block=blk, programs=progs, warps=w)
+                miss_kernels.copy_misses(host, hot, *m, block=blk, programs=progs, warps=w)
 
             t = median_us(fresh(copy), args.reps)
             row["copy_shapes"][f"{blk}x{progs}x{w}"] = dict(us=t, gb_s=moved / t / 1e3)

@@ -182,7 +182,7 @@ def test_copy_misses_then_two_part_read_equals_the_whole_read(kernels, mk):
     written = ~hits.isnan().all(-1)
     assert int((~written).sum()) == 3 * 37  # the planned misses are left for later, only they
     assert bool((pending[ids[~written]] >= 0).all())
-    mk.copy_misses(hot, host, *plan, block=16, programs=2)
+    mk.copy_misses(host, hot, *plan, block=16, programs=2)
     assert torch.equal(hot, want_hot)  # exactly the planned rows changed
     assert not torch.equal(untouched, want_hot)
     got = kernels.gather_decode(hot, ids, pending=pending, part="misses", out=hits)

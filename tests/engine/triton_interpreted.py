@@ -80,7 +80,7 @@ def check_kernels() -> None:
     left = out.isnan().all(-1)
     assert int(left.sum()) == int(count.sum()), "part='hits' must leave exactly the misses"
     assert bool((pending[ids[left]] >= 0).all()), "part='hits' left a hit"
-    mk.copy_misses(beside, host, *plan, block=2, programs=2)  # each program loops twice
+    mk.copy_misses(host, beside, *plan, block=2, programs=2)  # each program loops twice
     assert torch.equal(beside, want_hot), "copy_misses wrote other rows than the plan's"
     kernels.gather_decode(beside, ids, pending=pending, part="misses", out=out)
     assert _same_bits(out, whole), "hits then misses != the whole read"

@@ -106,6 +106,18 @@ if triton is not None:
 PARTS = {"all": 0, "hits": 1, "misses": 2}
 
 
+def check_rows(*, pinned: tuple = (), **buffers: torch.Tensor) -> None:
+    """Each named buffer is a contiguous uint8 [rows, 656] row buffer; those named in ``pinned``
+    are page-locked host memory (which the device reads over PCIe)."""
+    for what, t in buffers.items():
+        if t.dtype != torch.uint8 or t.dim() != 2 or t.shape[1] != ROW_BYTES:
+            raise ValueError(f"{what} must be uint8 [rows, {ROW_BYTES}], got {t.dtype} {t.shape}")
+        if not t.is_contiguous():
+            raise ValueError(f"{what} must be contiguous")
+        if what in pinned and not t.is_pinned():
+            raise ValueError(f"{what} must be pinned (page-locked) memory")
+
+
 def gather_decode(
     src: torch.Tensor,
     ids: torch.Tensor,
@@ -120,10 +132,7 @@ def gather_decode(
     ``part`` splits the read around a copy in flight: "hits" decodes only the rows with no
     pending miss (``pending[row] < 0``), "misses" only the others (after their copy landed); both
     write into ``out``, so the two give exactly the "all" result."""
-    if src.dtype != torch.uint8 or src.dim() != 2 or src.shape[1] != ROW_BYTES:
-        raise ValueError(f"src must be uint8 [rows, {ROW_BYTES}], got {src.dtype} {src.shape}")
-    if not src.is_contiguous():
-        raise ValueError("src must be contiguous")
+    check_rows(src=src)
     if part not in PARTS:
         raise ValueError(f"part must be one of {tuple(PARTS)}, got {part!r}")
     if (part == "all") != (pending is None):

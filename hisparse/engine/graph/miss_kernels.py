@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from hisparse.engine.graph.kernels import ROPE_AT, ROW_BYTES, SCALE_AT, triton
+from hisparse.engine.graph.kernels import ROPE_AT, ROW_BYTES, SCALE_AT, check_rows, triton
 from hisparse.models.rows import FP8_TILE, KV_DIM, LATENT_DIM, ROPE_DIM
 
 if triton is not None:
@@ -129,13 +129,7 @@ def read_rows_from_host(
     ``block`` rows per program, ``warps`` per program: 64 x 8 was the fastest of five shapes at
     batches 1-112 on an H200 (benchmarks/results/in_read_h200.json, a run that repeated one plan,
     so its host rows may have come from L2)."""
-    for what, t in (("hot", hot), ("host", host)):
-        if t.dtype != torch.uint8 or t.dim() != 2 or t.shape[1] != ROW_BYTES:
-            raise ValueError(f"{what} must be uint8 [rows, {ROW_BYTES}], got {t.dtype} {t.shape}")
-        if not t.is_contiguous():
-            raise ValueError(f"{what} must be contiguous")
-    if not host.is_pinned():
-        raise ValueError("host must be pinned (page-locked) memory")
+    check_rows(hot=hot, host=host, pinned=("host",))
     flat = ids.reshape(-1).contiguous()
     out = torch.empty(*ids.shape, KV_DIM, dtype=torch.bfloat16, device=hot.device)
     n = flat.numel()
@@ -174,8 +168,8 @@ def stage_misses(
 
 
 def copy_misses(
-    hot: torch.Tensor,
     host: torch.Tensor,
+    hot: torch.Tensor,
     miss_src: torch.Tensor,
     miss_dst: torch.Tensor,
     miss_count: torch.Tensor,
@@ -187,14 +181,9 @@ def copy_misses(
     """``hot[miss_dst[b, j]] = host[miss_src[b, j]]`` for ``j < miss_count[b]``: the resolve
     op's plan copied over PCIe by SM loads from the pinned pool (uint8 [N, 656] both), meant to
     run on a side stream while ``gather_decode(part="hits")`` reads the rows already hot;
-    ``programs`` per request, each ``block`` rows at a time."""
-    for what, t in (("hot", hot), ("host", host)):
-        if t.dtype != torch.uint8 or t.dim() != 2 or t.shape[1] != ROW_BYTES:
-            raise ValueError(f"{what} must be uint8 [rows, {ROW_BYTES}], got {t.dtype} {t.shape}")
-        if not t.is_contiguous():
-            raise ValueError(f"{what} must be contiguous")
-    if not host.is_pinned():
-        raise ValueError("host must be pinned (page-locked) memory")
+    ``programs`` per request, each ``block`` rows at a time. The arguments come in the op's
+    gather order (host, hot, plan), so ``HiSparseRuntime.gather(copy=copy_misses)`` takes it."""
+    check_rows(hot=hot, host=host, pinned=("host",))
     B, K = miss_dst.shape
     if B == 0:
         return

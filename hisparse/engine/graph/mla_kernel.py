@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from hisparse.engine.graph.kernels import ROPE_AT, ROW_BYTES, SCALE_AT, triton
+from hisparse.engine.graph.kernels import ROPE_AT, ROW_BYTES, SCALE_AT, check_rows, triton
 from hisparse.models.rows import FP8_TILE, LATENT_DIM, ROPE_DIM
 
 if triton is not None:
@@ -137,10 +137,7 @@ def sparse_mla(
     order of the sums, so every part of a step must use the same value (``splits_for``)."""
     if products not in PRODUCTS:
         raise ValueError(f"products must be one of {tuple(PRODUCTS)}, got {products!r}")
-    if src.dtype != torch.uint8 or src.dim() != 2 or src.shape[1] != ROW_BYTES:
-        raise ValueError(f"src must be uint8 [rows, {ROW_BYTES}], got {src.dtype} {src.shape}")
-    if not src.is_contiguous():
-        raise ValueError("src must be contiguous")
+    check_rows(src=src)
     n, H, D = q.shape
     if q.dtype != torch.bfloat16 or D != LATENT_DIM + ROPE_DIM:
         raise ValueError(f"q must be bfloat16 [n, heads, {LATENT_DIM + ROPE_DIM}], got {q.dtype}")

@@ -75,10 +75,6 @@ def make_parts(mode: str, batch: int, split: int = 1, resident: int = 0) -> list
     return [(a, b, mode == "hisparse") for a, b in zip(cuts[:-1], cuts[1:])]
 
 
-def _copy_beside(host_view, hot_view, miss_src, miss_dst, miss_count) -> None:
-    miss_kernels.copy_misses(hot_view, host_view, miss_src, miss_dst, miss_count)
-
-
 class DecodeStep:
     """Static buffers plus `forward()`, the captured work of one step for `batch` requests."""
 
@@ -130,8 +126,10 @@ class DecodeStep:
         for i, p in enumerate(self.parts):
             if p.host:
                 self._bind(i, p)
-        if misses != "op":
-            # pending[hot row] = its host key while a planned miss waits for the row read.
+        # pending[hot row] = its host key while a planned miss waits for the row read (the
+        # bmm attention's in-read and two-part reads; the fused one reads whole hot rows).
+        self.pending = None
+        if misses != "op" and attention == "bmm":
             self.pending = torch.full((n_hot,), -1, dtype=torch.int32, device=dev)
         self.req_base = torch.arange(batch, device=dev, dtype=torch.int64)[:, None] * cfg.ctx_len
         self.x = torch.zeros(batch, cfg.hidden, dtype=M.DT, device=dev)
@@ -212,11 +210,11 @@ class DecodeStep:
         self._mark("res0", layer, i)
         out = rt.resolve(ids.to(torch.int32), p.state_rows)
         self._mark("res1", layer, i)
-        if self.misses != "op" and self.attention == "bmm":
+        if self.pending is not None:
             miss_kernels.stage_misses(self.pending, *rt.index_group.plan())
         if self.misses == "in_read":
             return out
-        rt.gather(copy=_copy_beside if self.misses == "beside" else None)
+        rt.gather(copy=miss_kernels.copy_misses if self.misses == "beside" else None)
         self._mark("copy1", layer, i, rt.index_group.copy_stream)
         if not self.overlap:
             rt.wait_ready()
