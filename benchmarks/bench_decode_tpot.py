@@ -47,6 +47,10 @@ from hisparse.engine.graph import (
     profile_eager,
 )
 
+# The step's miss paths besides the op's gather (DecodeStep(misses=...)), each timed on request.
+PATHS = ("in_read", "read_beside", "beside")  # (a name ending in one matches it first)
+PATH_MODES = tuple(f"hisparse{s}_{p}" for p in PATHS for s in ("", "_split"))
+
 
 def med(xs):
     return statistics.median(xs)
@@ -61,9 +65,9 @@ def variants(budget, cfg, batch, args):
     ]
     if batch >= 2:
         out.append(("hisparse_split", "hisparse", 2, 0, True))
-    for path in ("in_read", "beside"):
-        if path == "in_read" and args.attention == "fused":
-            continue  # fused attention reads one buffer; the in-read path has no such form
+    for path in PATHS:
+        if path in ("in_read", "read_beside") and args.attention == "fused":
+            continue  # fused attention reads one buffer; these paths read into the bmm's rows
         if getattr(args, path):
             out.append((f"hisparse_{path}", "hisparse", 1, 0, True))
             if batch >= 2:
@@ -82,7 +86,7 @@ def run_batch(cfg, w, kv, budget, batch, args):
     """Every variant at one batch: interleaved timing rounds, hit rate, parity, eager profile."""
     graphs = {}
     for name, mode, split, res, overlap in variants(budget, cfg, batch, args):
-        path = next((p for p in ("in_read", "beside") if name.endswith(p)), "op")
+        path = next((p for p in PATHS if name.endswith(f"_{p}")), "op")
         step = DecodeStep(
             cfg, w, kv, mode, batch, split=split, resident=res, overlap=overlap, fused=args.fused,
             misses=path, attention=args.attention,
@@ -151,14 +155,7 @@ def flat(row):
     row["ratio_serial"] = m["hisparse_serial"]["ratio"]
     if "hybrid" in m:
         row["hybrid_ms_per_step"] = m["hybrid"]["ms_per_step"]
-    for k in (
-        "hisparse_capped",
-        "hisparse_split_capped",
-        "hisparse_in_read",
-        "hisparse_split_in_read",
-        "hisparse_beside",
-        "hisparse_split_beside",
-    ):
+    for k in ("hisparse_capped", "hisparse_split_capped", *PATH_MODES):
         if k in m:
             row[f"{k}_ms_per_step"] = m[k]["ms_per_step"]
             row[f"ratio_{k.removeprefix('hisparse_')}"] = m[k]["ratio"]
@@ -171,14 +168,7 @@ def capacity(rows, res_max, hs_max):
     res = [r for r in rows if r["batch"] <= res_max]
     best = max(res, key=lambda r: tok_s(r, "resident_ms_per_step"))
     hs = next(r for r in rows if r["batch"] == hs_max)
-    keys = (
-        "hisparse",
-        "hisparse_split",
-        "hisparse_in_read",
-        "hisparse_split_in_read",
-        "hisparse_beside",
-        "hisparse_split_beside",
-    )
+    keys = ("hisparse", "hisparse_split", *PATH_MODES)
     hs_ms, hs_path = min((hs[f"{k}_ms_per_step"], k) for k in keys if f"{k}_ms_per_step" in hs)
     capped = [
         hs.get(k) for k in ("hisparse_capped_ms_per_step", "hisparse_split_capped_ms_per_step")
@@ -232,6 +222,12 @@ def main(argv=None):
         "--beside",
         action="store_true",
         help="also time HiSparse with the misses copied beside the read of the rows already hot",
+    )
+    ap.add_argument(
+        "--read-beside",
+        action="store_true",
+        help="also time HiSparse with the misses read from the host pool on the copy stream "
+        "while the rows already hot are read",
     )
     ap.add_argument(
         "--attention",

@@ -8,8 +8,8 @@ Per batch: each request's 2048 selected rows are distinct rows of its own 4096-r
 `--miss` of them are planned misses whose host keys lie in the request's own 32k-token region of
 a pinned pool (as a server's would). Every timed launch gets a plan with fresh host keys: the
 GPU's L2 keeps host rows it read, so repeating one plan would time a cached copy. An in-read
-launch is what the step runs: `stage_misses` (the plan into the pending table) then the read,
-which retires the entries it used. Median of `--reps` launches (CUDA events).
+launch is what the step runs: `stage_misses` (the plan into the pending table), the read, and
+the clearing launch. Median of `--reps` launches (CUDA events).
 """
 
 from __future__ import annotations
@@ -77,6 +77,7 @@ def main(argv=None) -> int:
         def in_read(misses, blk, w):
             miss_kernels.stage_misses(pending, *misses)
             miss_kernels.read_rows_from_host(hot, host, pending, ids, block=blk, warps=w)
+            miss_kernels.stage_misses(pending, *misses, clear=True)
 
         base = median_us(lambda: kernels.gather_decode(hot, ids), args.reps)
         row = dict(batch=b, all_hot_us=base, miss_bytes=moved, shapes={}, copy_shapes={})

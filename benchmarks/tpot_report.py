@@ -46,6 +46,12 @@ PATH_TABLES = {
         "Misses copied by a Triton kernel on the copy stream while the rows already hot are read "
         '(`misses="beside"`), then the misses\' rows read, same run:',
     ),
+    "read_beside": (
+        "read-beside",
+        "Misses read from the host pool by a kernel on the copy stream (decoded into attention's "
+        'rows and written to their hot rows) while the rows already hot are read (`misses="read_'
+        'beside"`), same run:',
+    ),
 }
 
 

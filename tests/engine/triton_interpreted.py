@@ -90,6 +90,17 @@ def check_kernels() -> None:
     assert _same_bits(got, whole), "read_rows_from_host != the whole read"
     assert torch.equal(in_read, want_hot), "read_rows_from_host filled other hot rows"
 
+    # The read beside: the misses from the host, the hits from HBM, into one buffer.
+    read_beside = hot.clone()
+    out = torch.full((B, K, 576), float("nan"), dtype=torch.bfloat16)
+    mk.read_rows_from_host(
+        read_beside, host, pending, ids, block=8, warps=2, part="misses", out=out
+    )
+    assert torch.equal(out.isnan().all(-1), ~left), "part='misses' must write exactly the misses"
+    assert torch.equal(read_beside, want_hot), "part='misses' filled other hot rows"
+    kernels.gather_decode(read_beside, ids, pending=pending, part="hits", out=out)
+    assert _same_bits(out, whole), "misses from the host then hits != the whole read"
+
     mk.stage_misses(pending, *plan, clear=True)
     assert bool((pending == -1).all()), "stage_misses(clear=True)"
     print("kernels ok")
@@ -129,6 +140,9 @@ def check_step() -> None:
         ("hisparse", dict(misses="beside", split=2)),
         ("hybrid", dict(misses="beside", resident=2)),
         ("hybrid", dict(misses="in_read", resident=2)),
+        ("hisparse", dict(misses="read_beside")),
+        ("hisparse", dict(misses="read_beside", split=2)),
+        ("hybrid", dict(misses="read_beside", resident=2)),
     ]
     _, fused_ref = _eager(cfg, w, kv, "resident", 5, 6, fused=True, attention="fused")
     assert not _same(ref, fused_ref)  # another summation: close, not the same bits

@@ -118,6 +118,18 @@ def check_rows(*, pinned: tuple = (), **buffers: torch.Tensor) -> None:
             raise ValueError(f"{what} must be pinned (page-locked) memory")
 
 
+def decoded_rows(ids: torch.Tensor, out: torch.Tensor | None, device) -> torch.Tensor:
+    """The bf16 [*ids.shape, 576] buffer a row read writes: ``out`` checked, or a new one."""
+    shape = (*ids.shape, KV_DIM)
+    if out is None:
+        return torch.empty(shape, dtype=torch.bfloat16, device=device)
+    if out.shape != shape or out.dtype != torch.bfloat16 or not out.is_contiguous():
+        raise ValueError(
+            f"out must be contiguous bfloat16 {list(shape)}, got {out.dtype} {out.shape}"
+        )
+    return out
+
+
 def gather_decode(
     src: torch.Tensor,
     ids: torch.Tensor,
@@ -138,13 +150,7 @@ def gather_decode(
     if (part == "all") != (pending is None):
         raise ValueError("pending is needed for part='hits' or 'misses', and only then")
     flat = ids.reshape(-1).contiguous()
-    shape = (*ids.shape, KV_DIM)
-    if out is None:
-        out = torch.empty(shape, dtype=torch.bfloat16, device=src.device)
-    elif out.shape != shape or out.dtype != torch.bfloat16 or not out.is_contiguous():
-        raise ValueError(
-            f"out must be contiguous bfloat16 {list(shape)}, got {out.dtype} {out.shape}"
-        )
+    out = decoded_rows(ids, out, src.device)
     n, block = flat.numel(), 16
     _gather_decode[(triton.cdiv(n, block),)](
         src, src.view(torch.float32), src.view(torch.bfloat16), flat, out, n,

@@ -8,6 +8,9 @@ resolve op's own gather: Triton kernels over the op's miss plan (miss_src, miss_
   of that form lost parity. A launch of its own needs no such ordering.)
 * ``read_rows_from_host`` ("in-read"): attention's row read itself reads a pending row from the
   pinned host pool over PCIe, beside the hits read from HBM, and writes it to its hot row.
+  With ``part="misses"`` it reads only the pending rows ("read beside"): on a side stream, while
+  ``kernels.gather_decode(part="hits")`` decodes the others from HBM into the same output, so no
+  warp of the hits' read waits on PCIe.
 * ``copy_misses`` ("beside"): the plan copied host -> hot rows by SM loads on a side stream
   while ``kernels.gather_decode(part="hits")`` decodes the rows already hot; after the copy,
   ``part="misses"`` decodes the rest. The PCIe transfer then runs under the query projection
@@ -21,7 +24,14 @@ from __future__ import annotations
 
 import torch
 
-from hisparse.engine.graph.kernels import ROPE_AT, ROW_BYTES, SCALE_AT, check_rows, triton
+from hisparse.engine.graph.kernels import (
+    ROPE_AT,
+    ROW_BYTES,
+    SCALE_AT,
+    check_rows,
+    decoded_rows,
+    triton,
+)
 from hisparse.models.rows import FP8_TILE, KV_DIM, LATENT_DIM, ROPE_DIM
 
 if triton is not None:
@@ -32,12 +42,14 @@ if triton is not None:
         hot_u8, hot_f32, hot_bf16, host_u8, host_f32, host_bf16, pending, ids, out, n,
         ROW_U8: tl.constexpr, ROW_F32: tl.constexpr, ROW_BF16: tl.constexpr,
         SCALE0: tl.constexpr, ROPE0: tl.constexpr, ROPE: tl.constexpr, TILES: tl.constexpr,
-        TILE: tl.constexpr, OUT_W: tl.constexpr, BLOCK: tl.constexpr,
+        TILE: tl.constexpr, OUT_W: tl.constexpr, BLOCK: tl.constexpr, MISSES_ONLY: tl.constexpr,
     ):  # fmt: skip
         r = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         ok = r < n
         h = tl.load(ids + r, mask=ok, other=0).to(tl.int64)
         k = tl.load(pending + h, mask=ok, other=-1).to(tl.int64)
+        if MISSES_ONLY:  # the hits' rows are another launch's (gather_decode(part="hits"))
+            ok = ok & (k >= 0)
         miss = ok & (k >= 0)
         hit = ok & (k < 0)
         k = tl.where(miss, k, 0)
@@ -123,21 +135,29 @@ def read_rows_from_host(
     *,
     block: int = 64,
     warps: int = 8,
+    part: str = "all",
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``gather_decode(hot, ids)``, except that a row ``h`` with ``pending[h] = key >= 0`` is
     read from ``host[key]`` (pinned, uint8 [N, 656]) and its bytes written to ``hot[h]``.
-    ``block`` rows per program, ``warps`` per program: 64 x 8 was the fastest of five shapes at
-    batches 1-112 on an H200 (benchmarks/results/in_read_h200.json, a run that repeated one plan,
-    so its host rows may have come from L2)."""
+    ``part="misses"`` decodes only those rows, into ``out`` (bf16 [*ids.shape, 576]), whose
+    other rows ``gather_decode(hot, ids, pending=pending, part="hits", out=out)`` fills.
+    ``block`` rows per program, ``warps`` per program: the five shapes of
+    benchmarks/results/in_read_h200.json lie within 2 % of each other at batches 64 and 112 on
+    an H200 (fresh host rows per launch), where the PCIe fetch of the misses sets the time."""
     check_rows(hot=hot, host=host, pinned=("host",))
+    if part not in ("all", "misses"):
+        raise ValueError(f"part must be 'all' or 'misses', got {part!r}")
+    if (part == "misses") != (out is not None):
+        raise ValueError("out is needed for part='misses', and only then")
     flat = ids.reshape(-1).contiguous()
-    out = torch.empty(*ids.shape, KV_DIM, dtype=torch.bfloat16, device=hot.device)
+    out = decoded_rows(ids, out, hot.device)
     n = flat.numel()
     hv = [_HostRows(host, d) for d in (torch.uint8, torch.float32, torch.bfloat16)]
     _read_host_misses[(triton.cdiv(n, block),)](
         hot, hot.view(torch.float32), hot.view(torch.bfloat16), *hv, pending, flat, out, n,
         ROW_BYTES, ROW_BYTES // 4, ROW_BYTES // 2, SCALE_AT, ROPE_AT, ROPE_DIM,
-        LATENT_DIM // FP8_TILE, FP8_TILE, KV_DIM, block, num_warps=warps,
+        LATENT_DIM // FP8_TILE, FP8_TILE, KV_DIM, block, part == "misses", num_warps=warps,
     )  # fmt: skip
     return out
 

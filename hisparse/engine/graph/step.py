@@ -39,8 +39,10 @@ from hisparse.runtime import HiSparseIndexGroup, HiSparseRuntime
 MODES = ("resident", "hisparse", "hybrid")
 # How a host part's misses reach its row read: "op" the resolve op's gather on the copy stream,
 # then the whole read; "in_read" read from the host pool inside the row read; "beside" a Triton
-# copy on the copy stream while the rows already hot are read, then the misses' rows.
-MISS_PATHS = ("op", "in_read", "beside")
+# copy on the copy stream while the rows already hot are read, then the misses' rows;
+# "read_beside" the misses' rows read from the host pool on the copy stream (decoded into the
+# read's output and written to their hot rows) while the rows already hot are read.
+MISS_PATHS = ("op", "in_read", "beside", "read_beside")
 # Attention over the selected rows: "bmm" decodes them into a bf16 buffer, then two batched
 # products and a bf16 softmax; "fused" one Triton kernel over the FP8 rows (mla_kernel).
 ATTENTION = ("bmm", "fused")
@@ -108,7 +110,7 @@ class DecodeStep:
             raise ValueError(f"attention must be one of {ATTENTION}, got {attention!r}")
         if attention == "fused" and not self.fused:
             raise ValueError("attention='fused' needs the Triton kernels (fused)")
-        if attention == "fused" and misses == "in_read":
+        if attention == "fused" and misses in ("in_read", "read_beside"):
             raise ValueError(
                 "attention='fused' reads rows from one buffer: misses='op' or 'beside'"
             )
@@ -137,6 +139,7 @@ class DecodeStep:
         self.tokens = torch.zeros(batch, dtype=torch.int64, device=dev)
         self.hidden = torch.zeros(batch, cfg.hidden, dtype=M.DT, device=dev)
         self.probe = None  # profile.Probe in the eager profile run; None when captured
+        self._kv = {}  # part -> its rows buffer while a read-beside fills it
 
     def _bind(self, i: int, p: Part) -> None:
         """One index group per layer for the part's requests: state row j is request start + j,
@@ -214,7 +217,10 @@ class DecodeStep:
             miss_kernels.stage_misses(self.pending, *rt.index_group.plan())
         if self.misses == "in_read":
             return out
-        rt.gather(copy=miss_kernels.copy_misses if self.misses == "beside" else None)
+        if self.misses == "read_beside":
+            self._kv[i] = self._read_misses_beside(layer, p, out)
+        else:
+            rt.gather(copy=miss_kernels.copy_misses if self.misses == "beside" else None)
         self._mark("copy1", layer, i, rt.index_group.copy_stream)
         if not self.overlap:
             rt.wait_ready()
@@ -227,16 +233,33 @@ class DecodeStep:
             kv = miss_kernels.read_rows_from_host(hot, self.kv.host_views[layer], self.pending, r)
             miss_kernels.stage_misses(self.pending, *rt.index_group.plan(), clear=True)
             return kv
-        kv = None
-        if self.misses == "beside":  # the rows already hot while their copy is in flight
-            kv = kernels.gather_decode(hot, r, pending=self.pending, part="hits")
+        kv = self._kv.pop(i, None)
+        if self.misses != "op":  # the rows already hot while the misses are on their way
+            kv = kernels.gather_decode(hot, r, pending=self.pending, part="hits", out=kv)
         self._mark("wait0", layer, i)
         rt.wait_ready()
         self._mark("wait1", layer, i)
         if kv is None:
             return M.read_rows(hot, r, self.fused)
-        kernels.gather_decode(hot, r, pending=self.pending, part="misses", out=kv)
+        if self.misses == "beside":
+            kernels.gather_decode(hot, r, pending=self.pending, part="misses", out=kv)
         miss_kernels.stage_misses(self.pending, *rt.index_group.plan(), clear=True)
+        return kv
+
+    def _read_misses_beside(self, layer: int, p: Part, ids: torch.Tensor) -> torch.Tensor:
+        """Start reading the part's pending rows from the host pool on its copy stream, after
+        the staging of its plan; returns the rows buffer that `_read` completes."""
+        rt = p.runtimes[layer]
+        kv = kernels.decoded_rows(ids, None, ids.device)
+        args = (self.hot[layer], self.kv.host_views[layer], self.pending, ids)
+        stream = rt.index_group.copy_stream
+        if stream is None:  # CPU (the Triton interpreter): in order
+            miss_kernels.read_rows_from_host(*args, part="misses", out=kv, block=8, warps=2)
+            return kv
+        stream.wait_stream(torch.cuda.current_stream(ids.device))
+        with torch.cuda.stream(stream):
+            miss_kernels.read_rows_from_host(*args, part="misses", out=kv, block=8, warps=2)
+            rt.ready.record(stream)
         return kv
 
     def _hot_when_ready(self, layer: int, i: int, p: Part) -> torch.Tensor:
