@@ -15,6 +15,7 @@ MODES = (
     ("hisparse_split", "HiSparse, batch split in two"),
     ("hisparse_in_read", "HiSparse, misses read inside the row read"),
     ("hisparse_beside", "HiSparse, misses copied beside the hits' read"),
+    ("hisparse_in_read_apart", "HiSparse, misses read in the row read by programs apart"),
     ("hisparse_read_beside", "HiSparse, misses read from the host beside the hits' read"),
 )
 
@@ -29,7 +30,7 @@ def main(argv=None):
     res = json.load(open(path))
     rows = res["batches"]
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
-    for (key, label), color in zip(MODES, ("C0", "C1", "C2", "C3", "C4", "C5", "C6")):
+    for (key, label), color in zip(MODES, tuple(f"C{i}" for i in range(len(MODES)))):
         pts = [(r["batch"], r["modes"][key]) for r in rows if key in r["modes"]]
         a.plot(
             [p[0] for p in pts], [m["ms_per_token"] for _, m in pts], "o-", color=color, label=label

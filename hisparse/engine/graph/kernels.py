@@ -51,15 +51,14 @@ def use_triton(fused, device) -> bool:
 if triton is not None:
 
     @triton.jit
-    def _gather_decode(
-        src_u8, src_f32, src_bf16, ids, out, n, pending,
+    def _gather_rows(
+        src_u8, src_f32, src_bf16, ids, out, r, ok, pending,
         ROW_U8: tl.constexpr, ROW_F32: tl.constexpr, ROW_BF16: tl.constexpr,
         SCALE0: tl.constexpr, ROPE0: tl.constexpr, LAT: tl.constexpr, ROPE: tl.constexpr,
-        TILE: tl.constexpr, OUT_W: tl.constexpr, BLOCK: tl.constexpr, PART: tl.constexpr,
+        TILE: tl.constexpr, OUT_W: tl.constexpr, PART: tl.constexpr,
     ):  # fmt: skip
-        # PART 0: every row; 1: rows with no pending miss; 2: the rows with one.
-        r = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        ok = r < n
+        # Rows r (mask ok) of the read. PART 0: every row; 1: rows with no pending miss; 2: the
+        # rows with one.
         row = tl.load(ids + r, mask=ok, other=0).to(tl.int64)
         if PART != 0:
             k = tl.load(pending + row, mask=ok, other=-1)
@@ -81,6 +80,19 @@ if triton is not None:
         rope = tl.load(src_bf16 + row[:, None] * ROW_BF16 + ROPE0 + e[None, :],
                        mask=ok[:, None], other=0.0)  # fmt: skip
         tl.store(dst + LAT + e[None, :], rope, mask=ok[:, None])
+
+    @triton.jit
+    def _gather_decode(
+        src_u8, src_f32, src_bf16, ids, out, n, pending,
+        ROW_U8: tl.constexpr, ROW_F32: tl.constexpr, ROW_BF16: tl.constexpr,
+        SCALE0: tl.constexpr, ROPE0: tl.constexpr, LAT: tl.constexpr, ROPE: tl.constexpr,
+        TILE: tl.constexpr, OUT_W: tl.constexpr, BLOCK: tl.constexpr, PART: tl.constexpr,
+    ):  # fmt: skip
+        r = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        _gather_rows(
+            src_u8, src_f32, src_bf16, ids, out, r, r < n, pending, ROW_U8, ROW_F32, ROW_BF16,
+            SCALE0, ROPE0, LAT, ROPE, TILE, OUT_W, PART,
+        )  # fmt: skip
 
     @triton.jit
     def _indexer(

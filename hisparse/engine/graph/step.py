@@ -41,8 +41,9 @@ MODES = ("resident", "hisparse", "hybrid")
 # then the whole read; "in_read" read from the host pool inside the row read; "beside" a Triton
 # copy on the copy stream while the rows already hot are read, then the misses' rows;
 # "read_beside" the misses' rows read from the host pool on the copy stream (decoded into the
-# read's output and written to their hot rows) while the rows already hot are read.
-MISS_PATHS = ("op", "in_read", "beside", "read_beside")
+# read's output and written to their hot rows) while the rows already hot are read;
+# "in_read_apart" as "in_read", but the read's programs that fetch misses read no hot rows.
+MISS_PATHS = ("op", "in_read", "beside", "read_beside", "in_read_apart")
 # Attention over the selected rows: "bmm" decodes them into a bf16 buffer, then two batched
 # products and a bf16 softmax; "fused" one Triton kernel over the FP8 rows (mla_kernel).
 ATTENTION = ("bmm", "fused")
@@ -110,7 +111,7 @@ class DecodeStep:
             raise ValueError(f"attention must be one of {ATTENTION}, got {attention!r}")
         if attention == "fused" and not self.fused:
             raise ValueError("attention='fused' needs the Triton kernels (fused)")
-        if attention == "fused" and misses in ("in_read", "read_beside"):
+        if attention == "fused" and misses in ("in_read", "read_beside", "in_read_apart"):
             raise ValueError(
                 "attention='fused' reads rows from one buffer: misses='op' or 'beside'"
             )
@@ -133,6 +134,10 @@ class DecodeStep:
         self.pending = None
         if misses != "op" and attention == "bmm":
             self.pending = torch.full((n_hot,), -1, dtype=torch.int32, device=dev)
+        # slot_of[hot row] = its place in the read's output (the apart read's miss programs).
+        self.slot_of = None
+        if misses == "in_read_apart":
+            self.slot_of = torch.zeros((n_hot,), dtype=torch.int32, device=dev)
         self.req_base = torch.arange(batch, device=dev, dtype=torch.int64)[:, None] * cfg.ctx_len
         self.x = torch.zeros(batch, cfg.hidden, dtype=M.DT, device=dev)
         self.bias = torch.zeros(batch, cfg.ctx_len, dtype=torch.float32, device=dev)
@@ -214,8 +219,9 @@ class DecodeStep:
         out = rt.resolve(ids.to(torch.int32), p.state_rows)
         self._mark("res1", layer, i)
         if self.pending is not None:
-            miss_kernels.stage_misses(self.pending, *rt.index_group.plan())
-        if self.misses == "in_read":
+            slots = dict(slot_of=self.slot_of, ids=out) if self.slot_of is not None else {}
+            miss_kernels.stage_misses(self.pending, *rt.index_group.plan(), **slots)
+        if self.misses in ("in_read", "in_read_apart"):
             return out
         if self.misses == "read_beside":
             self._kv[i] = self._read_misses_beside(layer, p, out)
@@ -229,9 +235,14 @@ class DecodeStep:
     def _read(self, layer: int, i: int, p: Part, r: torch.Tensor) -> torch.Tensor:
         """A host part's rows as attention reads them, once its misses are in (see MISS_PATHS)."""
         hot, rt = self.hot[layer], p.runtimes[layer]
-        if self.misses == "in_read":
-            kv = miss_kernels.read_rows_from_host(hot, self.kv.host_views[layer], self.pending, r)
-            miss_kernels.stage_misses(self.pending, *rt.index_group.plan(), clear=True)
+        host, plan = self.kv.host_views[layer], rt.index_group.plan()
+        if self.misses in ("in_read", "in_read_apart"):
+            kv = (
+                miss_kernels.read_rows_apart(hot, host, self.pending, r, plan, self.slot_of)
+                if self.slot_of is not None
+                else miss_kernels.read_rows_from_host(hot, host, self.pending, r)
+            )
+            miss_kernels.stage_misses(self.pending, *plan, clear=True)
             return kv
         kv = self._kv.pop(i, None)
         if self.misses != "op":  # the rows already hot while the misses are on their way
@@ -243,7 +254,7 @@ class DecodeStep:
             return M.read_rows(hot, r, self.fused)
         if self.misses == "beside":
             kernels.gather_decode(hot, r, pending=self.pending, part="misses", out=kv)
-        miss_kernels.stage_misses(self.pending, *rt.index_group.plan(), clear=True)
+        miss_kernels.stage_misses(self.pending, *plan, clear=True)
         return kv
 
     def _read_misses_beside(self, layer: int, p: Part, ids: torch.Tensor) -> torch.Tensor:
