@@ -1,0 +1,134 @@
+"""Does a host -> device transfer overlap the HBM-bound row read? The all-hot row read
+(gather_decode) at DeepSeek-V3.2's shapes, alone and with the misses' bytes moved beside it on
+a second stream, moved two ways: by SM loads from the pinned pool (copy_misses, the plan's
+scattered rows) and by the copy engine (one contiguous pinned buffer of the same size).
+
+    python benchmarks/bench_pcie_overlap.py --json benchmarks/results/pcie_overlap_h200.json
+
+Each variant is one CUDA graph (fork / join captured), timed by CUDA events around its replay,
+median of `--reps` replays. Before each replay, outside the timed span, a fresh plan is copied
+into the graph's plan buffers: the L2 keeps host rows an SM read, so one repeated plan would
+time a cached copy. Overlap = (A + C - both) / min(A, C): 1 when the shorter one hides fully.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+
+import torch
+from bench_in_read import plan
+from tma_gather import tma_gather
+
+from hisparse.engine.graph import kernels, miss_kernels
+from hisparse.engine.graph.config import ROW_BYTES
+
+TMA_SHAPES = ((8, 256), (16, 128), (32, 64), (4, 256))  # (CTAs, rows in flight per CTA)
+
+
+def timed(graph, before, reps):
+    ts = []
+    for _ in range(reps):
+        before()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        b.synchronize()
+        ts.append(a.elapsed_time(b) * 1e3)
+    return statistics.median(ts)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--batches", default="64,112")
+    ap.add_argument("--miss", type=float, default=0.05)
+    ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    top_k, hot_size, ctx = 2048, 4096, 32768
+    batches = [int(b) for b in args.batches.split(",")]
+    B = max(batches)
+    host = torch.empty(B * ctx, ROW_BYTES, dtype=torch.uint8).pin_memory()
+    host.random_(0, 120)
+    hot = torch.randint(0, 120, (B * hot_size, ROW_BYTES), dtype=torch.uint8, device="cuda")
+    g = torch.Generator().manual_seed(0)
+    side = torch.cuda.Stream()
+    rows = []
+    for b in batches:
+        ids, _ = plan(b, top_k, hot_size, ctx, args.miss, g)
+        plans = [plan(b, top_k, hot_size, ctx, args.miss, g, ids)[1] for _ in range(args.reps)]
+        live = [t.clone() for t in plans[0]]
+        moved = b * int(round(args.miss * top_k)) * ROW_BYTES
+        staging = torch.empty(moved, dtype=torch.uint8).pin_memory()
+        landing = torch.empty(moved, dtype=torch.uint8, device="cuda")
+        out = torch.empty(b, top_k, 576, dtype=torch.bfloat16, device="cuda")
+        work = {
+            "read": lambda: kernels.gather_decode(hot, ids, out=out),
+            "sm_copy": lambda: miss_kernels.copy_misses(host, hot, *live),
+            "dma_copy": lambda: landing.copy_(staging, non_blocking=True),
+        }
+        for ctas, slots in TMA_SHAPES:
+            work[f"tma_copy_{ctas}x{slots}"] = lambda c=ctas, s=slots: tma_gather(
+                host, hot, *live, ctas=c, slots=s
+            )
+
+        def capture(main_work, side_work=None):
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                if side_work is not None:
+                    side.wait_stream(torch.cuda.current_stream())
+                    with torch.cuda.stream(side):
+                        work[side_work]()
+                work[main_work]()
+                if side_work is not None:
+                    torch.cuda.current_stream().wait_stream(side)
+            return graph
+
+        turn = iter(range(10**9))
+
+        def fresh():
+            for t, src in zip(live, plans[next(turn) % len(plans)]):
+                t.copy_(src)
+
+        for w in work.values():
+            w()  # compile
+        torch.cuda.synchronize()
+        src, dst, count = (t.cpu() for t in live)
+        planned = [
+            (dst[r, : int(count[r])].long(), src[r, : int(count[r])].long()) for r in range(b)
+        ]
+        for name in [n for n in work if n.startswith("tma")]:
+            for d, _ in planned:
+                hot[d.cuda()] = 0  # every planned row cleared, so a copy that did nothing shows
+            work[name]()
+            for d, k in planned:
+                assert torch.equal(hot[d.cuda()], host[k].cuda()), f"{name} copied wrong rows"
+        alone = {name: timed(capture(name), fresh, args.reps) for name in work}
+        row = dict(batch=b, miss_bytes=moved, alone_us=alone, beside_read_us={}, overlap={})
+        for copy in [n for n in work if n != "read"]:
+            both = timed(capture("read", copy), fresh, args.reps)
+            row["beside_read_us"][copy] = both
+            a, c = alone["read"], alone[copy]
+            row["overlap"][copy] = (a + c - both) / min(a, c)
+        print(
+            f"B={b} ({moved / 1e6:.1f} MB): "
+            + ", ".join(f"{k} {v:.1f} us" for k, v in alone.items())
+            + "; read with "
+            + ", ".join(
+                f"{k} {row['beside_read_us'][k]:.1f} us (overlap {row['overlap'][k]:.2f})"
+                for k in row["beside_read_us"]
+            ),
+            flush=True,
+        )
+        rows.append(row)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(device=torch.cuda.get_device_name(), miss=args.miss, rows=rows), f)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
