@@ -48,12 +48,7 @@ from hisparse.engine.graph import (
 )
 
 # The step's miss paths besides the op's gather (DecodeStep(misses=...)), each timed on request.
-PATHS = (
-    "in_read",
-    "in_read_apart",
-    "read_beside",
-    "beside",
-)  # (a name ending in one matches it first)
+PATHS = ("in_read", "beside")
 PATH_MODES = tuple(f"hisparse{s}_{p}" for p in PATHS for s in ("", "_split"))
 
 
@@ -71,8 +66,8 @@ def variants(budget, cfg, batch, args):
     if batch >= 2:
         out.append(("hisparse_split", "hisparse", 2, 0, True))
     for path in PATHS:
-        if path != "beside" and args.attention == "fused":
-            continue  # fused attention reads one buffer; these paths read into the bmm's rows
+        if path == "in_read" and args.attention == "fused":
+            continue  # fused attention reads one buffer; the in-read path has no such form
         if getattr(args, path):
             out.append((f"hisparse_{path}", "hisparse", 1, 0, True))
             if batch >= 2:
@@ -136,7 +131,7 @@ def run_batch(cfg, w, kv, budget, batch, args):
             resident_requests=res if name == "hybrid" else None,
         )
     for name, (gs, _) in graphs.items():
-        if name not in ("resident", "hisparse_serial") and "_in_read" not in name:
+        if name not in ("resident", "hisparse_serial") and not name.endswith("_in_read"):
             # (in-read has no copy of its own to time; beside's copy is timed like the op's)
             row["modes"][name]["profile_per_layer"] = profile_eager(gs, args.profile_steps)
     flat(row)
@@ -227,17 +222,6 @@ def main(argv=None):
         "--beside",
         action="store_true",
         help="also time HiSparse with the misses copied beside the read of the rows already hot",
-    )
-    ap.add_argument(
-        "--in-read-apart",
-        action="store_true",
-        help="also time HiSparse with the in-read's misses read by programs that read no hot rows",
-    )
-    ap.add_argument(
-        "--read-beside",
-        action="store_true",
-        help="also time HiSparse with the misses read from the host pool on the copy stream "
-        "while the rows already hot are read",
     )
     ap.add_argument(
         "--attention",

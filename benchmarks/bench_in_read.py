@@ -9,8 +9,7 @@ Per batch: each request's 2048 selected rows are distinct rows of its own 4096-r
 a pinned pool (as a server's would). Every timed launch gets a plan with fresh host keys: the
 GPU's L2 keeps host rows it read, so repeating one plan would time a cached copy. An in-read
 launch is what the step runs: `stage_misses` (the plan into the pending table), the read, and
-the clearing launch; the apart read's staging also writes each row's output slot. Median of
-`--reps` launches (CUDA events).
+the clearing launch. Median of `--reps` launches (CUDA events).
 """
 
 from __future__ import annotations
@@ -28,8 +27,6 @@ from hisparse.engine.graph.config import ROW_BYTES
 
 SHAPES = ((8, 2), (16, 4), (32, 4), (32, 8), (64, 8))  # (rows per program, warps)
 COPY_SHAPES = ((16, 4, 4), (32, 4, 4), (32, 8, 4), (64, 4, 8))  # (rows, programs/request, warps)
-# read_rows_apart: (miss programs, misses per chunk, hot rows per program, warps)
-APART_SHAPES = ((32, 16, 16, 4), (64, 16, 16, 4), (128, 16, 16, 4), (64, 32, 16, 4), (64, 8, 16, 4))
 
 
 def plan(batch: int, top_k: int, hot: int, ctx: int, miss: float, g: torch.Generator, ids=None):
@@ -82,25 +79,10 @@ def main(argv=None) -> int:
             miss_kernels.read_rows_from_host(hot, host, pending, ids, block=blk, warps=w)
             miss_kernels.stage_misses(pending, *misses, clear=True)
 
-        ids32 = ids.int()
-        slot_of = torch.zeros(b * hot_size, dtype=torch.int32, device="cuda")
-
-        def apart(misses, progs, chunk, blk, w):
-            miss_kernels.stage_misses(pending, *misses, slot_of=slot_of, ids=ids32)
-            miss_kernels.read_rows_apart(
-                hot, host, pending, ids, misses, slot_of, miss_programs=progs, chunk=chunk,
-                block=blk, warps=w,
-            )  # fmt: skip
             miss_kernels.stage_misses(pending, *misses, clear=True)
 
         base = median_us(lambda: kernels.gather_decode(hot, ids), args.reps)
         row = dict(batch=b, all_hot_us=base, miss_bytes=moved, shapes={}, copy_shapes={})
-        row["apart_shapes"] = {
-            "x".join(map(str, shape)): median_us(
-                fresh(lambda m, shape=shape: apart(m, *shape)), args.reps
-            )
-            for shape in APART_SHAPES
-        }
         for blk, w in SHAPES:
             t = median_us(fresh(lambda m, blk=blk, w=w: in_read(m, blk, w)), args.reps)
             row["shapes"][f"{blk}x{w}"] = t
@@ -114,8 +96,6 @@ def main(argv=None) -> int:
         print(
             f"B={b}: all hot {base:.1f} us; in-read "
             + ", ".join(f"{k}: {v:.1f}" for k, v in row["shapes"].items())
-            + "; apart "
-            + ", ".join(f"{k}: {v:.1f}" for k, v in row["apart_shapes"].items())
             + "; copy "
             + ", ".join(
                 f"{k}: {v['us']:.1f} us {v['gb_s']:.1f} GB/s" for k, v in row["copy_shapes"].items()

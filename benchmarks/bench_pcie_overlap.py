@@ -25,7 +25,7 @@ from tma_gather import tma_gather
 from hisparse.engine.graph import kernels, miss_kernels
 from hisparse.engine.graph.config import ROW_BYTES
 
-TMA_SHAPES = ((8, 256), (16, 128), (32, 64), (4, 256))  # (CTAs, rows in flight per CTA)
+TMA_SHAPES = ((32, 64), (64, 64), (128, 32), (132, 64))  # (CTAs, rows in flight per CTA)
 
 
 def timed(graph, before, reps):

@@ -70,19 +70,9 @@ def cases():
     )  # fmt: skip
     const = dict(**ROW, ROPE=ROPE_DIM, TILES=LATENT_DIM // FP8_TILE, TILE=FP8_TILE, OUT_W=KV_DIM)
     for blk, w in ((64, 8), (32, 8), (16, 4)):
-        shape = {**const, "BLOCK": blk, "MISSES_ONLY": False}
-        yield f"read_host_misses {blk}x{w}", MK._read_host_misses, rh, shape, w, 3
-    apart = dict(rh, miss_src="*i32", miss_dst="*i32", miss_count="*i32", slot_of="*i32")
-    apart.update(B="i32", K="i32", T="i32")
-    for chunk, blk, w in ((16, 16, 4), (32, 16, 4), (8, 16, 4)):
-        shape = {**const, "BLOCK": blk, "CHUNK": chunk}
-        yield f"read_apart {chunk}x{blk}x{w}", MK._read_apart, apart, shape, w, 3
+        yield f"read_host_misses {blk}x{w}", MK._read_host_misses, rh, {**const, "BLOCK": blk}, w, 3
     plan = dict(pending="*i32", miss_src="*i32", miss_dst="*i32", miss_count="*i32", K="i32")
-    plan = dict(pending="*i32", miss_src="*i32", miss_dst="*i32", miss_count="*i32")
-    plan.update(slot_of="*i32", ids="*i32", K="i32")
-    for slots in (False, True):
-        consts = dict(BLOCK=1024, CLEAR=False, SLOTS=slots)
-        yield f"stage_misses slots={slots}", MK._stage_misses, plan, consts, 4, 3
+    yield "stage_misses", MK._stage_misses, plan, dict(BLOCK=1024, CLEAR=False), 4, 3
     cp = dict(hot="*i32", host="*i32", miss_src="*i32", miss_dst="*i32", miss_count="*i32", K="i32")
     for blk, w in ((16, 4), (32, 4), (64, 8)):
         yield (

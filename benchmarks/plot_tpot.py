@@ -15,8 +15,6 @@ MODES = (
     ("hisparse_split", "HiSparse, batch split in two"),
     ("hisparse_in_read", "HiSparse, misses read inside the row read"),
     ("hisparse_beside", "HiSparse, misses copied beside the hits' read"),
-    ("hisparse_in_read_apart", "HiSparse, misses read in the row read by programs apart"),
-    ("hisparse_read_beside", "HiSparse, misses read from the host beside the hits' read"),
 )
 
 

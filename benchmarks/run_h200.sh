@@ -7,7 +7,8 @@
 # for the spread between runs), "misspaths" (the GPU-bound step's miss paths: the kernels alone,
 # the per-kernel profile, the TPOT comparison at 32k) and "contexts" (capacity at 64k and 128k
 # tokens per request); each of the last two fits one 10-minute device call. "fusedattn": the
-# fused sparse-MLA kernel's profile and TPOT comparison (its own call).
+# fused sparse-MLA kernel's profile and TPOT comparison (its own call). "pcie": the misses' bytes
+# moved by SM loads, the copy engine and bulk copies (TMA) beside the row read.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/hisparse-out}
@@ -60,17 +61,21 @@ fi
 if has misspaths; then
   timeout 120 python3 benchmarks/bench_in_read.py --batches 16,64,112 --json "$OUT/in_read_h200.json" > "$OUT/in_read.txt" 2>&1 || status=1
   tail -3 "$OUT/in_read.txt"
-  timeout 150 python3 benchmarks/profile_step_kernels.py --layers 4 --batches 64 --modes resident,hisparse,hisparse_in_read,hisparse_in_read_apart,hisparse_beside --out "$OUT/step_kernels_miss_paths_h200.md" > /dev/null 2>&1 || status=1
+  timeout 150 python3 benchmarks/profile_step_kernels.py --layers 4 --batches 64 --modes resident,hisparse,hisparse_in_read,hisparse_beside --out "$OUT/step_kernels_miss_paths_h200.md" > /dev/null 2>&1 || status=1
   grep "minus resident" "$OUT/step_kernels_miss_paths_h200.md"
-  timeout 420 python3 benchmarks/bench_decode_tpot.py --layers 8 --batches 1,16,64 --in-read --in-read-apart --read-beside --beside --json "$OUT/engine_tpot_h200.json" > "$OUT/tpot.txt" 2>&1 || status=1
+  timeout 420 python3 benchmarks/bench_decode_tpot.py --layers 8 --batches 1,16,64 --in-read --beside --json "$OUT/engine_tpot_h200.json" > "$OUT/tpot.txt" 2>&1 || status=1
   grep -E "^B=|^Capacity" "$OUT/tpot.txt"
 fi
 if has contexts; then
   for ctx in 65536 131072; do
-    timeout 300 python3 benchmarks/bench_decode_tpot.py --layers 8 --ctx $ctx --batches 1 --in-read --in-read-apart --runs 3 --steps 10 --json "$OUT/engine_tpot_h200_ctx$ctx.json" > "$OUT/tpot_$ctx.txt" 2>&1 || status=1
+    timeout 300 python3 benchmarks/bench_decode_tpot.py --layers 8 --ctx $ctx --batches 1 --in-read --runs 3 --steps 10 --json "$OUT/engine_tpot_h200_ctx$ctx.json" > "$OUT/tpot_$ctx.txt" 2>&1 || status=1
     grep -E "^B=|^Capacity" "$OUT/tpot_$ctx.txt"
   done
   python3 benchmarks/capacity_report.py benchmarks/results/engine_tpot_h200.json "$OUT"/engine_tpot_h200_ctx*.json --out "$OUT/capacity_by_context_h200.md" || status=1
+fi
+if has pcie; then
+  timeout 200 python3 benchmarks/bench_pcie_overlap.py --batches 64,112,16 --json "$OUT/pcie_overlap_h200.json" > "$OUT/pcie.txt" 2>&1 || status=1
+  tail -3 "$OUT/pcie.txt"
 fi
 if has fusedattn; then
   timeout 120 python3 benchmarks/bench_mla.py --json "$OUT/mla_h200.json" 2>&1 | tail -3 || status=1

@@ -46,18 +46,6 @@ PATH_TABLES = {
         "Misses copied by a Triton kernel on the copy stream while the rows already hot are read "
         '(`misses="beside"`), then the misses\' rows read, same run:',
     ),
-    "in_read_apart": (
-        "in-read apart",
-        'The in-read with its programs apart (`misses="in_read_apart"`: one launch; a few '
-        "programs per request fetch only its misses from the host pool, the others read only hot "
-        "rows), same run:",
-    ),
-    "read_beside": (
-        "read-beside",
-        "Misses read from the host pool by a kernel on the copy stream (decoded into attention's "
-        'rows and written to their hot rows) while the rows already hot are read (`misses="read_'
-        'beside"`), same run:',
-    ),
 }
 
 

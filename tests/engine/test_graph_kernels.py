@@ -192,27 +192,6 @@ def test_copy_misses_then_two_part_read_equals_the_whole_read(kernels, mk):
     assert bool((pending == -1).all())  # the table is empty for the next layer
 
 
-@pytest.mark.parametrize("programs,chunk", [(1, 16), (7, 8), (64, 16)])
-def test_read_rows_apart_equals_the_whole_read(mk, programs, chunk):
-    hot, host = _rows(5 * 512, 15), _rows(4000, 16).cpu().pin_memory()
-    ids, plan = _plan(5, 512, 300, 41, 4000, 17)
-    src, dst, count = plan
-    count[2] = 0  # a request with no miss
-    want_hot = hot.clone()
-    for b in range(5):
-        n = int(count[b])
-        want_hot[dst[b, :n].long()] = host[src[b, :n].long().cpu()].cuda()
-    pending = torch.full((5 * 512,), -1, dtype=torch.int32, device="cuda")
-    slot_of = torch.full((5 * 512,), -1, dtype=torch.int32, device="cuda")
-    mk.stage_misses(pending, *plan, slot_of=slot_of, ids=ids.int())
-    got = mk.read_rows_apart(
-        hot, host, pending, ids, plan, slot_of, miss_programs=programs, chunk=chunk
-    )
-    want = decode_rows(want_hot[ids], "fp8", torch.bfloat16)
-    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
-    assert torch.equal(hot, want_hot)
-
-
 def test_gather_decode_parts_need_pending_and_a_matching_out(kernels):
     src = _rows(64, 14)
     ids = torch.arange(8, device="cuda")

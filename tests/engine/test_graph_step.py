@@ -92,11 +92,6 @@ GPU_CASES = [
     ("hisparse", 1, 0, "beside"),
     ("hisparse", 2, 0, "beside"),
     ("hybrid", 1, 2, "beside"),
-    ("hisparse", 1, 0, "read_beside"),
-    ("hisparse", 2, 0, "read_beside"),
-    ("hybrid", 1, 2, "read_beside"),
-    ("hisparse", 1, 0, "in_read_apart"),
-    ("hisparse", 2, 0, "in_read_apart"),
     ("hisparse", 1, 0, False),
     ("hisparse", 2, 0, True),
     ("hybrid", 1, 2, True),
@@ -191,7 +186,7 @@ def test_fused_kernels_are_refused_where_they_cannot_run(tiny):
     cfg, w, kv = tiny
     with pytest.raises(ValueError, match="fused=True needs Triton and a CUDA device"):
         DecodeStep(cfg, w, kv, "resident", 2, fused=True)
-    for path in ("in_read", "beside", "read_beside", "in_read_apart"):
+    for path in ("in_read", "beside"):
         with pytest.raises(ValueError, match=f"misses='{path}' needs the Triton kernels"):
             DecodeStep(cfg, w, kv, "hisparse", 2, misses=path)
     with pytest.raises(ValueError, match="misses must be one of"):

@@ -90,32 +90,6 @@ def check_kernels() -> None:
     assert _same_bits(got, whole), "read_rows_from_host != the whole read"
     assert torch.equal(in_read, want_hot), "read_rows_from_host filled other hot rows"
 
-    # One launch, programs apart: the miss programs walk the plan (one program over every
-    # request in chunks of 2, or more programs than requests), the others read the hits.
-    slot_of = torch.full((B * H,), -1, dtype=torch.int32)
-    mk.stage_misses(pending, *plan, slot_of=slot_of, ids=ids.int())
-    assert torch.equal(pending, want_pending), "stage_misses with slots"
-    flat = ids.reshape(-1)
-    assert torch.equal(slot_of[flat].long(), torch.arange(B * K)), "stage_misses slot_of"
-    for programs, chunk in ((1, 2), (5, 16)):
-        apart = hot.clone()
-        got = mk.read_rows_apart(
-            apart, host, pending, ids, plan, slot_of, miss_programs=programs, chunk=chunk
-        )
-        assert _same_bits(got, whole), f"read_rows_apart({programs}, {chunk}) != the whole read"
-        assert torch.equal(apart, want_hot), "read_rows_apart filled other hot rows"
-
-    # The read beside: the misses from the host, the hits from HBM, into one buffer.
-    read_beside = hot.clone()
-    out = torch.full((B, K, 576), float("nan"), dtype=torch.bfloat16)
-    mk.read_rows_from_host(
-        read_beside, host, pending, ids, block=8, warps=2, part="misses", out=out
-    )
-    assert torch.equal(out.isnan().all(-1), ~left), "part='misses' must write exactly the misses"
-    assert torch.equal(read_beside, want_hot), "part='misses' filled other hot rows"
-    kernels.gather_decode(read_beside, ids, pending=pending, part="hits", out=out)
-    assert _same_bits(out, whole), "misses from the host then hits != the whole read"
-
     mk.stage_misses(pending, *plan, clear=True)
     assert bool((pending == -1).all()), "stage_misses(clear=True)"
     print("kernels ok")
@@ -155,11 +129,6 @@ def check_step() -> None:
         ("hisparse", dict(misses="beside", split=2)),
         ("hybrid", dict(misses="beside", resident=2)),
         ("hybrid", dict(misses="in_read", resident=2)),
-        ("hisparse", dict(misses="read_beside")),
-        ("hisparse", dict(misses="read_beside", split=2)),
-        ("hybrid", dict(misses="read_beside", resident=2)),
-        ("hisparse", dict(misses="in_read_apart")),
-        ("hybrid", dict(misses="in_read_apart", resident=2)),
     ]
     _, fused_ref = _eager(cfg, w, kv, "resident", 5, 6, fused=True, attention="fused")
     assert not _same(ref, fused_ref)  # another summation: close, not the same bits

@@ -51,14 +51,15 @@ def use_triton(fused, device) -> bool:
 if triton is not None:
 
     @triton.jit
-    def _gather_rows(
-        src_u8, src_f32, src_bf16, ids, out, r, ok, pending,
+    def _gather_decode(
+        src_u8, src_f32, src_bf16, ids, out, n, pending,
         ROW_U8: tl.constexpr, ROW_F32: tl.constexpr, ROW_BF16: tl.constexpr,
         SCALE0: tl.constexpr, ROPE0: tl.constexpr, LAT: tl.constexpr, ROPE: tl.constexpr,
-        TILE: tl.constexpr, OUT_W: tl.constexpr, PART: tl.constexpr,
+        TILE: tl.constexpr, OUT_W: tl.constexpr, BLOCK: tl.constexpr, PART: tl.constexpr,
     ):  # fmt: skip
-        # Rows r (mask ok) of the read. PART 0: every row; 1: rows with no pending miss; 2: the
-        # rows with one.
+        # PART 0: every row; 1: rows with no pending miss; 2: the rows with one.
+        r = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        ok = r < n
         row = tl.load(ids + r, mask=ok, other=0).to(tl.int64)
         if PART != 0:
             k = tl.load(pending + row, mask=ok, other=-1)
@@ -80,19 +81,6 @@ if triton is not None:
         rope = tl.load(src_bf16 + row[:, None] * ROW_BF16 + ROPE0 + e[None, :],
                        mask=ok[:, None], other=0.0)  # fmt: skip
         tl.store(dst + LAT + e[None, :], rope, mask=ok[:, None])
-
-    @triton.jit
-    def _gather_decode(
-        src_u8, src_f32, src_bf16, ids, out, n, pending,
-        ROW_U8: tl.constexpr, ROW_F32: tl.constexpr, ROW_BF16: tl.constexpr,
-        SCALE0: tl.constexpr, ROPE0: tl.constexpr, LAT: tl.constexpr, ROPE: tl.constexpr,
-        TILE: tl.constexpr, OUT_W: tl.constexpr, BLOCK: tl.constexpr, PART: tl.constexpr,
-    ):  # fmt: skip
-        r = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        _gather_rows(
-            src_u8, src_f32, src_bf16, ids, out, r, r < n, pending, ROW_U8, ROW_F32, ROW_BF16,
-            SCALE0, ROPE0, LAT, ROPE, TILE, OUT_W, PART,
-        )  # fmt: skip
 
     @triton.jit
     def _indexer(
@@ -130,18 +118,6 @@ def check_rows(*, pinned: tuple = (), **buffers: torch.Tensor) -> None:
             raise ValueError(f"{what} must be pinned (page-locked) memory")
 
 
-def decoded_rows(ids: torch.Tensor, out: torch.Tensor | None, device) -> torch.Tensor:
-    """The bf16 [*ids.shape, 576] buffer a row read writes: ``out`` checked, or a new one."""
-    shape = (*ids.shape, KV_DIM)
-    if out is None:
-        return torch.empty(shape, dtype=torch.bfloat16, device=device)
-    if out.shape != shape or out.dtype != torch.bfloat16 or not out.is_contiguous():
-        raise ValueError(
-            f"out must be contiguous bfloat16 {list(shape)}, got {out.dtype} {out.shape}"
-        )
-    return out
-
-
 def gather_decode(
     src: torch.Tensor,
     ids: torch.Tensor,
@@ -162,7 +138,13 @@ def gather_decode(
     if (part == "all") != (pending is None):
         raise ValueError("pending is needed for part='hits' or 'misses', and only then")
     flat = ids.reshape(-1).contiguous()
-    out = decoded_rows(ids, out, src.device)
+    shape = (*ids.shape, KV_DIM)
+    if out is None:
+        out = torch.empty(shape, dtype=torch.bfloat16, device=src.device)
+    elif out.shape != shape or out.dtype != torch.bfloat16 or not out.is_contiguous():
+        raise ValueError(
+            f"out must be contiguous bfloat16 {list(shape)}, got {out.dtype} {out.shape}"
+        )
     n, block = flat.numel(), 16
     _gather_decode[(triton.cdiv(n, block),)](
         src, src.view(torch.float32), src.view(torch.bfloat16), flat, out, n,

@@ -39,11 +39,8 @@ from hisparse.runtime import HiSparseIndexGroup, HiSparseRuntime
 MODES = ("resident", "hisparse", "hybrid")
 # How a host part's misses reach its row read: "op" the resolve op's gather on the copy stream,
 # then the whole read; "in_read" read from the host pool inside the row read; "beside" a Triton
-# copy on the copy stream while the rows already hot are read, then the misses' rows;
-# "read_beside" the misses' rows read from the host pool on the copy stream (decoded into the
-# read's output and written to their hot rows) while the rows already hot are read;
-# "in_read_apart" as "in_read", but the read's programs that fetch misses read no hot rows.
-MISS_PATHS = ("op", "in_read", "beside", "read_beside", "in_read_apart")
+# copy on the copy stream while the rows already hot are read, then the misses' rows.
+MISS_PATHS = ("op", "in_read", "beside")
 # Attention over the selected rows: "bmm" decodes them into a bf16 buffer, then two batched
 # products and a bf16 softmax; "fused" one Triton kernel over the FP8 rows (mla_kernel).
 ATTENTION = ("bmm", "fused")
@@ -111,7 +108,7 @@ class DecodeStep:
             raise ValueError(f"attention must be one of {ATTENTION}, got {attention!r}")
         if attention == "fused" and not self.fused:
             raise ValueError("attention='fused' needs the Triton kernels (fused)")
-        if attention == "fused" and misses in ("in_read", "read_beside", "in_read_apart"):
+        if attention == "fused" and misses == "in_read":
             raise ValueError(
                 "attention='fused' reads rows from one buffer: misses='op' or 'beside'"
             )
@@ -134,17 +131,12 @@ class DecodeStep:
         self.pending = None
         if misses != "op" and attention == "bmm":
             self.pending = torch.full((n_hot,), -1, dtype=torch.int32, device=dev)
-        # slot_of[hot row] = its place in the read's output (the apart read's miss programs).
-        self.slot_of = None
-        if misses == "in_read_apart":
-            self.slot_of = torch.zeros((n_hot,), dtype=torch.int32, device=dev)
         self.req_base = torch.arange(batch, device=dev, dtype=torch.int64)[:, None] * cfg.ctx_len
         self.x = torch.zeros(batch, cfg.hidden, dtype=M.DT, device=dev)
         self.bias = torch.zeros(batch, cfg.ctx_len, dtype=torch.float32, device=dev)
         self.tokens = torch.zeros(batch, dtype=torch.int64, device=dev)
         self.hidden = torch.zeros(batch, cfg.hidden, dtype=M.DT, device=dev)
         self.probe = None  # profile.Probe in the eager profile run; None when captured
-        self._kv = {}  # part -> its rows buffer while a read-beside fills it
 
     def _bind(self, i: int, p: Part) -> None:
         """One index group per layer for the part's requests: state row j is request start + j,
@@ -219,14 +211,10 @@ class DecodeStep:
         out = rt.resolve(ids.to(torch.int32), p.state_rows)
         self._mark("res1", layer, i)
         if self.pending is not None:
-            slots = dict(slot_of=self.slot_of, ids=out) if self.slot_of is not None else {}
-            miss_kernels.stage_misses(self.pending, *rt.index_group.plan(), **slots)
-        if self.misses in ("in_read", "in_read_apart"):
+            miss_kernels.stage_misses(self.pending, *rt.index_group.plan())
+        if self.misses == "in_read":
             return out
-        if self.misses == "read_beside":
-            self._kv[i] = self._read_misses_beside(layer, p, out)
-        else:
-            rt.gather(copy=miss_kernels.copy_misses if self.misses == "beside" else None)
+        rt.gather(copy=miss_kernels.copy_misses if self.misses == "beside" else None)
         self._mark("copy1", layer, i, rt.index_group.copy_stream)
         if not self.overlap:
             rt.wait_ready()
@@ -235,42 +223,20 @@ class DecodeStep:
     def _read(self, layer: int, i: int, p: Part, r: torch.Tensor) -> torch.Tensor:
         """A host part's rows as attention reads them, once its misses are in (see MISS_PATHS)."""
         hot, rt = self.hot[layer], p.runtimes[layer]
-        host, plan = self.kv.host_views[layer], rt.index_group.plan()
-        if self.misses in ("in_read", "in_read_apart"):
-            kv = (
-                miss_kernels.read_rows_apart(hot, host, self.pending, r, plan, self.slot_of)
-                if self.slot_of is not None
-                else miss_kernels.read_rows_from_host(hot, host, self.pending, r)
-            )
-            miss_kernels.stage_misses(self.pending, *plan, clear=True)
+        if self.misses == "in_read":
+            kv = miss_kernels.read_rows_from_host(hot, self.kv.host_views[layer], self.pending, r)
+            miss_kernels.stage_misses(self.pending, *rt.index_group.plan(), clear=True)
             return kv
-        kv = self._kv.pop(i, None)
-        if self.misses != "op":  # the rows already hot while the misses are on their way
-            kv = kernels.gather_decode(hot, r, pending=self.pending, part="hits", out=kv)
+        kv = None
+        if self.misses == "beside":  # the rows already hot while their copy is in flight
+            kv = kernels.gather_decode(hot, r, pending=self.pending, part="hits")
         self._mark("wait0", layer, i)
         rt.wait_ready()
         self._mark("wait1", layer, i)
         if kv is None:
             return M.read_rows(hot, r, self.fused)
-        if self.misses == "beside":
-            kernels.gather_decode(hot, r, pending=self.pending, part="misses", out=kv)
-        miss_kernels.stage_misses(self.pending, *plan, clear=True)
-        return kv
-
-    def _read_misses_beside(self, layer: int, p: Part, ids: torch.Tensor) -> torch.Tensor:
-        """Start reading the part's pending rows from the host pool on its copy stream, after
-        the staging of its plan; returns the rows buffer that `_read` completes."""
-        rt = p.runtimes[layer]
-        kv = kernels.decoded_rows(ids, None, ids.device)
-        args = (self.hot[layer], self.kv.host_views[layer], self.pending, ids)
-        stream = rt.index_group.copy_stream
-        if stream is None:  # CPU (the Triton interpreter): in order
-            miss_kernels.read_rows_from_host(*args, part="misses", out=kv, block=8, warps=2)
-            return kv
-        stream.wait_stream(torch.cuda.current_stream(ids.device))
-        with torch.cuda.stream(stream):
-            miss_kernels.read_rows_from_host(*args, part="misses", out=kv, block=8, warps=2)
-            rt.ready.record(stream)
+        kernels.gather_decode(hot, r, pending=self.pending, part="misses", out=kv)
+        miss_kernels.stage_misses(self.pending, *rt.index_group.plan(), clear=True)
         return kv
 
     def _hot_when_ready(self, layer: int, i: int, p: Part) -> torch.Tensor:
