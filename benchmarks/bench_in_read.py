@@ -26,6 +26,7 @@ from hisparse.engine.graph import kernels, miss_kernels
 from hisparse.engine.graph.config import ROW_BYTES
 
 SHAPES = ((8, 2), (16, 4), (32, 4), (32, 8), (64, 8))  # (rows per program, warps)
+TOP_K, HOT_SIZE, CTX = 2048, 4096, 32768  # DeepSeek-V3.2's top-k; the engine's hot and context
 COPY_SHAPES = ((16, 4, 4), (32, 4, 4), (32, 8, 4), (64, 4, 8))  # (rows, programs/request, warps)
 
 
@@ -46,19 +47,36 @@ def plan(batch: int, top_k: int, hot: int, ctx: int, miss: float, g: torch.Gener
     return ids.cuda(), (src.cuda(), dst.cuda(), count.cuda())
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--batches", default="1,16,64,112")
+def miss_bench_args(argv, doc: str, batches: str):
+    """The miss benches' shared arguments, parsed: --batches, --miss, --reps, --json."""
+    ap = argparse.ArgumentParser(description=doc.split("\n")[0])
+    ap.add_argument("--batches", default=batches)
     ap.add_argument("--miss", type=float, default=0.05)
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
-    top_k, hot_size, ctx = 2048, 4096, 32768
-    batches = [int(b) for b in args.batches.split(",")]
-    B = max(batches)
-    host = torch.empty(B * ctx, ROW_BYTES, dtype=torch.uint8).pin_memory()
+    return args, [int(b) for b in args.batches.split(",")]
+
+
+def write_rows(args, rows) -> None:
+    """The rows as --json asked, with the device and the miss rate."""
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(device=torch.cuda.get_device_name(), miss=args.miss, rows=rows), f)
+
+
+def pools(batch: int):
+    """A pinned host pool with a 32k-token region per request and the hot rows, for `batch`."""
+    host = torch.empty(batch * CTX, ROW_BYTES, dtype=torch.uint8).pin_memory()
     host.random_(0, 120)  # valid FP8 bytes (no NaN patterns)
-    hot = torch.randint(0, 120, (B * hot_size, ROW_BYTES), dtype=torch.uint8, device="cuda")
+    hot = torch.randint(0, 120, (batch * HOT_SIZE, ROW_BYTES), dtype=torch.uint8, device="cuda")
+    return host, hot
+
+
+def main(argv=None) -> int:
+    args, batches = miss_bench_args(argv, __doc__, "1,16,64,112")
+    top_k, hot_size, ctx = TOP_K, HOT_SIZE, CTX
+    host, hot = pools(max(batches))
     g = torch.Generator().manual_seed(0)
     rows = []
     for b in batches:
@@ -103,9 +121,7 @@ def main(argv=None) -> int:
             flush=True,
         )
         rows.append(row)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(dict(device=torch.cuda.get_device_name(), miss=args.miss, rows=rows), f)
+    write_rows(args, rows)
     return 0
 
 

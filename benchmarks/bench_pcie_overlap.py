@@ -13,13 +13,11 @@ time a cached copy. Overlap = (A + C - both) / min(A, C): 1 when the shorter one
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
 import sys
 
 import torch
-from bench_in_read import plan
+from bench_in_read import CTX, HOT_SIZE, TOP_K, miss_bench_args, plan, pools, write_rows
 from tma_gather import tma_gather
 
 from hisparse.engine.graph import kernels, miss_kernels
@@ -42,18 +40,9 @@ def timed(graph, before, reps):
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--batches", default="64,112")
-    ap.add_argument("--miss", type=float, default=0.05)
-    ap.add_argument("--reps", type=int, default=30)
-    ap.add_argument("--json", default=None)
-    args = ap.parse_args(argv)
-    top_k, hot_size, ctx = 2048, 4096, 32768
-    batches = [int(b) for b in args.batches.split(",")]
-    B = max(batches)
-    host = torch.empty(B * ctx, ROW_BYTES, dtype=torch.uint8).pin_memory()
-    host.random_(0, 120)
-    hot = torch.randint(0, 120, (B * hot_size, ROW_BYTES), dtype=torch.uint8, device="cuda")
+    args, batches = miss_bench_args(argv, __doc__, "64,112")
+    top_k, hot_size, ctx = TOP_K, HOT_SIZE, CTX
+    host, hot = pools(max(batches))
     g = torch.Generator().manual_seed(0)
     side = torch.cuda.Stream()
     rows = []
@@ -124,9 +113,7 @@ def main(argv=None) -> int:
             flush=True,
         )
         rows.append(row)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(dict(device=torch.cuda.get_device_name(), miss=args.miss, rows=rows), f)
+    write_rows(args, rows)
     return 0
 
 
