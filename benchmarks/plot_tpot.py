@@ -30,6 +30,8 @@ def main(argv=None):
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
     for (key, label), color in zip(MODES, tuple(f"C{i}" for i in range(len(MODES)))):
         pts = [(r["batch"], r["modes"][key]) for r in rows if key in r["modes"]]
+        if not pts:
+            continue  # a miss path this run did not time
         a.plot(
             [p[0] for p in pts], [m["ms_per_token"] for _, m in pts], "o-", color=color, label=label
         )
