@@ -16,11 +16,10 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import sys
 
 import torch
-from cuda_timing import median_us
+from cuda_timing import median_us, write_rows
 
 from hisparse.engine.graph import kernels, miss_kernels
 from hisparse.engine.graph.config import ROW_BYTES
@@ -56,13 +55,6 @@ def miss_bench_args(argv, doc: str, batches: str):
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     return args, [int(b) for b in args.batches.split(",")]
-
-
-def write_rows(args, rows) -> None:
-    """The rows as --json asked, with the device and the miss rate."""
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(dict(device=torch.cuda.get_device_name(), miss=args.miss, rows=rows), f)
 
 
 def pools(batch: int):
@@ -121,7 +113,7 @@ def main(argv=None) -> int:
             flush=True,
         )
         rows.append(row)
-    write_rows(args, rows)
+    write_rows(args.json, rows, miss=args.miss)
     return 0
 
 

@@ -12,11 +12,10 @@ scales read once plus the float32 scores written.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 import torch
-from cuda_timing import median_us
+from cuda_timing import median_us, write_rows
 
 from hisparse.engine.graph import kernels
 
@@ -66,9 +65,7 @@ def main(argv=None) -> int:
             flush=True,
         )
         rows.append(row)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(dict(device=torch.cuda.get_device_name(), rows=rows), f, indent=1)
+    write_rows(args.json, rows)
     return 0
 
 

@@ -17,7 +17,8 @@ import statistics
 import sys
 
 import torch
-from bench_in_read import CTX, HOT_SIZE, TOP_K, miss_bench_args, plan, pools, write_rows
+from bench_in_read import CTX, HOT_SIZE, TOP_K, miss_bench_args, plan, pools
+from cuda_timing import write_rows
 from tma_gather import tma_gather
 
 from hisparse.engine.graph import kernels, miss_kernels
@@ -113,7 +114,7 @@ def main(argv=None) -> int:
             flush=True,
         )
         rows.append(row)
-    write_rows(args, rows)
+    write_rows(args.json, rows, miss=args.miss)
     return 0
 
 

@@ -1,7 +1,9 @@
-"""Timing of one GPU launch (or a short sequence) by CUDA events, shared by the kernel benches."""
+"""What the kernel benches share: timing one GPU launch (or a short sequence) by CUDA events, and
+writing their rows as JSON."""
 
 from __future__ import annotations
 
+import json
 import statistics
 
 import torch
@@ -18,3 +20,10 @@ def median_us(fn, reps: int) -> float:
         b.record()
     torch.cuda.synchronize()
     return statistics.median(a.elapsed_time(b) * 1e3 for a, b in ev)
+
+
+def write_rows(path, rows: list, **meta) -> None:
+    """``{"device": ..., **meta, "rows": rows}`` to ``path`` (nothing when ``path`` is None)."""
+    if path:
+        with open(path, "w") as f:
+            json.dump(dict(device=torch.cuda.get_device_name(), **meta, rows=rows), f, indent=1)

@@ -14,7 +14,10 @@ A program takes ``heads_per_program`` heads of one request over all its rows, ``
 a time; every head block re-reads and re-decodes the request's rows (from L2 after the first).
 The defaults, 64 heads x 16 rows x 8 warps x 2 stages, are what compiles for sm_90 with Hopper's
 warpgroup MMA and the fewest register spills of the shapes tried
-(benchmarks/results/triton_kernels_sm90.md); their speed is for an H200 to say (bench_mla.py).
+(benchmarks/results/triton_kernels_sm90.md). On an H200 (benchmarks/results/mla_h200.json)
+64 x 32 x 8 x 2 was the fastest shape alone from batch 30 to 64 (187 against 326 us for the bmm
+path at 30) but slower than the bmm path at 112; in the engine the default made every mode's step
+slower (engine_tpot_fused_attention_h200.md), so "bmm" stays the step's default.
 """
 
 from __future__ import annotations
@@ -145,12 +148,12 @@ def sparse_mla(
         raise ValueError(f"ids must be [{n}, top_k], got {tuple(ids.shape)}")
     if heads_per_program < 16 or heads_per_program & (heads_per_program - 1):
         raise ValueError(f"heads_per_program must be a power of two >= 16, got {heads_per_program}")
+    if not 1 <= splits <= MAX_SPLITS:
+        raise ValueError(f"splits must lie in [1, {MAX_SPLITS}], got {splits}")
     q, ids = q.contiguous(), ids.contiguous()
     out = torch.empty(n, H, LATENT_DIM, dtype=torch.bfloat16, device=q.device)
     if n == 0:
         return out
-    if not 1 <= splits <= MAX_SPLITS:
-        raise ValueError(f"splits must lie in [1, {MAX_SPLITS}], got {splits}")
     K = ids.shape[1]
     chunk = triton.cdiv(triton.cdiv(K, splits), block) * block
     part_acc = part_ml = out  # unused unless split

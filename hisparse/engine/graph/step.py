@@ -184,7 +184,9 @@ class DecodeStep:
         mixes = []
         for i, (p, r) in enumerate(zip(self.parts, rows)):
             if self.attention == "fused":
-                src = self._hot_when_ready(layer, i, p) if p.host else self.kv.dev_rows[layer]
+                if p.host:  # fused attention reads the hot rows once the copy landed
+                    self._wait(layer, i, p)
+                src = self.hot[layer] if p.host else self.kv.dev_rows[layer]
                 mixes.append(M.attend_rows(cfg, q[p.start : p.end], src, r, self.splits))
                 continue
             kv = (
@@ -230,21 +232,18 @@ class DecodeStep:
         kv = None
         if self.misses == "beside":  # the rows already hot while their copy is in flight
             kv = kernels.gather_decode(hot, r, pending=self.pending, part="hits")
-        self._mark("wait0", layer, i)
-        rt.wait_ready()
-        self._mark("wait1", layer, i)
+        self._wait(layer, i, p)
         if kv is None:
             return M.read_rows(hot, r, self.fused)
         kernels.gather_decode(hot, r, pending=self.pending, part="misses", out=kv)
         miss_kernels.stage_misses(self.pending, *rt.index_group.plan(), clear=True)
         return kv
 
-    def _hot_when_ready(self, layer: int, i: int, p: Part) -> torch.Tensor:
-        """The layer's hot rows once the part's copy landed (fused attention reads them there)."""
+    def _wait(self, layer: int, i: int, p: Part) -> None:
+        """The current stream waits for the part's copy of this layer (marked for the profile)."""
         self._mark("wait0", layer, i)
         p.runtimes[layer].wait_ready()
         self._mark("wait1", layer, i)
-        return self.hot[layer]
 
     def _mark(self, what: str, layer: int, i: int, stream=None) -> None:
         if self.probe is not None:
