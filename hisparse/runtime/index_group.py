@@ -264,15 +264,18 @@ class HiSparseRuntime:
     def gather(self, copy: Optional[Callable] = None) -> None:
         """Copy this step's misses host -> hot for this layer (copy stream on CUDA). ``copy``,
         called as copy(host_view, hot_view, miss_src, miss_dst, miss_count), replaces the op's
-        gather (and its count of moved bytes)."""
+        gather; the moved bytes are counted either way."""
         g = self.index_group
         plan = g.plan()
 
         def run() -> None:
             if copy is None:
                 ops.gather([self.host_view], [self.hot_view], *plan, g.moved_bytes)
-            else:
-                copy(self.host_view, self.hot_view, *plan)
+                return
+            copy(self.host_view, self.hot_view, *plan)
+            # As the op counts them: the plan's rows times this member's row bytes (the counter
+            # is uint64; int64 arithmetic on the same bits, exact below 2**63).
+            g.moved_bytes.view(torch.int64).add_(plan[2].sum() * self.row_bytes)
 
         if g.copy_stream is None:
             run()

@@ -70,6 +70,33 @@ def test_every_member_serves_its_own_rows_and_bytes_are_exact():
     assert moved == misses * 4 * RB
 
 
+def test_a_custom_copy_moves_the_rows_and_its_bytes_are_counted():
+    """gather(copy=...) swaps the op's copy for the caller's; hot rows and counters come out as
+    the op's gather leaves them."""
+    calls = []
+
+    def copy(host, hot, miss_src, miss_dst, miss_count):
+        calls.append(int(miss_count.sum()))
+        rows = host.reshape(-1, hot.shape[-1])
+        for b in range(miss_count.shape[0]):
+            n = int(miss_count[b])
+            hot[miss_dst[b, :n].long()] = rows[miss_src[b, :n].long()]
+
+    workload = [([[1, 2, 3, 4], [9, 9, 10, 11]], [0, 2]), ([[2, 3, 4, 5], [9, 10, 11, 12]], [0, 2])]
+    (g, rts), (g_op, rts_op) = make_group(), make_group()
+    for top_k, rows in workload:
+        state = torch.tensor(rows, dtype=torch.int32)
+        rts[0].resolve(torch.tensor(top_k, dtype=torch.int32), state)
+        for rt in rts:
+            rt.gather(copy=copy)
+        step(g_op, rts_op, top_k, rows)
+    assert sum(calls) > 0 and len(calls) == 4 * len(workload)
+    for rt, rt_op in zip(rts, rts_op):
+        assert torch.equal(rt.hot_view, rt_op.hot_view)
+    assert g.counters.tolist() == g_op.counters.tolist()
+    assert int(g.counters[2]) == int(g.counters[1]) * 4 * RB
+
+
 def test_followers_cannot_resolve():
     g, rts = make_group(2)
     with pytest.raises(RuntimeError, match="follower"):
