@@ -39,6 +39,10 @@ LAYERS = 2
 MAX_SEQS = 16
 PROMPT_LEN = 200
 GEN = 16
+# The concurrency comparison's generation length: long enough that the few seconds vLLM runs
+# every admitted request at once outlast a /metrics poll or two on a loaded machine (with GEN
+# the window was a fraction of a second, and one CI run sampled HiSparse's peak as 1).
+PEAK_GEN = 64
 NUM_REQUESTS = 16
 RESULTS = {}
 CFG = model_config(
@@ -128,10 +132,10 @@ class Server(OpenAIServer):
             self._name = json.loads(_http(self.url + "/v1/models"))["data"][0]["id"]
         return self._name
 
-    def metrics(self) -> dict:
+    def metrics(self, timeout: float = 120.0) -> dict:
         """Prometheus samples of interest: name (without labels) -> value (summed)."""
         out: dict = {}
-        for line in _http(self.url + "/metrics").splitlines():
+        for line in _http(self.url + "/metrics", timeout=timeout).splitlines():
             if line.startswith("#") or not line.startswith("vllm:"):
                 continue
             name_labels, value = line.rsplit(" ", 1)
@@ -158,23 +162,24 @@ def _distinct_prompts():
     return [[rng.randrange(256) for _ in range(PROMPT_LEN + 3 * i)] for i in range(NUM_REQUESTS)]
 
 
-def _send_all(server: Server, prompts) -> tuple:
+def _send_all(server: Server, prompts, max_tokens: int = GEN) -> tuple:
     """All prompts at once: (tokens, the most requests vLLM ran at one time)."""
     peak = [0.0]
     stop = threading.Event()
 
     def poll():
         while not stop.is_set():
-            try:
-                peak[0] = max(peak[0], server.metrics().get("vllm:num_requests_running", 0.0))
+            try:  # a short timeout: one slow scrape must not sleep through the window
+                running = server.metrics(timeout=5.0).get("vllm:num_requests_running", 0.0)
+                peak[0] = max(peak[0], running)
             except (urllib.error.URLError, OSError):
                 pass
-            time.sleep(0.2)
+            time.sleep(0.05)
 
     t = threading.Thread(target=poll, daemon=True)
     t.start()
     with ThreadPoolExecutor(len(prompts)) as ex:
-        tokens = list(ex.map(server.complete, prompts))
+        tokens = list(ex.map(lambda p: server.complete(p, max_tokens), prompts))
     stop.set()
     t.join()
     return tokens, peak[0]
@@ -182,7 +187,7 @@ def _send_all(server: Server, prompts) -> tuple:
 
 def _run_workload(server: Server) -> dict:
     tokens, _ = _send_all(server, _prompts())
-    distinct_tokens, peak = _send_all(server, _distinct_prompts())
+    distinct_tokens, peak = _send_all(server, _distinct_prompts(), PEAK_GEN)
     return {"tokens": tokens, "distinct_tokens": distinct_tokens, "peak_running": peak}
 
 
@@ -224,9 +229,9 @@ def hisparse(hisparse_server) -> dict:
 
 
 def test_tokens_identical_with_and_without_hisparse(resident, hisparse):
-    for key in ("tokens", "distinct_tokens"):
+    for key, gen in (("tokens", GEN), ("distinct_tokens", PEAK_GEN)):
         assert len(resident[key]) == NUM_REQUESTS
-        assert all(len(t) == GEN for t in resident[key])
+        assert all(len(t) == gen for t in resident[key])
         assert hisparse[key] == resident[key]
 
 
