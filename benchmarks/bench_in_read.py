@@ -26,7 +26,7 @@ from hisparse.engine.graph.config import ROW_BYTES
 
 SHAPES = ((8, 2), (16, 4), (32, 4), (32, 8), (64, 8))  # (rows per program, warps)
 TOP_K, HOT_SIZE, CTX = 2048, 4096, 32768  # DeepSeek-V3.2's top-k; the engine's hot and context
-COPY_SHAPES = ((16, 4, 4), (32, 4, 4), (32, 8, 4), (64, 4, 8))  # (rows, programs/request, warps)
+COPY_SHAPES = ((16, 64, 16), (32, 32, 8), (8, 64, 16), (32, 64, 16))  # (programs, rows, warps)
 
 
 def plan(batch: int, top_k: int, hot: int, ctx: int, miss: float, g: torch.Generator, ids=None):
@@ -96,13 +96,13 @@ def main(argv=None) -> int:
         for blk, w in SHAPES:
             t = median_us(fresh(lambda m, blk=blk, w=w: in_read(m, blk, w)), args.reps)
             row["shapes"][f"{blk}x{w}"] = t
-        for blk, progs, w in COPY_SHAPES:
+        for progs, blk, w in COPY_SHAPES:
 
             def copy(m, blk=blk, progs=progs, w=w):
-                miss_kernels.copy_misses(host, hot, *m, block=blk, programs=progs, warps=w)
+                miss_kernels.copy_misses(host, hot, *m, programs=progs, block=blk, warps=w)
 
             t = median_us(fresh(copy), args.reps)
-            row["copy_shapes"][f"{blk}x{progs}x{w}"] = dict(us=t, gb_s=moved / t / 1e3)
+            row["copy_shapes"][f"{progs}x{blk}x{w}"] = dict(us=t, gb_s=moved / t / 1e3)
         print(
             f"B={b}: all hot {base:.1f} us; in-read "
             + ", ".join(f"{k}: {v:.1f}" for k, v in row["shapes"].items())

@@ -20,11 +20,14 @@ import torch
 from bench_in_read import CTX, HOT_SIZE, TOP_K, miss_bench_args, plan, pools
 from cuda_timing import write_rows
 from tma_gather import tma_gather
+from warp_gather import warp_gather
 
 from hisparse.engine.graph import kernels, miss_kernels
 from hisparse.engine.graph.config import ROW_BYTES
 
-TMA_SHAPES = ((32, 64), (64, 64), (128, 32), (132, 64))  # (CTAs, rows in flight per CTA)
+TMA_SHAPES = ((132, 64),)  # (CTAs, rows in flight per CTA)
+# (CTAs, threads, rows in flight per warp, reserved shared memory bytes per CTA)
+WARP_SHAPES = ((16, 512, 4, 0), (32, 256, 4, 0), (8, 512, 8, 0))
 
 
 def timed(graph, before, reps):
@@ -57,12 +60,19 @@ def main(argv=None) -> int:
         out = torch.empty(b, top_k, 576, dtype=torch.bfloat16, device="cuda")
         work = {
             "read": lambda: kernels.gather_decode(hot, ids, out=out),
-            "sm_copy": lambda: miss_kernels.copy_misses(host, hot, *live),
+            "sm_copy_16x64x16": lambda: miss_kernels.copy_misses(host, hot, *live),
+            "sm_copy_32x32x8": lambda: miss_kernels.copy_misses(
+                host, hot, *live, programs=32, block=32, warps=8
+            ),
             "dma_copy": lambda: landing.copy_(staging, non_blocking=True),
         }
         for ctas, slots in TMA_SHAPES:
             work[f"tma_copy_{ctas}x{slots}"] = lambda c=ctas, s=slots: tma_gather(
                 host, hot, *live, ctas=c, slots=s
+            )
+        for c, t, r, res in WARP_SHAPES:
+            work[f"warp_copy_{c}x{t}r{r}" + ("s" if res else "")] = lambda c=c, t=t, r=r, res=res: (
+                warp_gather(host, hot, *live, ctas=c, threads=t, rows=r, reserve=res)
             )
 
         def capture(main_work, side_work=None):
@@ -90,7 +100,7 @@ def main(argv=None) -> int:
         planned = [
             (dst[r, : int(count[r])].long(), src[r, : int(count[r])].long()) for r in range(b)
         ]
-        for name in [n for n in work if n.startswith("tma")]:
+        for name in [n for n in work if n.startswith(("tma", "warp", "sm_"))]:
             for d, _ in planned:
                 hot[d.cuda()] = 0  # every planned row cleared, so a copy that did nothing shows
             work[name]()

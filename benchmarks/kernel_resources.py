@@ -71,10 +71,16 @@ def cases():
     const = dict(**ROW, ROPE=ROPE_DIM, TILES=LATENT_DIM // FP8_TILE, TILE=FP8_TILE, OUT_W=KV_DIM)
     for blk, w in ((64, 8), (32, 8), (16, 4)):
         yield f"read_host_misses {blk}x{w}", MK._read_host_misses, rh, {**const, "BLOCK": blk}, w, 3
-    plan = dict(pending="*i32", miss_src="*i32", miss_dst="*i32", miss_count="*i32", K="i32")
-    yield "stage_misses", MK._stage_misses, plan, dict(BLOCK=1024, CLEAR=False), 4, 3
-    cp = dict(hot="*i32", host="*i32", miss_src="*i32", miss_dst="*i32", miss_count="*i32", K="i32")
-    for blk, w in ((16, 4), (32, 4), (64, 8)):
+    plan = dict(
+        pending="*i32", miss_src="*i32", miss_dst="*i32", miss_count="*i32", moved="*i64", K="i32"
+    )
+    const = dict(BLOCK=1024, CLEAR=True, COUNT=True, ROW=RB)
+    yield "stage_misses", MK._stage_misses, plan, const, 4, 3
+    cp = dict(
+        hot="*i32", host="*i32", miss_src="*i32", miss_dst="*i32", miss_count="*i32", B="i32",
+        K="i32",
+    )  # fmt: skip
+    for blk, w in ((64, 16), (32, 8)):
         yield (
             f"copy_misses {blk}x{w}",
             MK._copy_misses,

@@ -127,10 +127,14 @@ def test_stage_misses_writes_only_the_planned_entries(mk):
         want[dst[b, :n].long()] = src[b, :n]
     mk.stage_misses(pending, src, dst, count)
     assert torch.equal(pending, want)
-    mk.stage_misses(pending, src, dst, count, clear=True)
+    moved = torch.tensor([7], dtype=torch.uint64, device="cuda")  # adds to what was there
+    mk.stage_misses(pending, src, dst, count, clear=True, moved=moved)
     assert bool((pending == -1).all())
+    assert int(moved.view(torch.int64)) == 7 + int(count.sum()) * 656
     with pytest.raises(ValueError, match="miss_src must be contiguous int32"):
         mk.stage_misses(pending, src.long(), dst, count)
+    with pytest.raises(ValueError, match="moved must be a uint64"):
+        mk.stage_misses(pending, src, dst, count, moved=moved)  # counting needs clear=True
 
 
 @pytest.mark.parametrize("block_t,tiles,warps", [(64, 4, 4), (256, 2, 8)])
@@ -182,7 +186,9 @@ def test_copy_misses_then_two_part_read_equals_the_whole_read(kernels, mk):
     written = ~hits.isnan().all(-1)
     assert int((~written).sum()) == 3 * 37  # the planned misses are left for later, only they
     assert bool((pending[ids[~written]] >= 0).all())
-    mk.copy_misses(host, hot, *plan, block=16, programs=2)
+    with pytest.raises(ValueError, match="programs must be a power of two"):
+        mk.copy_misses(host, hot, *plan, programs=3)
+    mk.copy_misses(host, hot, *plan, block=16, programs=2)  # loops over requests and rows
     assert torch.equal(hot, want_hot)  # exactly the planned rows changed
     assert not torch.equal(untouched, want_hot)
     got = kernels.gather_decode(hot, ids, pending=pending, part="misses", out=hits)

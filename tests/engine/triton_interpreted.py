@@ -80,7 +80,7 @@ def check_kernels() -> None:
     left = out.isnan().all(-1)
     assert int(left.sum()) == int(count.sum()), "part='hits' must leave exactly the misses"
     assert bool((pending[ids[left]] >= 0).all()), "part='hits' left a hit"
-    mk.copy_misses(host, beside, *plan, block=2, programs=2)  # each program loops twice
+    mk.copy_misses(host, beside, *plan, block=2, programs=2)  # loops over requests and rows
     assert torch.equal(beside, want_hot), "copy_misses wrote other rows than the plan's"
     kernels.gather_decode(beside, ids, pending=pending, part="misses", out=out)
     assert _same_bits(out, whole), "hits then misses != the whole read"
@@ -90,8 +90,10 @@ def check_kernels() -> None:
     assert _same_bits(got, whole), "read_rows_from_host != the whole read"
     assert torch.equal(in_read, want_hot), "read_rows_from_host filled other hot rows"
 
-    mk.stage_misses(pending, *plan, clear=True)
+    moved = torch.zeros(1, dtype=torch.uint64)
+    mk.stage_misses(pending, *plan, clear=True, moved=moved)
     assert bool((pending == -1).all()), "stage_misses(clear=True)"
+    assert int(moved.view(torch.int64)) == int(count.sum()) * 656, "stage_misses(moved=)"
     print("kernels ok")
 
 
@@ -144,8 +146,7 @@ def check_step() -> None:
         step, out = _eager(cfg, w, kv, mode, 5, 6, fused=True, **kw)
         hits, misses, moved = counters(step)
         assert misses > 0 and hits > misses, (mode, kw, hits, misses)
-        if kw["misses"] == "beside":  # the Triton copy's bytes, counted by the runtime
-            assert moved == misses * 656, (mode, kw, moved, misses)
+        assert moved == misses * 656, (mode, kw, moved, misses)  # beside and in-read alike
         assert _same(ref, out), f"{mode} {kw}: not bit-identical to resident"
         assert bool((step.pending == -1).all()), f"{mode} {kw}: pending entries left"
     # The control: the same step with the misses' read skipped must break parity.

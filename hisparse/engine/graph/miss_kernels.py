@@ -8,10 +8,12 @@ resolve op's own gather: Triton kernels over the op's miss plan (miss_src, miss_
   of that form lost parity. A launch of its own needs no such ordering.)
 * ``read_rows_from_host`` ("in-read"): attention's row read itself reads a pending row from the
   pinned host pool over PCIe, beside the hits read from HBM, and writes it to its hot row.
-* ``copy_misses`` ("beside"): the plan copied host -> hot rows by SM loads on a side stream
-  while ``kernels.gather_decode(part="hits")`` decodes the rows already hot; after the copy,
-  ``part="misses"`` decodes the rest. The PCIe transfer then runs under the query projection
-  and the hits' read.
+* ``copy_misses`` ("beside"): the plan copied host -> hot rows by SM loads from a few programs
+  on a side stream while ``kernels.gather_decode(part="hits")`` decodes the rows already hot;
+  after the copy, ``part="misses"`` decodes the rest. Spread over most SMs (4 programs per
+  request) such a copy slowed the read beside it as much as it hid (overlap at most 0.13 on an
+  H200); from 16 programs it overlaps the read 0.79-0.88 at batch 64 and 0.49-0.66 at 112
+  (benchmarks/results/pcie_overlap_h200.md).
 
 Each gives bytes identical to the op's gather, and the row read decodes them as ``gather_decode``
 does, so every path stays bit-identical to resident.
@@ -70,11 +72,16 @@ if triton is not None:
 
     @triton.jit
     def _stage_misses(
-        pending, miss_src, miss_dst, miss_count, K, BLOCK: tl.constexpr, CLEAR: tl.constexpr
-    ):
+        pending, miss_src, miss_dst, miss_count, moved, K,
+        BLOCK: tl.constexpr, CLEAR: tl.constexpr, COUNT: tl.constexpr, ROW: tl.constexpr,
+    ):  # fmt: skip
         b = tl.program_id(0)
         j = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        used = j < tl.load(miss_count + b)
+        count = tl.load(miss_count + b)
+        used = j < count
+        if COUNT:
+            if tl.program_id(1) == 0:
+                tl.atomic_add(moved, count.to(tl.int64) * ROW)
         at = b.to(tl.int64) * K + j
         dst = tl.load(miss_dst + at, mask=used, other=0)
         if CLEAR:
@@ -84,23 +91,23 @@ if triton is not None:
 
     @triton.jit
     def _copy_misses(
-        hot, host, miss_src, miss_dst, miss_count, K,
+        hot, host, miss_src, miss_dst, miss_count, B, K,
         WORDS: tl.constexpr, WPAD: tl.constexpr, BLOCK: tl.constexpr,
     ):  # fmt: skip
-        # A few programs per request stride over its misses: a grid sized by the plan's width
-        # would be mostly empty programs (a step misses ~5 % of the top-k).
-        b = tl.program_id(0)
-        count = tl.load(miss_count + b)
+        # A few programs, each with BLOCK rows in flight, stride over the requests: PCIe needs
+        # only ~120 KB in flight, and a copy spread over most SMs slows the row read beside it.
         w = tl.arange(0, WPAD)
-        for j0 in range(tl.program_id(1) * BLOCK, count, tl.num_programs(1) * BLOCK):
-            j = j0 + tl.arange(0, BLOCK)
-            used = j < count
-            at = b.to(tl.int64) * K + j
-            src = tl.load(miss_src + at, mask=used, other=0).to(tl.int64)
-            dst = tl.load(miss_dst + at, mask=used, other=0).to(tl.int64)
-            m = used[:, None] & (w[None, :] < WORDS)
-            v = tl.load(host + src[:, None] * WORDS + w[None, :], mask=m)
-            tl.store(hot + dst[:, None] * WORDS + w[None, :], v, mask=m)
+        for b in range(tl.program_id(0), B, tl.num_programs(0)):
+            count = tl.load(miss_count + b)
+            for j0 in range(0, count, BLOCK):
+                j = j0 + tl.arange(0, BLOCK)
+                used = j < count
+                at = j.to(tl.int64) + b * K  # b * K < B * K, the plan's size
+                src = tl.load(miss_src + at, mask=used, other=0).to(tl.int64)
+                dst = tl.load(miss_dst + at, mask=used, other=0).to(tl.int64)
+                m = used[:, None] & (w[None, :] < WORDS)
+                v = tl.load(host + src[:, None] * WORDS + w[None, :], mask=m)
+                tl.store(hot + dst[:, None] * WORDS + w[None, :], v, mask=m)
 
 
 class _HostRows:
@@ -149,22 +156,31 @@ def stage_misses(
     miss_count: torch.Tensor,
     *,
     clear: bool = False,
+    moved: torch.Tensor | None = None,
 ) -> None:
     """``pending[miss_dst[b, j]] = miss_src[b, j]`` for ``j < miss_count[b]``: the resolve op's
     miss plan (int32 [B, K], [B, K], [B]) as the reads take it, in one launch. ``clear``: set
-    those entries back to -1 once the rows were read (the next layer's plan starts empty)."""
+    those entries back to -1 once the rows were read (the next layer's plan starts empty).
+    ``moved`` (with ``clear``): the index group's uint64 [1] byte counter, to which the clearing
+    launch adds the plan's rows x 656, as the op's gather counts the rows it copies (the in-read
+    moves them inside the row read, with no gather of its own)."""
     for what, t in (("miss_src", miss_src), ("miss_dst", miss_dst), ("miss_count", miss_count)):
         if t.dtype != torch.int32 or not t.is_contiguous():
             raise ValueError(f"{what} must be contiguous int32, got {t.dtype}")
     if pending.dtype != torch.int32:
         raise ValueError(f"pending must be int32, got {pending.dtype}")
+    if moved is not None and (not clear or moved.dtype != torch.uint64 or moved.numel() != 1):
+        raise ValueError("moved must be a uint64 [1] counter, given only with clear=True")
     B, K = miss_dst.shape
     if B == 0:
         return
     block = 1024
+    # The counter's bits as int64: exact below 2**63 bytes.
+    counter = miss_count if moved is None else moved.view(torch.int64)
     _stage_misses[(B, triton.cdiv(K, block))](
-        pending, miss_src, miss_dst, miss_count, K, block, clear, num_warps=4
-    )
+        pending, miss_src, miss_dst, miss_count, counter, K, block, clear, moved is not None,
+        ROW_BYTES, num_warps=4,
+    )  # fmt: skip
 
 
 def copy_misses(
@@ -174,21 +190,25 @@ def copy_misses(
     miss_dst: torch.Tensor,
     miss_count: torch.Tensor,
     *,
-    block: int = 32,
-    programs: int = 4,
-    warps: int = 4,
+    programs: int = 16,
+    block: int = 64,
+    warps: int = 16,
 ) -> None:
     """``hot[miss_dst[b, j]] = host[miss_src[b, j]]`` for ``j < miss_count[b]``: the resolve
     op's plan copied over PCIe by SM loads from the pinned pool (uint8 [N, 656] both), meant to
-    run on a side stream while ``gather_decode(part="hits")`` reads the rows already hot;
-    ``programs`` per request, each ``block`` rows at a time. The arguments come in the op's
-    gather order (host, hot, plan), so ``HiSparseRuntime.gather(copy=copy_misses)`` takes it."""
+    run on a side stream while ``gather_decode(part="hits")`` reads the rows already hot.
+    ``programs`` programs in all (so a few SMs), each taking requests ``p, p + programs, ...``
+    ``block`` rows at a time with ``warps`` warps. The arguments come in the op's gather order
+    (host, hot, plan), so ``HiSparseRuntime.gather(copy=copy_misses)`` takes it."""
     check_rows(hot=hot, host=host, pinned=("host",))
+    for what, v in (("programs", programs), ("block", block), ("warps", warps)):
+        if v < 1 or v & (v - 1):
+            raise ValueError(f"{what} must be a power of two >= 1, got {v}")
     B, K = miss_dst.shape
     if B == 0:
         return
     words = ROW_BYTES // 4
-    _copy_misses[(B, programs)](
-        hot.view(torch.int32), _HostRows(host, torch.int32), miss_src, miss_dst, miss_count, K,
+    _copy_misses[(programs,)](
+        hot.view(torch.int32), _HostRows(host, torch.int32), miss_src, miss_dst, miss_count, B, K,
         words, triton.next_power_of_2(words), block, num_warps=warps,
     )  # fmt: skip

@@ -10,11 +10,12 @@ host pool). Modes:
 * ``hybrid``: the first `resident` requests resident, the rest on the host pool.
 
 ``split=2`` cuts resident / hisparse batches into two halves. Per layer the step runs every
-part's indexer and top-k first, starting each host part's gather as soon as its top-k is resolved,
-then the query projection for the whole batch, then each part's attention: part 0's copy runs
-under part 1's indexer and the query projection, part 1's under part 0's attention. The only
-sync with the copies is each part's `wait_ready` right before its attention reads the rows
-(``overlap=False`` waits right after starting the copy instead: the no-overlap reference).
+part's indexer and top-k first, starting each host part's gather as soon as its top-k is resolved
+(the op's; MISS_PATHS says when the others start), then the query projection for the whole
+batch, then each part's attention: part 0's copy runs under part 1's indexer and the query
+projection, part 1's under part 0's attention. The only sync with the copies is each part's
+`wait_ready` right before its attention reads the rows (``overlap=False`` waits right after
+starting the copy instead: the no-overlap reference).
 ``misses`` (`MISS_PATHS`) says how a host part's misses reach its row read, ``attention``
 (`ATTENTION`) how attention reads the rows.
 
@@ -39,7 +40,8 @@ from hisparse.runtime import HiSparseIndexGroup, HiSparseRuntime
 MODES = ("resident", "hisparse", "hybrid")
 # How a host part's misses reach its row read: "op" the resolve op's gather on the copy stream,
 # then the whole read; "in_read" read from the host pool inside the row read; "beside" a Triton
-# copy on the copy stream while the rows already hot are read, then the misses' rows.
+# copy on the copy stream, started after the query projection, while the rows already hot are
+# read, then the misses' rows.
 MISS_PATHS = ("op", "in_read", "beside")
 # Attention over the selected rows: "bmm" decodes them into a bf16 buffer, then two batched
 # products and a bf16 softmax; "fused" one Triton kernel over the FP8 rows (mla_kernel).
@@ -214,23 +216,34 @@ class DecodeStep:
         self._mark("res1", layer, i)
         if self.pending is not None:
             miss_kernels.stage_misses(self.pending, *rt.index_group.plan())
-        if self.misses == "in_read":
-            return out
+        if self.misses == "op" or self.attention == "fused":
+            self._copy(layer, i, p)
+        return out
+
+    def _copy(self, layer: int, i: int, p: Part) -> None:
+        """Start the part's copy of this layer's misses on the copy stream."""
+        rt = p.runtimes[layer]
         rt.gather(copy=miss_kernels.copy_misses if self.misses == "beside" else None)
         self._mark("copy1", layer, i, rt.index_group.copy_stream)
         if not self.overlap:
             rt.wait_ready()
-        return out
 
     def _read(self, layer: int, i: int, p: Part, r: torch.Tensor) -> torch.Tensor:
         """A host part's rows as attention reads them, once its misses are in (see MISS_PATHS)."""
         hot, rt = self.hot[layer], p.runtimes[layer]
         if self.misses == "in_read":
             kv = miss_kernels.read_rows_from_host(hot, self.kv.host_views[layer], self.pending, r)
-            miss_kernels.stage_misses(self.pending, *rt.index_group.plan(), clear=True)
+            g = rt.index_group
+            miss_kernels.stage_misses(self.pending, *g.plan(), clear=True, moved=g.moved_bytes)
             return kv
         kv = None
         if self.misses == "beside":  # the rows already hot while their copy is in flight
+            copy_stream = rt.index_group.copy_stream
+            if copy_stream is not None:
+                # Not before the query projection: its GEMMs' grids would wait on the SMs the
+                # copy holds. Beside the row read the two share the GPU.
+                copy_stream.wait_stream(torch.cuda.current_stream())
+            self._copy(layer, i, p)
             kv = kernels.gather_decode(hot, r, pending=self.pending, part="hits")
         self._wait(layer, i, p)
         if kv is None:
