@@ -1,7 +1,9 @@
 """Does a host -> device transfer overlap the HBM-bound row read? The all-hot row read
 (gather_decode) at DeepSeek-V3.2's shapes, alone and with the misses' bytes moved beside it on
-a second stream, moved two ways: by SM loads from the pinned pool (copy_misses, the plan's
-scattered rows) and by the copy engine (one contiguous pinned buffer of the same size).
+a second stream, moved four ways: by SM loads from the pinned pool (the plan's scattered rows:
+the engine's copy_misses at two launch shapes, and warp_gather.py's CUDA copy from a few CTAs),
+by bulk copies (tma_gather.py) and by the copy engine (one contiguous pinned buffer of the same
+size).
 
     python benchmarks/bench_pcie_overlap.py --json benchmarks/results/pcie_overlap_h200.json
 

@@ -1,8 +1,9 @@
-"""What the kernel benches share: timing one GPU launch (or a short sequence) by CUDA events, and
-writing their rows as JSON."""
+"""What the kernel benches share: timing one GPU launch (or a short sequence) by CUDA events,
+writing their rows as JSON, and building an experiment's CUDA source on first use."""
 
 from __future__ import annotations
 
+import functools
 import json
 import statistics
 
@@ -27,3 +28,19 @@ def write_rows(path, rows: list, **meta) -> None:
     if path:
         with open(path, "w") as f:
             json.dump(dict(device=torch.cuda.get_device_name(), **meta, rows=rows), f, indent=1)
+
+
+@functools.cache
+def sm90a_module(name: str, declaration: str, source: str):
+    """``source`` built for sm_90a (Hopper-only instructions) by torch's inline extension loader
+    on first use; ``declaration`` is the C++ prototype of the one function it exports."""
+    from torch.utils.cpp_extension import load_inline
+
+    function = declaration.split("(")[0].split()[-1]
+    return load_inline(
+        name,
+        cpp_sources=declaration,
+        cuda_sources=source,
+        functions=[function],
+        extra_cuda_cflags=["-O3", "-gencode=arch=compute_90a,code=sm_90a"],
+    )

@@ -16,7 +16,7 @@ torch's inline extension loader (sm_90a only).
 
 from __future__ import annotations
 
-import torch
+from cuda_timing import sm90a_module
 
 CUDA_SRC = r"""
 #include <cstdint>
@@ -97,27 +97,14 @@ void tma_gather(torch::Tensor host, torch::Tensor hot, torch::Tensor src, torch:
 }
 """
 
-_MODULE = None
+DECLARATION = (
+    "void tma_gather(torch::Tensor, torch::Tensor, torch::Tensor, "
+    "torch::Tensor, torch::Tensor, int64_t, int64_t);"
+)
 
 
 def tma_gather(host, hot, miss_src, miss_dst, miss_count, *, ctas: int = 8, slots: int = 256):
     """``hot[miss_dst[b, i]] = host[miss_src[b, i]]`` for ``i < miss_count[b]`` by bulk copies
     from ``ctas`` CTAs, ``slots`` rows in flight per CTA (its shared memory)."""
-    global _MODULE
-    if _MODULE is None:
-        from torch.utils.cpp_extension import load_inline
-
-        _MODULE = load_inline(
-            "hisparse_tma_gather",
-            cpp_sources="void tma_gather(torch::Tensor, torch::Tensor, torch::Tensor, "
-            "torch::Tensor, torch::Tensor, int64_t, int64_t);",
-            cuda_sources=CUDA_SRC,
-            functions=["tma_gather"],
-            extra_cuda_cflags=["-O3", "-gencode=arch=compute_90a,code=sm_90a"],
-        )
-    _MODULE.tma_gather(host, hot, miss_src, miss_dst, miss_count, ctas, slots)
-
-
-if __name__ == "__main__":
-    print(CUDA_SRC)
-    torch.zeros(1)
+    module = sm90a_module("hisparse_tma_gather", DECLARATION, CUDA_SRC)
+    module.tma_gather(host, hot, miss_src, miss_dst, miss_count, ctas, slots)
