@@ -89,8 +89,6 @@ def main(argv=None) -> int:
             miss_kernels.read_rows_from_host(hot, host, pending, ids, block=blk, warps=w)
             miss_kernels.stage_misses(pending, *misses, clear=True)
 
-            miss_kernels.stage_misses(pending, *misses, clear=True)
-
         base = median_us(lambda: kernels.gather_decode(hot, ids), args.reps)
         row = dict(batch=b, all_hot_us=base, miss_bytes=moved, shapes={}, copy_shapes={})
         for blk, w in SHAPES:
