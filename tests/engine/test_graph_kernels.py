@@ -186,8 +186,10 @@ def test_copy_misses_then_two_part_read_equals_the_whole_read(kernels, mk):
     written = ~hits.isnan().all(-1)
     assert int((~written).sum()) == 3 * 37  # the planned misses are left for later, only they
     assert bool((pending[ids[~written]] >= 0).all())
-    with pytest.raises(ValueError, match="programs must be a power of two"):
-        mk.copy_misses(host, hot, *plan, programs=3)
+    with pytest.raises(ValueError, match="programs must be >= 1"):
+        mk.copy_misses(host, hot, *plan, programs=0)
+    with pytest.raises(ValueError, match="block must be a power of two"):
+        mk.copy_misses(host, hot, *plan, block=24)
     mk.copy_misses(host, hot, *plan, block=16, programs=2)  # loops over requests and rows
     assert torch.equal(hot, want_hot)  # exactly the planned rows changed
     assert not torch.equal(untouched, want_hot)

@@ -82,6 +82,9 @@ def check_kernels() -> None:
     assert bool((pending[ids[left]] >= 0).all()), "part='hits' left a hit"
     mk.copy_misses(host, beside, *plan, block=2, programs=2)  # loops over requests and rows
     assert torch.equal(beside, want_hot), "copy_misses wrote other rows than the plan's"
+    odd = hot.clone()
+    mk.copy_misses(host, odd, *plan, block=4, programs=3)  # any program count
+    assert torch.equal(odd, want_hot), "copy_misses with 3 programs"
     kernels.gather_decode(beside, ids, pending=pending, part="misses", out=out)
     assert _same_bits(out, whole), "hits then misses != the whole read"
 

@@ -201,7 +201,9 @@ def copy_misses(
     ``block`` rows at a time with ``warps`` warps. The arguments come in the op's gather order
     (host, hot, plan), so ``HiSparseRuntime.gather(copy=copy_misses)`` takes it."""
     check_rows(hot=hot, host=host, pinned=("host",))
-    for what, v in (("programs", programs), ("block", block), ("warps", warps)):
+    if programs < 1:
+        raise ValueError(f"programs must be >= 1, got {programs}")
+    for what, v in (("block", block), ("warps", warps)):  # Triton's tile and warp counts
         if v < 1 or v & (v - 1):
             raise ValueError(f"{what} must be a power of two >= 1, got {v}")
     B, K = miss_dst.shape
