@@ -47,9 +47,8 @@ from hisparse.engine.graph import (
     profile_eager,
 )
 
-# The step's miss paths besides the op's gather (DecodeStep(misses=...)), each timed on request;
-# "in_read_every" is the in-read with every program reading its own misses (miss_programs=0).
-PATHS = ("in_read", "beside", "in_read_every")
+# The step's miss paths besides the op's gather (DecodeStep(misses=...)), each timed on request.
+PATHS = ("in_read", "beside")
 PATH_MODES = tuple(f"hisparse{s}_{p}" for p in PATHS for s in ("", "_split"))
 
 
@@ -67,7 +66,7 @@ def variants(budget, cfg, batch, args):
     if batch >= 2:
         out.append(("hisparse_split", "hisparse", 2, 0, True))
     for path in PATHS:
-        if path.startswith("in_read") and args.attention == "fused":
+        if path == "in_read" and args.attention == "fused":
             continue  # fused attention reads one buffer; the in-read path has no such form
         if getattr(args, path):
             out.append((f"hisparse_{path}", "hisparse", 1, 0, True))
@@ -83,13 +82,6 @@ def variants(budget, cfg, batch, args):
     return out
 
 
-def in_read_shape(args):
-    if not args.in_read_shape:
-        return None
-    p, mb, b, w, words = (int(x) for x in args.in_read_shape.split("x"))
-    return dict(miss_programs=p, miss_block=mb, block=b, warps=w, words=bool(words))
-
-
 def run_batch(cfg, w, kv, budget, batch, args):
     """Every variant at one batch: interleaved timing rounds, hit rate, parity, eager profile."""
     graphs = {}
@@ -97,8 +89,7 @@ def run_batch(cfg, w, kv, budget, batch, args):
         path = next((p for p in PATHS if name.endswith(f"_{p}")), "op")
         step = DecodeStep(
             cfg, w, kv, mode, batch, split=split, resident=res, overlap=overlap, fused=args.fused,
-            misses=path.removesuffix("_every"), attention=args.attention,
-            in_read=dict(miss_programs=0) if path == "in_read_every" else in_read_shape(args),
+            misses=path, attention=args.attention,
         )  # fmt: skip
         drift = Drift(kv.max_batch, cfg.ctx_len, cfg.top_k, args.miss, "cuda", seed=11)
         try:
@@ -140,7 +131,7 @@ def run_batch(cfg, w, kv, budget, batch, args):
             resident_requests=res if name == "hybrid" else None,
         )
     for name, (gs, _) in graphs.items():
-        if name not in ("resident", "hisparse_serial") and "_in_read" not in name:
+        if name not in ("resident", "hisparse_serial") and not name.endswith("_in_read"):
             # (in-read has no copy of its own to time; beside's copy is timed like the op's)
             row["modes"][name]["profile_per_layer"] = profile_eager(gs, args.profile_steps)
     flat(row)
@@ -218,16 +209,6 @@ def main(argv=None):
         "--in-read",
         action="store_true",
         help="also time HiSparse with the misses read from the host pool inside the row read",
-    )
-    ap.add_argument(
-        "--in-read-shape",
-        default=None,
-        help="the in-read's launch: miss programs x miss rows x hit rows x warps x words (0/1)",
-    )
-    ap.add_argument(
-        "--in-read-every",
-        action="store_true",
-        help="also time the in-read with every program reading its own misses",
     )
     ap.add_argument(
         "--torch-path",

@@ -24,16 +24,7 @@ from cuda_timing import median_us, write_rows
 from hisparse.engine.graph import kernels, miss_kernels
 from hisparse.engine.graph.config import ROW_BYTES
 
-SHAPES = ((16, 4), (64, 8))  # every program reads its own misses: (rows per program, warps)
-# The misses read by programs of their own: (miss programs, miss rows at a time, hit rows, warps,
-# words: the miss rows copied as words then decoded from their hot rows)
-OWN_SHAPES = (
-    (32, 32, 16, 4, 0), (32, 32, 16, 4, 1), (16, 64, 64, 16, 0), (16, 64, 64, 16, 1),
-    (32, 64, 32, 8, 1), (16, 64, 32, 8, 1),
-)  # fmt: skip
-# The miss programs alone on a side stream beside gather_decode(part="hits"): (programs, miss
-# rows at a time, warps, words)
-SIDE_SHAPES = ((16, 64, 16, 1), (16, 64, 16, 0), (32, 32, 8, 1), (16, 32, 8, 1))
+SHAPES = ((8, 2), (16, 4), (32, 4), (32, 8), (64, 8))  # (rows per program, warps)
 TOP_K, HOT_SIZE, CTX = 2048, 4096, 32768  # DeepSeek-V3.2's top-k; the engine's hot and context
 COPY_SHAPES = ((16, 64, 16), (32, 32, 8), (8, 64, 16), (32, 64, 16))  # (programs, rows, warps)
 
@@ -89,55 +80,20 @@ def main(argv=None) -> int:
             [plan(b, top_k, hot_size, ctx, args.miss, g, ids)[1] for _ in range(n)]
         )
         pending = torch.full((b * hot_size,), -1, dtype=torch.int32, device="cuda")
-        where = torch.zeros(b * hot_size, dtype=torch.int32, device="cuda")
-        ids32 = ids.to(torch.int32)
 
         def fresh(fn):
             return lambda: fn(next(cycle))
 
         def in_read(misses, blk, w):
             miss_kernels.stage_misses(pending, *misses)
-            miss_kernels.read_rows_from_host(
-                hot, host, pending, ids, miss_programs=0, block=blk, warps=w
-            )
-            miss_kernels.stage_misses(pending, *misses, clear=True)
-
-        def in_read_own(misses, progs, mblk, blk, w, words):
-            miss_kernels.stage_misses(pending, *misses, ids=ids32, where=where)
-            miss_kernels.read_rows_from_host(
-                hot, host, pending, ids32, plan=misses, where=where, miss_programs=progs,
-                miss_block=mblk, block=blk, warps=w, words=bool(words),
-            )  # fmt: skip
-            miss_kernels.stage_misses(pending, *misses, clear=True)
-
-        side = torch.cuda.Stream()
-
-        def beside(misses, progs, mblk, w, words):
-            miss_kernels.stage_misses(pending, *misses, ids=ids32, where=where)
-            side.wait_stream(torch.cuda.current_stream())
-            out = kernels.gather_decode(hot, ids32, pending=pending, part="hits")
-            with torch.cuda.stream(side):
-                miss_kernels.read_rows_from_host(
-                    hot, host, pending, ids32, plan=misses, where=where, miss_programs=progs,
-                    miss_block=mblk, warps=w, words=bool(words), part="misses", out=out,
-                )  # fmt: skip
-            torch.cuda.current_stream().wait_stream(side)
+            miss_kernels.read_rows_from_host(hot, host, pending, ids, block=blk, warps=w)
             miss_kernels.stage_misses(pending, *misses, clear=True)
 
         base = median_us(lambda: kernels.gather_decode(hot, ids), args.reps)
-        row = dict(
-            batch=b, all_hot_us=base, miss_bytes=moved, shapes={}, own_shapes={},
-            side_shapes={}, copy_shapes={},
-        )  # fmt: skip
+        row = dict(batch=b, all_hot_us=base, miss_bytes=moved, shapes={}, copy_shapes={})
         for blk, w in SHAPES:
             t = median_us(fresh(lambda m, blk=blk, w=w: in_read(m, blk, w)), args.reps)
             row["shapes"][f"{blk}x{w}"] = t
-        for shape in OWN_SHAPES:
-            t = median_us(fresh(lambda m, shape=shape: in_read_own(m, *shape)), args.reps)
-            row["own_shapes"]["x".join(map(str, shape))] = t
-        for shape in SIDE_SHAPES:
-            t = median_us(fresh(lambda m, shape=shape: beside(m, *shape)), args.reps)
-            row["side_shapes"]["x".join(map(str, shape))] = t
         for progs, blk, w in COPY_SHAPES:
 
             def copy(m, blk=blk, progs=progs, w=w):
@@ -148,10 +104,6 @@ def main(argv=None) -> int:
         print(
             f"B={b}: all hot {base:.1f} us; in-read "
             + ", ".join(f"{k}: {v:.1f}" for k, v in row["shapes"].items())
-            + "; own programs "
-            + ", ".join(f"{k}: {v:.1f}" for k, v in row["own_shapes"].items())
-            + "; side stream "
-            + ", ".join(f"{k}: {v:.1f}" for k, v in row["side_shapes"].items())
             + "; copy "
             + ", ".join(
                 f"{k}: {v['us']:.1f} us {v['gb_s']:.1f} GB/s" for k, v in row["copy_shapes"].items()

@@ -41,11 +41,6 @@ PATH_TABLES = {
         'Misses read from the host pool inside attention\'s row read (`misses="in_read"`: no '
         "separate copy; the kernel also writes them to their hot rows), same run:",
     ),
-    "in_read_every": (
-        "in-read, every program",
-        "The same in-read with every program of the row read reading its own misses "
-        "(`miss_programs=0`, the form before the misses got programs of their own), same run:",
-    ),
     "beside": (
         "beside",
         "Misses copied by a Triton kernel on the copy stream while the rows already hot are read "

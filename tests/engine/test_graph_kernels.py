@@ -106,7 +106,7 @@ def test_read_rows_from_host_reads_misses_there_and_fills_their_hot_rows(mk):
     want_src = hot.clone()
     for h, k in miss.items():
         want_src[h] = host[k].cuda()
-    got = mk.read_rows_from_host(hot, host, pending, ids, miss_programs=0)
+    got = mk.read_rows_from_host(hot, host, pending, ids)
     want = decode_rows(want_src[ids], "fp8", torch.bfloat16)
     assert torch.equal(got.view(torch.int16), want.view(torch.int16))
     assert torch.equal(hot, want_src)  # the misses' bytes now sit in their hot rows
@@ -198,60 +198,6 @@ def test_copy_misses_then_two_part_read_equals_the_whole_read(kernels, mk):
     assert torch.equal(got.view(torch.int16), want.view(torch.int16))
     mk.stage_misses(pending, *plan, clear=True)
     assert bool((pending == -1).all())  # the table is empty for the next layer
-
-
-@pytest.mark.parametrize(
-    "programs,miss_block,words,part", [(16, 32, 0, "all"), (2, 16, 1, "all"), (5, 64, 1, "misses")]
-)
-def test_in_read_miss_programs_read_the_plan_into_place(
-    kernels, mk, programs, miss_block, words, part
-):
-    """Misses read by programs of their own (by the plan, placed by ``where``) give the whole
-    read bit for bit and fill exactly the planned hot rows; more programs than requests too."""
-    hot, host = _rows(3 * 256, 15), _rows(2000, 16).cpu().pin_memory()
-    ids, plan = _plan(3, 256, 200, 37, 2000, 17)
-    ids = ids.to(torch.int32)
-    src, dst, count = plan
-    count[1] = 0  # a request with no miss
-    want_hot = hot.clone()
-    for b in (0, 2):
-        want_hot[dst[b, :37].long()] = host[src[b, :37].long().cpu()].cuda()
-    pending = torch.full((3 * 256,), -1, dtype=torch.int32, device="cuda")
-    where = torch.full((3 * 256,), -1, dtype=torch.int32, device="cuda")
-    mk.stage_misses(pending, *plan, ids=ids, where=where)
-    want_where = torch.full_like(where, -1)
-    want_where[ids.reshape(-1).long()] = torch.arange(ids.numel(), device="cuda").int()
-    assert torch.equal(where, want_where)
-    out = None
-    if part == "misses":  # beside the hits' read, as on a side stream
-        out = kernels.gather_decode(hot, ids, pending=pending, part="hits")
-    got = mk.read_rows_from_host(
-        hot, host, pending, ids, plan=plan, where=where, miss_programs=programs,
-        miss_block=miss_block, words=bool(words), part=part, out=out,
-    )  # fmt: skip
-    want = decode_rows(want_hot[ids.long()], "fp8", torch.bfloat16)
-    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
-    assert torch.equal(hot, want_hot)
-
-
-def test_in_read_miss_programs_refuse_what_they_cannot_use(mk):
-    hot, host = _rows(256, 18), _rows(64, 19).cpu().pin_memory()
-    ids, plan = _plan(1, 256, 32, 4, 64, 20)
-    ids = ids.to(torch.int32)
-    pending = torch.full((256,), -1, dtype=torch.int32, device="cuda")
-    where = torch.zeros(256, dtype=torch.int32, device="cuda")
-    with pytest.raises(ValueError, match="needs the plan and the where table"):
-        mk.read_rows_from_host(hot, host, pending, ids)
-    with pytest.raises(ValueError, match="miss_programs must be >= 0"):
-        mk.read_rows_from_host(hot, host, pending, ids, miss_programs=-1)
-    with pytest.raises(ValueError, match="miss_block must be a power of two"):
-        mk.read_rows_from_host(hot, host, pending, ids, plan=plan, where=where, miss_block=24)
-    with pytest.raises(ValueError, match="ids must be the plan's"):
-        mk.read_rows_from_host(hot, host, pending, ids[:, :8], plan=plan, where=where)
-    with pytest.raises(ValueError, match="ids and where go together"):
-        mk.stage_misses(pending, *plan, ids=ids)
-    with pytest.raises(ValueError, match="ids must be int32"):
-        mk.stage_misses(pending, *plan, ids=ids.long(), where=where)
 
 
 def test_gather_decode_parts_need_pending_and_a_matching_out(kernels):

@@ -89,34 +89,9 @@ def check_kernels() -> None:
     assert _same_bits(out, whole), "hits then misses != the whole read"
 
     in_read = hot.clone()
-    got = mk.read_rows_from_host(in_read, host, pending, ids, miss_programs=0, block=8, warps=2)
+    got = mk.read_rows_from_host(in_read, host, pending, ids, block=8, warps=2)
     assert _same_bits(got, whole), "read_rows_from_host != the whole read"
     assert torch.equal(in_read, want_hot), "read_rows_from_host filled other hot rows"
-    where = torch.full((B * H,), -1, dtype=torch.int32)
-    ids32 = ids.int()
-    mk.stage_misses(pending, *plan, ids=ids32, where=where)
-    assert torch.equal(pending, want_pending), "stage_misses(where=) changed the pending table"
-    want_where = torch.full_like(where, -1)
-    want_where[ids.reshape(-1)] = torch.arange(B * K, dtype=torch.int32)
-    assert torch.equal(where, want_where), "stage_misses(where=)"
-    # More programs than requests; a partial block; the misses copied as words.
-    for progs, mblock, words in ((1, 2, False), (2, 4, True), (5, 8, False)):
-        own = hot.clone()
-        got = mk.read_rows_from_host(
-            own, host, pending, ids32, plan=plan, where=where, miss_programs=progs,
-            miss_block=mblock, block=8, warps=2, words=words,
-        )  # fmt: skip
-        assert _same_bits(got, whole), f"miss_programs={progs} != the whole read"
-        assert torch.equal(own, want_hot), f"miss_programs={progs} filled other hot rows"
-    for words in (False, True):  # the misses alone (words: copied whole, decoded from hot)
-        own = hot.clone()
-        out = kernels.gather_decode(own, ids, pending=pending, part="hits")
-        mk.read_rows_from_host(
-            own, host, pending, ids32, plan=plan, where=where, miss_programs=2, miss_block=4,
-            words=words, part="misses", out=out,
-        )  # fmt: skip
-        assert _same_bits(out, whole), f"hits, then misses (words={words}) != the whole read"
-        assert torch.equal(own, want_hot), f"part='misses' (words={words}) filled other rows"
 
     moved = torch.zeros(1, dtype=torch.uint64)
     mk.stage_misses(pending, *plan, clear=True, moved=moved)
@@ -154,8 +129,6 @@ def check_step() -> None:
     _, ref = _eager(cfg, w, kv, "resident", 5, 6, fused=True)
     cases = [
         ("hisparse", dict(misses="in_read")),
-        ("hisparse", dict(misses="in_read", in_read=dict(miss_programs=0))),
-        ("hisparse", dict(misses="in_read", in_read=dict(miss_programs=1, words=True))),
         ("hisparse", dict(misses="beside")),
         ("hisparse", dict(misses="in_read", split=2)),
         ("hisparse", dict(misses="beside", split=2)),

@@ -46,7 +46,6 @@ MISS_PATHS = ("op", "in_read", "beside")
 # Attention over the selected rows: "bmm" decodes them into a bf16 buffer, then two batched
 # products and a bf16 softmax; "fused" one Triton kernel over the FP8 rows (mla_kernel).
 ATTENTION = ("bmm", "fused")
-IN_READ = dict(miss_programs=16, miss_block=32, block=16, warps=4, words=False)
 
 
 @dataclass
@@ -95,7 +94,6 @@ class DecodeStep:
         fused: Optional[bool] = None,
         misses: str = "op",
         attention: str = "bmm",
-        in_read: Optional[dict] = None,
     ) -> None:
         if not 1 <= batch <= kv.max_batch:
             raise ValueError(f"batch must lie in [1, {kv.max_batch}], got {batch}")
@@ -117,11 +115,6 @@ class DecodeStep:
                 "attention='fused' reads rows from one buffer: misses='op' or 'beside'"
             )
         self.misses, self.attention = misses, attention
-        # The in-read's launch shape (miss_kernels.read_rows_from_host's keywords).
-        self.in_read = dict(IN_READ, **(in_read or {}))
-        if self.in_read.keys() != IN_READ.keys() or self.in_read["miss_programs"] < 0:
-            raise ValueError(f"in_read takes {sorted(IN_READ)} (miss_programs >= 0): {in_read}")
-        self.miss_programs = self.in_read["miss_programs"] if misses == "in_read" else 0
         # One split count for every part: results then do not depend on how the batch is cut.
         self.splits = mla_kernel.splits_for(batch, cfg.heads, dev) if attention == "fused" else 1
         self.parts = [Part(a, b, h) for a, b, h in make_parts(mode, batch, split, resident)]
@@ -140,10 +133,6 @@ class DecodeStep:
         self.pending = None
         if misses != "op" and attention == "bmm":
             self.pending = torch.full((n_hot,), -1, dtype=torch.int32, device=dev)
-        # where[hot row] = its place in the part's read, for the in-read's miss programs.
-        self.where = None
-        if self.miss_programs:
-            self.where = torch.zeros(n_hot, dtype=torch.int32, device=dev)
         self.req_base = torch.arange(batch, device=dev, dtype=torch.int64)[:, None] * cfg.ctx_len
         self.x = torch.zeros(batch, cfg.hidden, dtype=M.DT, device=dev)
         self.bias = torch.zeros(batch, cfg.ctx_len, dtype=torch.float32, device=dev)
@@ -226,8 +215,7 @@ class DecodeStep:
         out = rt.resolve(ids.to(torch.int32), p.state_rows)
         self._mark("res1", layer, i)
         if self.pending is not None:
-            where = {} if self.where is None else dict(ids=out, where=self.where)
-            miss_kernels.stage_misses(self.pending, *rt.index_group.plan(), **where)
+            miss_kernels.stage_misses(self.pending, *rt.index_group.plan())
         if self.misses == "op" or self.attention == "fused":
             self._copy(layer, i, p)
         return out
@@ -244,11 +232,8 @@ class DecodeStep:
         """A host part's rows as attention reads them, once its misses are in (see MISS_PATHS)."""
         hot, rt = self.hot[layer], p.runtimes[layer]
         if self.misses == "in_read":
+            kv = miss_kernels.read_rows_from_host(hot, self.kv.host_views[layer], self.pending, r)
             g = rt.index_group
-            kv = miss_kernels.read_rows_from_host(
-                hot, self.kv.host_views[layer], self.pending, r, plan=g.plan(),
-                where=self.where, **self.in_read,
-            )  # fmt: skip
             miss_kernels.stage_misses(self.pending, *g.plan(), clear=True, moved=g.moved_bytes)
             return kv
         kv = None
