@@ -9,7 +9,8 @@ Per batch: each request's 2048 selected rows are distinct rows of its own 4096-r
 a pinned pool (as a server's would). Every timed launch gets a plan with fresh host keys: the
 GPU's L2 keeps host rows it read, so repeating one plan would time a cached copy. An in-read
 launch is what the step runs: `stage_misses` (the plan into the pending table), the read, and
-the clearing launch. Median of `--reps` launches (CUDA events).
+the clearing launch. The resolve op's own gather (`ops.gather`) moves the same plans. Median of
+`--reps` launches (CUDA events).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import sys
 import torch
 from cuda_timing import median_us, write_rows
 
+from hisparse import ops
 from hisparse.engine.graph import kernels, miss_kernels
 from hisparse.engine.graph.config import ROW_BYTES
 
@@ -94,6 +96,8 @@ def main(argv=None) -> int:
         for blk, w in SHAPES:
             t = median_us(fresh(lambda m, blk=blk, w=w: in_read(m, blk, w)), args.reps)
             row["shapes"][f"{blk}x{w}"] = t
+        t = median_us(fresh(lambda m: ops.gather([host], [hot], *m)), args.reps)
+        row["op_gather"] = dict(us=t, gb_s=moved / t / 1e3)
         for progs, blk, w in COPY_SHAPES:
 
             def copy(m, blk=blk, progs=progs, w=w):
@@ -104,6 +108,7 @@ def main(argv=None) -> int:
         print(
             f"B={b}: all hot {base:.1f} us; in-read "
             + ", ".join(f"{k}: {v:.1f}" for k, v in row["shapes"].items())
+            + f"; op gather {row['op_gather']['us']:.1f} us {row['op_gather']['gb_s']:.1f} GB/s"
             + "; copy "
             + ", ".join(
                 f"{k}: {v['us']:.1f} us {v['gb_s']:.1f} GB/s" for k, v in row["copy_shapes"].items()
