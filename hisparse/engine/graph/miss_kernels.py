@@ -133,9 +133,11 @@ def read_rows_from_host(
 ) -> torch.Tensor:
     """``gather_decode(hot, ids)``, except that a row ``h`` with ``pending[h] = key >= 0`` is
     read from ``host[key]`` (pinned, uint8 [N, 656]) and its bytes written to ``hot[h]``.
-    ``block`` rows per program, ``warps`` per program: the five shapes of
-    benchmarks/results/in_read_h200.json lie within 4 % of each other at batches 64 and 112 on
-    an H200 (fresh host rows per launch), where the PCIe fetch of the misses sets the time."""
+    ``block`` rows per program, ``warps`` per program: on an H200 (fresh host rows per launch)
+    the five shapes lay within 4 % of each other at batches 64 and 112 in one run
+    (benchmarks/results/in_read_h200.json) and within 1 % at 112 but 16 % at 64 in another
+    (in_read_h200_run2.json, 64 x 8 the slowest there); the PCIe fetch of the misses sets the
+    time."""
     check_rows(hot=hot, host=host, pinned=("host",))
     flat = ids.reshape(-1).contiguous()
     out = torch.empty(*ids.shape, KV_DIM, dtype=torch.bfloat16, device=hot.device)
