@@ -56,6 +56,17 @@ def plan(B, count, ctx, slots, region, g):
     return full, dst, cnt
 
 
+def timed_plans(timer, reps, make_plan, fn) -> list:
+    """us of `reps` calls of fn(plan), each on a fresh plan (after 3 warm-up calls)."""
+    times = []
+    for i in range(reps + 3):
+        p = make_plan()
+        t = timer.time_us(lambda: fn(p))
+        if i >= 3:
+            times.append(t)
+    return times
+
+
 def case(pool, timer, reps, layers, layout, ctx, B, count, region):
     slots = pool.numel() // (layers * ctx * ROW)
     if slots < B:
@@ -63,12 +74,10 @@ def case(pool, timer, reps, layers, layout, ctx, B, count, region):
     host = layer_view(pool, layout, layers, slots, ctx)
     hot = torch.zeros(B * H_HOT, ROW, dtype=torch.uint8, device="cuda")
     g = torch.Generator(device="cuda").manual_seed(ctx + B + count)
-    times = []
-    for i in range(reps + 3):
-        src, dst, cnt = plan(B, count, ctx, slots, region, g)
-        t = timer.time_us(lambda: ops.gather([host], [hot], src, dst, cnt))
-        if i >= 3:
-            times.append(t)
+    times = timed_plans(
+        timer, reps, lambda: plan(B, count, ctx, slots, region, g),
+        lambda p: ops.gather([host], [hot], *p),
+    )  # fmt: skip
     nbytes = B * count * ROW
     m = median(times)
     return dict(

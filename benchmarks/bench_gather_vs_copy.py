@@ -15,7 +15,7 @@ import argparse
 import sys
 
 import torch
-from bench_gather_regions import H_HOT, ROW, layer_view, plan
+from bench_gather_regions import H_HOT, ROW, layer_view, plan, timed_plans
 from bench_ops import CudaTimer, median
 
 from hisparse import ops
@@ -45,15 +45,13 @@ def main(argv=None) -> int:
                 miss_kernels.copy_misses(host, hot, *p, programs=progs, block=blk, warps=w)
 
             variants[f"copy_{progs}x{blk}x{w}"] = copy
+
+        def make(B=B, count=count, g=g):
+            return plan(B, count, ctx, slots, "own", g)
+
         out = []
         for name, fn in variants.items():
-            times = []
-            for i in range(args.reps + 3):  # the first 3 warm up
-                p = plan(B, count, ctx, slots, "own", g)
-                t = timer.time_us(lambda: fn(p))
-                if i >= 3:
-                    times.append(t)
-            m = median(times)
+            m = median(timed_plans(timer, args.reps, make, fn))
             out.append(f"{name} {m:.1f} us {B * count * ROW / m / 1e3:.1f} GB/s")
         print(f"B={B} x {count}: " + ", ".join(out), flush=True)
     return 0

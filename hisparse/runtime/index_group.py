@@ -275,7 +275,7 @@ class HiSparseRuntime:
             copy(self.host_view, self.hot_view, *plan)
             # As the op counts them: the plan's rows times this member's row bytes (the counter
             # is uint64; int64 arithmetic on the same bits, exact below 2**63).
-            g.moved_bytes.view(torch.int64).add_(plan[2].sum() * self.row_bytes)
+            g.moved_bytes.view(torch.int64).add_(plan[2].sum(), alpha=self.row_bytes)
 
         if g.copy_stream is None:
             run()

@@ -140,8 +140,7 @@ def test_cuda_graph_replay_parity(gpu_state, mode, split, resident, overlap):
     assert _same(ref, out), (mode, split, resident, overlap)
     hits, misses, moved = counters(step)  # every miss path counts the bytes it brought in
     assert misses > 0 and moved == misses * 656, (overlap, misses, moved)
-    hits, misses, _ = counters(step)
-    assert misses > 0 and hits / (hits + misses) > 0.8
+    assert hits / (hits + misses) > 0.8
     if step.pending is not None:  # every staged miss was read and retired
         assert bool((step.pending == -1).all())
 
