@@ -2,7 +2,8 @@
 
 `hisparse.ops.gather` launches every SM times its occupancy, and its warps hold those SMs while
 they wait on PCIe, so the compute it is meant to hide under cannot run beside it
-(bench_gather_overlap.py: hidden 0.34 for the op, 0.83-0.89 for 8-32 blocks at the same speed).
+(an experiment since removed, docs/experiments.md: hidden 0.34 for the op, 0.83-0.89 for
+8-32 blocks at the same speed).
 This swaps each HiSparse runtime's `gather` of one decode step for a plain row copy of `blocks`
 CTAs (built with CuPy), launched exactly where the runtime launches its own: on the index
 group's copy stream after its resolve, recording the layer's ready event. It copies the same
