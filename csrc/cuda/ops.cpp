@@ -1,5 +1,6 @@
 // CUDA backend entry points: validation (validate.h, shared with the CPU backend), tensors to
-// raw pointers, launches on the current stream, registration. Kernels are in kernels.cu.
+// raw pointers, launches on the current stream, registration. The kernels are one file per op:
+// resolve_residency.cu, copy_rows.cu (gather and save_rows) and invalidate.cu.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGraphsC10Utils.h>
