@@ -1,6 +1,7 @@
 """`hisparse bench`: op micro-benchmarks, then hit rate against hot-buffer size on the reference
-workload. The op part uses the repository's ``benchmarks/bench_ops.py`` when it is there (a
-source checkout) and a small built-in subset otherwise (an installed wheel)."""
+workload. The op part runs the repository's ``benchmarks/bench_ops.py`` in a source checkout
+and a small built-in subset in an installed package (which has no benchmarks/); the screen says
+which one ran, then its table."""
 
 from __future__ import annotations
 
@@ -14,21 +15,30 @@ from typing import List
 
 import torch
 
+from hisparse.cli.errors import CommandError
 from hisparse.engine import run_workload
 
+#: hisparse/cli/bench.py -> the repository root, where a source checkout (editable install
+#: included) keeps benchmarks/; an installed package sits in site-packages with none beside it.
+BENCH_OPS = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_ops.py"
+BUILTIN = "built-in subset"
 
-def _load_bench_ops():
-    path = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_ops.py"
+
+def _load_bench_ops(path: Path):
+    """The checkout's bench_ops module, or None where there is none. A bench_ops.py that is there
+    but does not load is an error: falling back would hide it behind the subset's figures."""
     if not path.is_file():
         return None
     spec = importlib.util.spec_from_file_location("hisparse_bench_ops", path)
     mod = importlib.util.module_from_spec(spec)
     try:
         spec.loader.exec_module(mod)
-    except Exception:
-        return None
-    needed = ("bench_resolve", "bench_gather", "alloc_pool")
-    return mod if all(hasattr(mod, n) for n in needed) else None
+    except Exception as e:
+        raise CommandError(f"{path} does not load: {type(e).__name__}: {e}") from e
+    missing = [n for n in ("bench_resolve", "bench_gather", "alloc_pool") if not hasattr(mod, n)]
+    if missing:
+        raise CommandError(f"{path} lacks {', '.join(missing)}")
+    return mod
 
 
 def _builtin_ops(device: str, reps: int) -> list:
@@ -49,6 +59,7 @@ def _builtin_ops(device: str, reps: int) -> list:
                 median_us=statistics.median(rt),
             )
         )
+        med = statistics.median(gt)
         rows.append(
             dict(
                 op="gather",
@@ -57,7 +68,8 @@ def _builtin_ops(device: str, reps: int) -> list:
                 row_bytes=rb,
                 miss_rate=0.05,
                 rows=misses // reps,
-                median_us=statistics.median(gt),
+                median_us=med,
+                gbps=misses // reps * rb / (med * 1e-6) / 1e9,
             )
         )
     return rows
@@ -103,9 +115,16 @@ def _time_resolve_gather(device: str, B: int, K: int, H: int, rb: int, reps: int
 
 
 def op_benchmarks(device: str, reps: int) -> dict:
-    mod = _load_bench_ops()
+    path = BENCH_OPS  # read at call time, so a test can stand in for an installed package
+    mod = _load_bench_ops(path)
     if mod is None:
-        return {"source": "built-in subset", "rows": _builtin_ops(device, reps)}
+        print(
+            f"op micro-benchmarks ({device}): the {BUILTIN} (resolve and gather at batch 1 and 8, "
+            "5 % misses); the full set, benchmarks/bench_ops.py, comes with a source checkout",
+            flush=True,
+        )
+        return {"source": BUILTIN, "rows": _builtin_ops(device, reps)}
+    print(f"op micro-benchmarks ({device}): {path}", flush=True)
     timer = None
     if device == "cuda":
         props = torch.cuda.get_device_properties(0)
@@ -116,6 +135,19 @@ def op_benchmarks(device: str, reps: int) -> dict:
     pool = mod.alloc_pool(int(pool_gib * (1 << 30)), device)
     rows += mod.bench_gather(device, [(pool_gib, pool)], batches, reps, timer, single=False)
     return {"source": "benchmarks/bench_ops.py", "rows": rows}
+
+
+def ops_table(rows: list) -> List[str]:
+    """One line per op configuration: median time, and bandwidth for the gathers."""
+    out = [f"{'op':<8} {'batch':>5} {'misses':>7} {'row B':>6} {'median us':>10} {'GB/s':>6}"]
+    for r in rows:
+        gbps = r.get("gbps")
+        out.append(
+            f"{r['op']:<8} {r['batch']:>5} {100 * r['miss_rate']:>6.1f}% "
+            f"{r.get('row_bytes', '-'):>6} {r['median_us']:>10.1f} "
+            + (f"{gbps:>6.1f}" if gbps is not None else f"{'-':>6}")
+        )
+    return out
 
 
 def hot_size_sweep(cfg, hot_sizes: List[int], device: str, progress: bool = True) -> list:
@@ -195,8 +227,8 @@ def main(args) -> int:
         cfg = engine_config_from_args(args, hot_size=max(args.hot_sizes + [args.top_k]))
         result = {"device": args.device, "config": cfg.to_dict()}
         if not args.skip_ops:
-            print(f"op micro-benchmarks ({args.device})", flush=True)
             result["ops"] = op_benchmarks(args.device, args.op_reps)
+            print("\n".join(["", *ops_table(result["ops"]["rows"]), ""]), flush=True)
         print(
             f"hit rate vs hot-buffer size: {cfg.num_requests} requests, top-k {cfg.top_k}",
             flush=True,

@@ -1,19 +1,74 @@
-"""`hisparse bench` (sweep + plot) and the headline benchmark's small CPU mode."""
+"""`hisparse bench` (which op benchmark ran and its table on screen, sweep + plot) and the
+headline benchmark's small CPU mode."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
 
+import pytest
+
 from hisparse.cli import app as cli
+from hisparse.cli import bench
 from tests import REPO_ROOT
 from tests.engine_helpers import SMALL_FLAGS
 
 ROOT = REPO_ROOT
+BENCH_FLAGS = [f for f in SMALL_FLAGS if f not in ("--hot-size", "32")]
+
+
+def _bench_ops_only(tmp_path, monkeypatch) -> dict:
+    """`hisparse bench` with the sweep stubbed out (the op part is under test); its JSON."""
+    monkeypatch.setattr(bench, "hot_size_sweep", lambda *a, **k: [])
+    js = tmp_path / "bench.json"
+    args = ["bench", *BENCH_FLAGS, "--op-reps", "1", "--hot-sizes", "16", "--json", str(js)]
+    assert cli.main(args) == 0
+    return json.loads(js.read_text())["ops"]
+
+
+def test_bench_in_a_checkout_runs_bench_ops_and_shows_its_table(tmp_path, capsys, monkeypatch):
+    """The CLI moved into hisparse/cli/ once and looked for benchmarks/ inside hisparse/: the
+    subset ran in the checkout too, and only --json saw its figures."""
+    assert bench.BENCH_OPS == ROOT / "benchmarks" / "bench_ops.py"
+    ops = _bench_ops_only(tmp_path, monkeypatch)
+    out = capsys.readouterr().out
+    assert ops["source"] == "benchmarks/bench_ops.py"
+    assert f"op micro-benchmarks (cpu): {bench.BENCH_OPS}" in out and bench.BUILTIN not in out
+    assert {r["op"] for r in ops["rows"]} == {"resolve", "gather"}
+    assert "\n".join(bench.ops_table(ops["rows"])) in out
+
+
+def test_bench_without_the_repository_says_it_runs_the_subset(tmp_path, capsys, monkeypatch):
+    """An installed package has no benchmarks/ beside it: the screen says the subset ran."""
+    monkeypatch.setattr(bench, "BENCH_OPS", tmp_path / "benchmarks" / "bench_ops.py")
+    ops = _bench_ops_only(tmp_path, monkeypatch)
+    out = capsys.readouterr().out
+    assert ops["source"] == bench.BUILTIN
+    assert f"op micro-benchmarks (cpu): the {bench.BUILTIN}" in out and "source checkout" in out
+    assert sorted((r["op"], r["batch"]) for r in ops["rows"]) == [
+        ("gather", 1),
+        ("gather", 8),
+        ("resolve", 1),
+        ("resolve", 8),
+    ]
+    table = bench.ops_table(ops["rows"])
+    assert len(table) == 5 and "\n".join(table) in out
+
+
+def test_bench_refuses_a_bench_ops_that_does_not_load(tmp_path, capsys, monkeypatch):
+    broken = tmp_path / "benchmarks" / "bench_ops.py"
+    broken.parent.mkdir()
+    broken.write_text("import no_such_module_here\n")
+    monkeypatch.setattr(bench, "BENCH_OPS", broken)
+    with pytest.raises(SystemExit) as e:
+        cli.main(["bench", *BENCH_FLAGS, "--hot-sizes", "16"])
+    assert e.value.code == 1
+    err = capsys.readouterr().err
+    assert f"{broken} does not load" in err and "no_such_module_here" in err
 
 
 def test_bench_sweep_plot_and_json(tmp_path, capsys):
-    flags = [f for f in SMALL_FLAGS if f not in ("--hot-size", "32")]
+    flags = BENCH_FLAGS
     png, js = tmp_path / "sweep.png", tmp_path / "sweep.json"
     rc = cli.main(
         [
