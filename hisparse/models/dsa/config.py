@@ -1,5 +1,6 @@
 """``DSAConfig``: the fields of a DeepSeek-V3.2 or GLM-5 config.json the sparse-attention math
-needs, read from a dict or a transformers config in either spelling.
+needs, read from a dict or a transformers config in either spelling and checked against
+``hisparse.models.dsa.schema``.
 
 transformers 5 writes ``rope_parameters`` and (GLM-5) ``indexer_types``; vLLM and older
 checkpoints use ``rope_scaling`` and ``index_topk_freq`` / ``index_skip_topk_offset`` /
@@ -13,43 +14,28 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional, Tuple
+from typing import Any, Optional, Tuple
 
-from hisparse.models.rows import LATENT_DIM, ROPE_DIM, ROW_LAYOUTS
+from hisparse.models.dsa import schema
+from hisparse.models.dsa.schema import ROW_FORMAT_KEY, DSAConfigError
+from hisparse.models.rows import ROPE_DIM
+
+__all__ = ["ARCHS", "MODEL_TYPES", "ROW_FORMAT_KEY", "DSAConfig", "DSAConfigError"]
 
 ARCHS = {"DeepseekV32ForCausalLM": "deepseek_v32", "GlmMoeDsaForCausalLM": "glm_moe_dsa"}
 MODEL_TYPES = {"deepseek_v32": "deepseek_v32", "glm_moe_dsa": "glm_moe_dsa"}
-#: config.json key (``--hf-overrides``) choosing the latent row format.
-ROW_FORMAT_KEY = "hisparse_row_format"
 
 
-class DSAConfigError(ValueError):
-    """A config field is missing or unsupported (the message names it)."""
-
-
-def _get(hf: Any, name: str, default: Any = None) -> Any:
-    if isinstance(hf, Mapping):
-        return hf.get(name, default)
-    return getattr(hf, name, default)
-
-
-def _need(hf: Any, name: str) -> Any:
-    v = _get(hf, name)
-    if v is None:
-        raise DSAConfigError(f"config.json lacks {name!r}, which a DSA model needs")
-    return v
-
-
-def _rope_dict(hf: Any) -> dict:
-    """rope_parameters (transformers 5) or rope_scaling (older), with rope_theta folded in."""
-    rope = _get(hf, "rope_parameters") or _get(hf, "rope_scaling") or {}
-    rope = dict(rope)
-    rope.setdefault("rope_theta", _get(hf, "rope_theta", 10000.0))
-    kind = rope.get("rope_type", rope.get("type", "default"))
-    rope["rope_type"] = kind
-    if kind not in ("default", "yarn"):
-        raise DSAConfigError(f"rope_parameters.rope_type {kind!r} is not supported (default, yarn)")
-    return rope
+def _arch(hf: Any) -> str:
+    model_type, archs = schema.raw(hf, "model_type"), schema.raw(hf, "architectures")
+    arch = MODEL_TYPES.get(model_type) if isinstance(model_type, str) else None
+    if arch is None and isinstance(archs, (list, tuple)):
+        arch = next((ARCHS[a] for a in archs if isinstance(a, str) and a in ARCHS), None)
+    if arch is None:
+        raise DSAConfigError(
+            f"config.json: model_type {model_type!r} is neither deepseek_v32 nor glm_moe_dsa"
+        )
+    return arch
 
 
 def _yarn_mscale(factor: float, mscale: float) -> float:
@@ -57,24 +43,34 @@ def _yarn_mscale(factor: float, mscale: float) -> float:
 
 
 def _indexer_types(hf: Any, arch: str, layers: int) -> Tuple[str, ...]:
+    """Per layer 'full' / 'shared'; a refusal names the key the kinds came from."""
     if arch == "deepseek_v32":  # transformers' DeepSeek-V3.2 runs every layer's indexer
         return ("full",) * layers
-    types = _get(hf, "indexer_types")
-    pattern = _get(hf, "index_topk_pattern")
-    if types is None and pattern is not None:
-        types = [{"F": "full", "S": "shared"}.get(c, c) for c in pattern]
-    if types is None:
-        freq = max(int(_get(hf, "index_topk_freq", 1) or 1), 1)
-        off = int(_get(hf, "index_skip_topk_offset", 2))
-        types = ["full" if max(i - off + 1, 0) % freq == 0 else "shared" for i in range(layers)]
-    types = tuple(types)
-    if len(types) != layers or any(t not in ("full", "shared") for t in types):
+    types = schema.layer_list(hf, "indexer_types", ("full", "shared"), layers)
+    pattern = schema.index_pattern(hf)
+    if types is not None:
+        if types[0] != "full":
+            raise DSAConfigError(
+                "config.json: indexer_types[0] must be 'full' (a shared layer reuses a full "
+                f"one), got {types[0]!r}"
+            )
+        return types
+    if pattern is not None:
+        if len(pattern) != layers or pattern[0] != "F":
+            raise DSAConfigError(
+                f"config.json: index_topk_pattern must have one letter for each of the "
+                f"{layers} layers, the first 'F' (a shared layer reuses a full one), "
+                f"got {pattern!r}"
+            )
+        return tuple({"F": "full", "S": "shared"}[c] for c in pattern)
+    freq = schema.get(hf, "index_topk_freq")
+    off = schema.get(hf, "index_skip_topk_offset")
+    if freq > 1 and off < 1:  # layer 0 would be shared, with no full layer before it
         raise DSAConfigError(
-            f"indexer_types must list 'full'/'shared' for each of the {layers} layers"
+            f"config.json: index_skip_topk_offset must be >= 1 when index_topk_freq ({freq}) "
+            f"> 1 (layer 0 must run its indexer), got {off}"
         )
-    if types[0] != "full":
-        raise DSAConfigError("indexer_types[0] must be 'full' (a shared layer reuses a full one)")
-    return types
+    return tuple("full" if max(i - off + 1, 0) % freq == 0 else "shared" for i in range(layers))
 
 
 @dataclass(frozen=True)
@@ -97,58 +93,35 @@ class DSAConfig:
 
     @staticmethod
     def from_hf(hf: Any) -> "DSAConfig":
-        archs = list(_get(hf, "architectures") or [])
-        arch = MODEL_TYPES.get(_get(hf, "model_type", ""))
-        arch = arch or next((ARCHS[a] for a in archs if a in ARCHS), None)
-        if arch is None:
-            raise DSAConfigError(
-                f"model_type {_get(hf, 'model_type')!r} is neither deepseek_v32 nor glm_moe_dsa"
-            )
-        if int(_need(hf, "kv_lora_rank")) != LATENT_DIM:
-            raise DSAConfigError(f"kv_lora_rank must be {LATENT_DIM} (the latent row width)")
-        if int(_need(hf, "qk_rope_head_dim")) != ROPE_DIM:
-            raise DSAConfigError(f"qk_rope_head_dim must be {ROPE_DIM} (the row's rope part)")
-        if not _get(hf, "q_lora_rank"):
-            raise DSAConfigError("q_lora_rank must be set (the indexer reads the query latent)")
-        for name, want in (("scoring_func", "sigmoid"), ("topk_method", "noaux_tc")):
-            got = _get(hf, name)
-            if got is not None and got != want:
-                raise DSAConfigError(
-                    f"{name} must be {want!r} (transformers' routing), got {got!r}"
-                )
-        fmt = _get(hf, ROW_FORMAT_KEY)
-        if fmt is not None and fmt not in ROW_LAYOUTS:
-            raise DSAConfigError(
-                f"{ROW_FORMAT_KEY} must be one of {sorted(ROW_LAYOUTS)}, got {fmt!r}"
-            )
-        layers = int(_need(hf, "num_hidden_layers"))
-        nope = int(_need(hf, "qk_nope_head_dim"))
-        rope = _rope_dict(hf)
+        """The config of a dict (config.json) or a transformers / vLLM config object, checked
+        against ``schema`` first: one ``DSAConfigError`` line naming the field otherwise."""
+        arch = _arch(hf)
+        schema.validate(hf, arch)
+        for name in ("kv_lora_rank", "qk_rope_head_dim"):
+            schema.need(hf, name)
+        layers = schema.need(hf, "num_hidden_layers")
+        nope = schema.need(hf, "qk_nope_head_dim")
+        rope = schema.rope(hf)
         scale = (nope + ROPE_DIM) ** -0.5
-        if rope["rope_type"] != "default" and rope.get("mscale_all_dim"):
-            scale *= _yarn_mscale(float(rope["factor"]), float(rope["mscale_all_dim"])) ** 2
-        index_head_dim = int(_need(hf, "index_head_dim"))
-        if index_head_dim < ROPE_DIM:
-            raise DSAConfigError(f"index_head_dim must be >= qk_rope_head_dim ({ROPE_DIM})")
-        interleave = _get(hf, "indexer_rope_interleave")
+        if rope["rope_type"] == "yarn" and rope.get("mscale_all_dim"):
+            scale *= _yarn_mscale(rope["factor"], rope["mscale_all_dim"]) ** 2
+        interleave = schema.get(hf, "indexer_rope_interleave")
         return DSAConfig(
             arch=arch,
             num_layers=layers,
-            hidden_size=int(_need(hf, "hidden_size")),
-            num_heads=int(_need(hf, "num_attention_heads")),
-            q_lora_rank=int(_get(hf, "q_lora_rank")),
+            hidden_size=schema.need(hf, "hidden_size"),
+            num_heads=schema.need(hf, "num_attention_heads"),
+            q_lora_rank=schema.need(hf, "q_lora_rank"),
             qk_nope_head_dim=nope,
-            v_head_dim=int(_need(hf, "v_head_dim")),
-            index_topk=int(_need(hf, "index_topk")),
-            index_n_heads=int(_need(hf, "index_n_heads")),
-            index_head_dim=index_head_dim,
-            indexer_rope_interleave=(arch == "glm_moe_dsa")
-            if interleave is None
-            else bool(interleave),
+            v_head_dim=schema.need(hf, "v_head_dim"),
+            index_topk=schema.need(hf, "index_topk"),
+            index_n_heads=schema.need(hf, "index_n_heads"),
+            index_head_dim=schema.need(hf, "index_head_dim"),
+            indexer_rope_interleave=(arch == "glm_moe_dsa") if interleave is None else interleave,
             indexer_types=_indexer_types(hf, arch, layers),
             softmax_scale=scale,
             rope=tuple(sorted(rope.items())),
-            row_format=fmt,
+            row_format=schema.get(hf, ROW_FORMAT_KEY),
         )
 
     def is_full(self, layer: int) -> bool:

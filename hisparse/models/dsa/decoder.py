@@ -2,7 +2,7 @@
 vLLM classes take from vLLM's own layers, written once for the reference engine.
 
 * ``DecoderSpec.from_hf``: the config fields beyond ``DSAConfig`` (norm eps, vocabulary, which
-  layers are dense, MoE routing), each checked with a one-line error naming the field;
+  layers are dense, MoE routing), checked by ``hisparse.models.dsa.schema``;
 * ``rms_norm``; ``Rotary`` (default or YaRN frequencies and cos/sin scaling as transformers
   computes them) with ``rope_interleaved`` (MLA; GLM-5's indexer) and ``rope_half`` (DeepSeek-
   V3.2's indexer);
@@ -21,31 +21,12 @@ from typing import Any, Mapping, Tuple
 
 import torch
 
-from hisparse.models.dsa.config import DSAConfig, DSAConfigError
+from hisparse.models.dsa import schema
+from hisparse.models.dsa.config import DSAConfig
 from hisparse.models.rows import ROPE_DIM
 
 #: The MLA and query-latent norms: transformers builds them with its RMSNorm default eps.
 LATENT_NORM_EPS = 1e-6
-
-
-#: transformers' config defaults where a config.json leaves a field out (they differ per arch).
-_DEFAULTS = {
-    "deepseek_v32": {"n_group": 8, "topk_group": 4, "rms_norm_eps": 1e-6},
-    "glm_moe_dsa": {"n_group": 1, "topk_group": 1, "rms_norm_eps": 1e-5},
-}
-_COMMON_DEFAULTS = {
-    "first_k_dense_replace": 3,
-    "norm_topk_prob": True,
-    "routed_scaling_factor": 2.5,
-}
-
-
-def _field(hf: Mapping, name: str, arch: str = "") -> Any:
-    default = _DEFAULTS.get(arch, {}).get(name, _COMMON_DEFAULTS.get(name))
-    v = hf.get(name, default)
-    if v is None:
-        raise DSAConfigError(f"config.json lacks {name!r}, which a DSA model needs")
-    return v
 
 
 @dataclass(frozen=True)
@@ -65,37 +46,28 @@ class DecoderSpec:
     tie_embeddings: bool
 
     @staticmethod
-    def from_hf(hf: Mapping, cfg: DSAConfig) -> "DecoderSpec":
-        for name, want in (("hidden_act", "silu"), ("attention_bias", False)):
-            if hf.get(name, want) != want:
-                raise DSAConfigError(f"{name} must be {want!r}, got {hf.get(name)!r}")
-        layers = cfg.num_layers
-        types = hf.get("mlp_layer_types")
+    def from_hf(hf: Any, cfg: DSAConfig) -> "DecoderSpec":
+        """The fields of a dict or config object, checked against ``schema`` (as
+        ``DSAConfig.from_hf`` checks them) with transformers' defaults for ``cfg.arch``."""
+        a, layers = cfg.arch, cfg.num_layers
+        schema.validate(hf, a)
+        types = schema.layer_list(hf, "mlp_layer_types", ("dense", "sparse"), layers)
         if types is None:  # transformers' rule when the list is not written out
-            k = min(int(_field(hf, "first_k_dense_replace")), layers)
-            types = ["dense"] * k + ["sparse"] * (layers - k)
-        if len(types) != layers or any(t not in ("dense", "sparse") for t in types):
-            raise DSAConfigError(f"mlp_layer_types must list 'dense'/'sparse' for {layers} layers")
-        a = cfg.arch
-        spec = DecoderSpec(
-            vocab_size=int(_field(hf, "vocab_size")),
-            rms_norm_eps=float(_field(hf, "rms_norm_eps", a)),
-            max_positions=int(_field(hf, "max_position_embeddings")),
+            k = min(schema.get(hf, "first_k_dense_replace"), layers)
+            types = ("dense",) * k + ("sparse",) * (layers - k)
+        return DecoderSpec(
+            vocab_size=schema.need(hf, "vocab_size"),
+            rms_norm_eps=schema.need(hf, "rms_norm_eps", a),
+            max_positions=schema.need(hf, "max_position_embeddings"),
             dense=tuple(t == "dense" for t in types),
-            n_experts=int(hf.get("n_routed_experts") or _field(hf, "num_local_experts")),
-            experts_per_token=int(_field(hf, "num_experts_per_tok")),
-            n_group=int(_field(hf, "n_group", a)),
-            topk_group=int(_field(hf, "topk_group", a)),
-            norm_topk_prob=bool(_field(hf, "norm_topk_prob")),
-            routed_scaling_factor=float(_field(hf, "routed_scaling_factor")),
-            tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            n_experts=schema.need(hf, schema.experts_key(hf)),
+            experts_per_token=schema.need(hf, "num_experts_per_tok"),
+            n_group=schema.need(hf, "n_group", a),
+            topk_group=schema.need(hf, "topk_group", a),
+            norm_topk_prob=schema.get(hf, "norm_topk_prob"),
+            routed_scaling_factor=schema.get(hf, "routed_scaling_factor"),
+            tie_embeddings=schema.get(hf, "tie_word_embeddings"),
         )
-        if spec.n_experts % spec.n_group or spec.topk_group > spec.n_group:
-            raise DSAConfigError(
-                f"n_routed_experts ({spec.n_experts}) must split into n_group ({spec.n_group}) "
-                f"groups with topk_group ({spec.topk_group}) <= n_group"
-            )
-        return spec
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -110,8 +82,8 @@ def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
 def _yarn(rope: dict, base: float, max_positions: int) -> Tuple[torch.Tensor, float]:
     """YaRN inverse frequencies and cos/sin scale, as transformers' ``_compute_yarn_parameters``."""
     dim = ROPE_DIM
-    factor = float(rope["factor"])
-    orig = int(rope.get("original_max_position_embeddings") or max_positions)
+    factor = rope["factor"]  # schema.rope checked it and made it a float
+    orig = rope.get("original_max_position_embeddings") or max_positions
     scale = rope.get("attention_factor")
     if scale is None:
         m, m_all = rope.get("mscale"), rope.get("mscale_all_dim")
@@ -143,7 +115,7 @@ class Rotary:
 
     def __init__(self, cfg: DSAConfig, max_positions: int, device: torch.device) -> None:
         rope = cfg.rope_parameters()
-        base = float(rope["rope_theta"])
+        base = rope["rope_theta"]
         if rope["rope_type"] == "yarn":
             inv, self.scale = _yarn(rope, base, max_positions)
         else:
