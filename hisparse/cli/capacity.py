@@ -24,6 +24,8 @@ PRESETS = {
     "glm-5.x": dict(layers=78, row_bytes=656, top_k=2048, index_share=4, indexer_key_bytes=132),
 }
 MODEL_FIELDS = ("layers", "row_bytes", "top_k", "index_share", "indexer_key_bytes")
+# pcie_gbps is a placeholder: without --pcie-gbps, `hisparse plan` uses the rate measured for
+# the pool's size and layout (hisparse.cli.plan_model).
 DEFAULTS = dict(gpu_mem_gib=40.0, host_mem_gib=256.0, context=40960, miss_rate=0.05, pcie_gbps=46.0)
 
 
@@ -45,6 +47,8 @@ class PlanInputs:
     miss_rate: float
     pcie_gbps: float
     batch: Optional[int] = None
+    # Indexers, when the groups are uneven (a config's indexer_types); None: ceil(layers / share).
+    index_groups: Optional[int] = None
 
     def __post_init__(self) -> None:
         pos_int = ("layers", "row_bytes", "top_k", "index_share", "context", "hot_size")
@@ -79,13 +83,17 @@ class PlanInputs:
             raise PlanError(f"argument --miss-rate: must be in [0, 1], got {self.miss_rate}")
         if self.batch is not None and self.batch < 1:
             raise PlanError(f"argument --batch: must be >= 1, got {self.batch}")
+        if self.index_groups is not None and not 1 <= self.index_groups <= self.layers:
+            raise PlanError(
+                f"argument --index-share: {self.index_groups} index groups for {self.layers} layers"
+            )
 
 
 def compute(p: PlanInputs) -> dict:
     """Every number `hisparse plan` prints (see docs/plan.md for the formulas)."""
     L, b, k, s, e = p.layers, p.row_bytes, p.top_k, p.index_share, p.indexer_key_bytes
     T, m = p.context, p.miss_rate
-    G = math.ceil(L / s)  # index groups (= indexers)
+    G = p.index_groups or math.ceil(L / s)  # index groups (= indexers)
     gpu = int(p.gpu_mem_gib * GIB)
     host = int(p.host_mem_gib * GIB)
     kv_per_token = L * b  # bytes of one token's rows, all layers

@@ -1,11 +1,15 @@
 """`hisparse plan`: its flags, reading them into ``PlanInputs``, and the printed report (the
-numbers come from hisparse.cli.capacity)."""
+per-GPU numbers come from hisparse.cli.capacity; a config.json and the deployment figures from
+hisparse.cli.plan_model)."""
 
 from __future__ import annotations
 
 import json
+import math
 import os
+from typing import List, Optional
 
+from hisparse.cli import plan_model
 from hisparse.cli.capacity import (
     DEFAULTS,
     GIB,
@@ -13,7 +17,6 @@ from hisparse.cli.capacity import (
     PRESETS,
     PlanError,
     PlanInputs,
-    compute,
 )
 from hisparse.ops.limits import MAX_HOT_SIZE, ROW_ALIGN
 
@@ -30,7 +33,8 @@ def render(r: dict) -> str:
         f"model: {i['layers']} layers, {i['row_bytes']}-B KV rows, top-k {i['top_k']}, "
         f"index share {i['index_share']} ({r['index_groups']} indexers), "
         f"indexer keys {i['indexer_key_bytes']} B/token",
-        f"budget per GPU: {i['gpu_mem_gib']:g} GiB GPU for KV, {i['host_mem_gib']:g} GiB host; "
+        f"budget: {i['gpu_mem_gib']:g} GiB for KV per GPU, {i['host_mem_gib']:g} GiB host per "
+        f"pool; "
         f"context {i['context']:,} tokens; hot buffer {i['hot_size']} rows; "
         f"miss rate {i['miss_rate']:g}",
         "",
@@ -44,7 +48,7 @@ def render(r: dict) -> str:
         f"  gain:                         {gain}",
         f"  host pool at max concurrency: {_gib(r['host_pool_bytes_at_max'])}",
         f"  decode step at batch {st['batch']:,}: {st['h2d_bytes'] / 1e9:,.3f} GB host->device "
-        f"= {st['h2d_ms']:,.3f} ms at {st['pcie_gbps']:g} GB/s",
+        f"= {st['h2d_ms']:,.3f} ms of copy added to the step at {st['pcie_gbps']:g} GB/s",
     ]
     hy = r["hybrid"]
     lines += [
@@ -65,8 +69,60 @@ def render(r: dict) -> str:
     return "\n".join(lines)
 
 
-def inputs_from_args(args) -> PlanInputs:
-    model = dict(PRESETS[args.preset]) if args.preset else {}
+def render_deployment(r: dict, model: Optional[dict] = None) -> List[str]:
+    """The deployment section of the report, after ``render``'s per-GPU one."""
+    d, i = r["deployment"], r["inputs"]
+    ranks = d["attention_ranks"]
+    lines = [""]
+    if model is not None:
+        pc = model["params"]
+        w, kv = model["weights_gb_per_gpu"], i["gpu_mem_gib"] * GIB / 1e9
+        dtype = "FP8" if pc["fp8_weights"] else "BF16"
+        lines += [
+            f"  model: {model['source']} ({model['arch']}): {pc['total'] / 1e9:,.1f} B parameters "
+            f"({pc['with_mtp'] / 1e9:,.1f} B with the MTP layers)",
+            f"  weights per GPU:              ~{w:,.1f} GB ({dtype} layers) + {kv:,.1f} GB KV "
+            f"budget = {w + kv:,.1f} GB, before activations",
+        ]
+    hs_lo, hs_hi = d["tokens_per_s_hisparse_range"]
+    cp_lo, cp_hi = d["copy_ms_range"]
+    lines += [
+        f"  deployment: {d['gpus']} GPU(s), TP {d['tp']}, {ranks} attention rank(s); "
+        f"{i['context']:,} tokens per request",
+        f"  requests that fit, all ranks: resident {d['requests_resident']:,}, "
+        f"HiSparse {d['requests_hisparse']:,}",
+        f"  host RAM for the pools:       {d['host_pools']} x "
+        f"{d['host_pool_bytes_each'] / GIB:,.1f} GiB = "
+        f"{d['host_pool_bytes_total'] / GIB:,.1f} GiB pinned",
+        f"  PCIe per decode step:         {d['h2d_bytes_per_gpu'] / 1e9:,.3f} GB per GPU "
+        f"({d['h2d_bytes_all_gpus'] / 1e9:,.2f} GB over all GPUs), copy "
+        f"{_span(cp_lo, cp_hi)} ms added to the step",
+        f"  tokens/s estimate, all ranks: resident {d['tokens_per_s_resident']:,.0f} "
+        f"(batch {d['resident_batch']:,} per rank), HiSparse {_span(hs_lo, hs_hi, 0)} "
+        f"(batch {r['decode_step']['batch']:,} per rank)",
+    ]
+    return lines + [f"  regime: {x}" for x in d["regime"]]
+
+
+def _span(a: float, b: float, digits: int = 2) -> str:
+    if math.isclose(a, b):
+        return f"{a:,.{digits}f}"
+    return f"{a:,.{digits}f}-{b:,.{digits}f}"
+
+
+def _model_of(args):
+    """(model fields, the config's model dict or None)."""
+    if args.model is None and args.config is None:
+        return (dict(PRESETS[args.preset]) if args.preset else {}), None
+    cfg = plan_model.model_from_config(*plan_model.read_config(args.model, args.config))
+    w = plan_model.weight_bytes_per_gpu(cfg["params"], args.gpus, args.tp)
+    cfg["weights_gb_per_gpu"] = w / 1e9
+    return {f: cfg[f] for f in MODEL_FIELDS}, cfg
+
+
+def inputs_from_args(args):
+    """(PlanInputs, layers per index group, the config's model dict or None)."""
+    model, cfg = _model_of(args)
     missing = []
     for f in MODEL_FIELDS:
         v = getattr(args, f)
@@ -76,11 +132,15 @@ def inputs_from_args(args) -> PlanInputs:
             missing.append("--" + f.replace("_", "-"))
     if missing:
         raise PlanError(
-            f"argument --preset: give a preset ({', '.join(PRESETS)}) or all of "
-            f"{', '.join(missing)}"
+            f"argument --preset: give a preset ({', '.join(PRESETS)}), --model DIR or "
+            f"--config FILE, or all of {', '.join(missing)}"
         )
+    L, s = model["layers"], model["index_share"]
+    groups = [s] * (L // s) + ([L % s] if L % s else [])
+    if cfg is not None and args.layers is None and args.index_share is None:
+        groups = cfg["group_sizes"]  # uneven groups: the config's own indexer_types
     hot = args.hot_size if args.hot_size is not None else 2 * model["top_k"]
-    return PlanInputs(
+    p = PlanInputs(
         layers=model["layers"],
         row_bytes=model["row_bytes"],
         top_k=model["top_k"],
@@ -91,9 +151,12 @@ def inputs_from_args(args) -> PlanInputs:
         context=args.context,
         hot_size=hot,
         miss_rate=args.miss_rate,
-        pcie_gbps=args.pcie_gbps,
+        # without --pcie-gbps, plan_model.plan() replaces this with the layout's measured rate
+        pcie_gbps=args.pcie_gbps or DEFAULTS["pcie_gbps"],
         batch=args.batch,
+        index_groups=len(groups),
     )
+    return p, groups, cfg
 
 
 def add_plan_flags(p, *, int_range, float_range, output_path) -> None:
@@ -112,9 +175,19 @@ def add_plan_flags(p, *, int_range, float_range, output_path) -> None:
 
 def _add_model_group(p, int_range) -> None:
     m = p.add_argument_group(
-        "model (a preset, or every value explicitly; explicit values override the preset)"
+        "model (a preset, a config.json, or every value explicitly; explicit values override)"
     )
-    m.add_argument("--preset", choices=tuple(PRESETS), default=None, help="model preset")
+    src = m.add_mutually_exclusive_group()
+    src.add_argument("--preset", choices=tuple(PRESETS), default=None, help="model preset")
+    src.add_argument(
+        "--model",
+        metavar="DIR",
+        default=None,
+        help="a checkpoint directory: its config.json gives the model (DeepSeek-V3.2, GLM-5)",
+    )
+    src.add_argument(
+        "--config", metavar="FILE", default=None, help="a config.json file, as --model reads it"
+    )
     m.add_argument("--layers", type=int_range(1, 100_000), default=None, help="attention layers")
     m.add_argument(
         "--row-bytes",
@@ -153,7 +226,8 @@ def _add_deployment_group(p, int_range, float_range) -> None:
         "--host-mem-gib",
         type=float_range(0.0, 1e7),
         default=DEFAULTS["host_mem_gib"],
-        help=f"pinned host memory for the pool per GPU (default: {DEFAULTS['host_mem_gib']:g})",
+        help="pinned host memory per host pool: one pool per GPU with DP attention, one per "
+        f"TP group (default: {DEFAULTS['host_mem_gib']:g})",
     )
     d.add_argument(
         "--context",
@@ -176,9 +250,20 @@ def _add_deployment_group(p, int_range, float_range) -> None:
     d.add_argument(
         "--pcie-gbps",
         type=float_range(0.0, 1e5, lo_open=True),
-        default=DEFAULTS["pcie_gbps"],
-        help=f"host->device gather bandwidth, GB/s (default: {DEFAULTS['pcie_gbps']:g}, "
-        "an H200's zero-copy gather of 656-B rows)",
+        default=None,
+        help="host->device gather rate per GPU, GB/s (default: the H200's measured rate for "
+        "the pool's size and layout: 14-18 one-layer index groups, 46-49 co-located groups of "
+        "4, 44-48 from a pool of at most 1 GiB)",
+    )
+    d.add_argument(
+        "--gpus", type=int_range(1, 1 << 16), default=1, help="GPUs in the deployment (default: 1)"
+    )
+    d.add_argument(
+        "--tp",
+        type=int_range(1, 1 << 16),
+        default=1,
+        help="tensor-parallel size of attention; 1 (default) = DP attention, each GPU its own "
+        "requests and host pool; must divide --gpus",
     )
     d.add_argument(
         "--batch",
@@ -189,8 +274,11 @@ def _add_deployment_group(p, int_range, float_range) -> None:
 
 
 def main(args) -> int:
-    r = compute(inputs_from_args(args))
-    print(render(r))
+    p, groups, cfg = inputs_from_args(args)
+    r = plan_model.plan(p, groups, args.gpus, args.tp, args.pcie_gbps is not None)
+    if cfg is not None:
+        r["model"] = cfg
+    print("\n".join([render(r), *render_deployment(r, cfg)]))
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
