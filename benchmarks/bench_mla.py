@@ -1,4 +1,4 @@
-"""The fused sparse-MLA decode kernel alone (hisparse.engine.graph.mla_kernel.sparse_mla) per
+"""The fused sparse-MLA decode kernel alone (hisparse.models.dsa.kernels.mla.sparse_mla) per
 launch shape, against the path it replaces: the Triton row read (gather_decode) then the two
 batched products and the bf16 softmax of model.attend, timed the same way.
 
@@ -21,7 +21,7 @@ from hisparse.engine.graph import GraphConfig, kernels
 from hisparse.engine.graph import model as M
 from hisparse.engine.graph.config import ROW_BYTES
 from hisparse.engine.graph.kernels import ROPE_AT, SCALE_AT
-from hisparse.engine.graph.mla_kernel import sparse_mla, splits_for
+from hisparse.models.dsa.kernels.mla import sparse_mla, splits_for
 
 SHAPES = (  # (heads per program, rows per block, warps, pipeline stages)
     (64, 16, 8, 2),

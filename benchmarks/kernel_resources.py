@@ -26,7 +26,7 @@ from triton.compiler import ASTSource
 
 from hisparse.engine.graph import kernels as K
 from hisparse.engine.graph import miss_kernels as MK
-from hisparse.engine.graph import mla_kernel as ML
+from hisparse.models.dsa.kernels import mla as ML
 from hisparse.models.rows import FP8_TILE, KV_DIM, LATENT_DIM, ROPE_DIM
 
 RB = K.ROW_BYTES

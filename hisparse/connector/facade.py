@@ -171,6 +171,10 @@ class HiSparseConnector(KVConnectorBase_V1, SupportsHMA):
         """The rows ``resolve`` returns indices into (the layer's hot buffers)."""
         return self._need_worker("hot_rows").hot_view(layer_name)
 
+    def load_host_rows(self, layer_name: str, keys: Any):
+        """Host-pool rows ``keys`` of the layer on the compute device (prefill reads)."""
+        return self._need_worker("load_host_rows").load_host_rows(layer_name, keys)
+
     def wait_for_layer_load(self, layer_name: str) -> None:
         self._need_worker("wait_for_layer_load").wait_for_layer_load(layer_name)
 

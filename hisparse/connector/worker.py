@@ -14,6 +14,7 @@ from typing import Any, Mapping, Optional, Sequence
 
 import torch
 
+from hisparse import ops
 from hisparse.connector.config import HiSparseConfig
 from hisparse.connector.host_save import SlotMapping, save_kv_rows
 from hisparse.connector.metadata import HiSparseConnectorMetadata
@@ -115,6 +116,28 @@ class HiSparseConnectorWorker:
     def hot_view(self, layer_name: str) -> torch.Tensor:
         """The layer's attention rows, uint8 [rows, row_bytes] (hot buffers from ``hot_base``)."""
         return self.runtime(layer_name).hot_view
+
+    def load_host_rows(self, layer_name: str, keys: torch.Tensor) -> torch.Tensor:
+        """The layer's host rows ``keys`` (int [n]; -1 is padding and reads row 0) as uint8
+        [n, row_bytes] on the compute device: what a prefill attends over (its own rows and the
+        earlier chunks' or prefix-cache hits'). On CUDA one gather from the pinned pool, ordered
+        after this step's saves (the copy stream) with no host sync; the caller bounds n."""
+        rt = self.runtime(layer_name)
+        view = rt.host_view.reshape(-1, rt.row_bytes)
+        flat = keys.reshape(-1).clamp(min=0)
+        if self.device.type == "cpu":
+            return view[flat]
+        n = flat.numel()
+        out = torch.empty(n, rt.row_bytes, dtype=torch.uint8, device=self.device)
+        if n == 0:
+            return out
+        stream = rt.index_group.copy_stream
+        if stream is not None:
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+        count = torch.full((1,), n, dtype=torch.int32, device=self.device)
+        dst = torch.arange(n, dtype=torch.int32, device=self.device)
+        ops.gather([view], [out], flat.to(torch.int32).view(1, n), dst.view(1, n), count)
+        return out
 
     def batch_state_rows(self, anchor_keys: torch.Tensor) -> torch.Tensor:
         """The state row of each batch row, found by the key of the row's last token this step

@@ -1,10 +1,12 @@
 """The DSA engine on a GPU (marked ``cuda``; skipped without a GPU and the CUDA build): for tiny
 DeepSeek-V3.2 and GLM-5 checkpoints (made by transformers when it is installed, else written
-without it), CUDA tokens equal CPU tokens and transformers' (f32 rows), resident and HiSparse
-tokens on the GPU are bit-identical in the f32 and fp8 row formats, and the HiSparse run takes
-the device-side paths a CUDA vLLM takes: every new row saved with a slot mapping that stays on
-the GPU (``host_save._save_cuda`` sees CUDA slots), prefill reads gathered back from the pinned
-host pool, decode reads resolved into the hot buffers.
+without it), run batched (requests of different lengths join and leave), CUDA tokens equal CPU
+tokens and transformers' (f32 rows), resident and HiSparse tokens on the GPU are bit-identical
+in the f32 and fp8 row formats (fp8: the Triton kernels of the core), a decode step never
+synchronises with the host, and the HiSparse run takes the device-side paths a CUDA vLLM takes:
+every new row saved with a slot mapping that stays on the GPU (``host_save._save_cuda`` sees
+CUDA slots), prefill reads gathered from the pinned host pool, decode reads resolved into the
+hot buffers.
 
 CPU and CUDA float32 differ in rounding, so tokens are compared up to the first near-tie step
 (``dsa_helpers.NEAR_TIE``) and first-step logits within a tolerance; resident vs HiSparse on one
@@ -32,7 +34,8 @@ from tests.engine.dsa_helpers import (
 pytestmark = [pytest.mark.cuda, needs_cuda]
 
 CPU, GPU = torch.device("cpu"), torch.device("cuda")
-PROMPTS, NEW = 4, 16
+# Eight requests of different lengths through a batch of five: requests join and leave.
+PROMPTS, NEW, BATCH = 8, 16, 5
 #: CUDA vs CPU first-step logits: f32 rows carry only float32 rounding (about 1e-5 here). An fp8
 #: row may round a latent value to the neighbouring fp8 step on one device and not the other, and
 #: one e4m3 step is an eighth of the value: on the H200 such flips moved first-step logits by up
@@ -65,27 +68,39 @@ def spy(monkeypatch):
     import hisparse.connector.host_save as host_save
 
     seen = {"save_slots": [], "prefill_reads": [], "decode_reads": 0}
-    real_save, real_prefill = host_save._save_cuda, HiSparseRows._read_prefill
+    real_save = host_save._save_cuda
+    real_prefill, real_decode = HiSparseRows.prefill_rows, HiSparseRows.decode_rows
 
     def save(rt, rows, slots):
         seen["save_slots"].append(slots.device.type)
         real_save(rt, rows, slots)
 
     def prefill(self, layer, keys):
-        out = real_prefill(self, layer, keys)
-        seen["prefill_reads"].append(out.device.type)
-        return out
+        src, ids = real_prefill(self, layer, keys)
+        seen["prefill_reads"].append(src.device.type)
+        return src, ids
 
-    real_read = HiSparseRows.read
-
-    def read(self, layer, keys, prefill):
-        seen["decode_reads"] += not prefill
-        return real_read(self, layer, keys, prefill)
+    def decode(self, layer, keys):
+        seen["decode_reads"] += 1
+        return real_decode(self, layer, keys)
 
     monkeypatch.setattr(host_save, "_save_cuda", save)
-    monkeypatch.setattr(HiSparseRows, "_read_prefill", prefill)
-    monkeypatch.setattr(HiSparseRows, "read", read)
+    monkeypatch.setattr(HiSparseRows, "prefill_rows", prefill)
+    monkeypatch.setattr(HiSparseRows, "decode_rows", decode)
     return seen
+
+
+def _steps(prompts: int, new: int, batch: int) -> tuple:
+    """(steps, steps with decodes) of ``generate``'s schedule: one admission per step."""
+    steps, running, waiting, decodes = 0, [], prompts, 0
+    while waiting or running:
+        decodes += bool(running)
+        admitted = 1 if waiting and len(running) < batch else 0
+        waiting -= admitted
+        running = [n + 1 for n in running] + [1] * admitted
+        running = [n for n in running if n < new]
+        steps += 1
+    return steps, decodes
 
 
 @pytest.mark.parametrize("row_format", ["f32", "fp8"])
@@ -97,21 +112,23 @@ def test_cuda_tokens_equal_cpu_tokens_and_hisparse_equals_resident(
     ck_cpu, ck_gpu = load_checkpoint(d, CPU), load_checkpoint(d, GPU)
     prompts = byte_prompts(ck_cpu, PROMPTS)
     with one_thread():
-        cpu = generate(ck_cpu, "resident", row_format, CPU, prompts, NEW)
-    res = generate(ck_gpu, "resident", row_format, GPU, prompts, NEW)
-    his = generate(ck_gpu, "hisparse", row_format, GPU, prompts, NEW)
+        cpu = generate(ck_cpu, "resident", row_format, CPU, prompts, NEW, max_batch=BATCH)
+    res = generate(ck_gpu, "resident", row_format, GPU, prompts, NEW, max_batch=BATCH)
+    his = generate(ck_gpu, "hisparse", row_format, GPU, prompts, NEW, max_batch=BATCH)
     assert his.tokens == res.tokens, (
         f"{arch} {row_format}: HiSparse tokens differ from resident tokens on the GPU "
         f"(same bytes, same order must give the same bits): resident {res.tokens} hisparse "
         f"{his.tokens}"
     )
     layers = ck_cpu.cfg.num_layers
-    assert spy["save_slots"] == ["cuda"] * (layers * PROMPTS * NEW), (
+    steps, decode_steps = _steps(PROMPTS, NEW, BATCH)
+    assert spy["save_slots"] == ["cuda"] * (layers * steps), (
         "every HiSparse save must reach host_save._save_cuda with a CUDA slot mapping "
-        f"({layers} layers x {PROMPTS} prompts x {NEW} steps); saw {spy['save_slots'][:8]}..."
+        f"({layers} layers x {steps} steps); saw {spy['save_slots'][:8]}..."
     )
     assert spy["prefill_reads"] == ["cuda"] * (layers * PROMPTS), spy["prefill_reads"]
-    assert spy["decode_reads"] == layers * PROMPTS * (NEW - 1)
+    assert spy["decode_reads"] == layers * decode_steps
+    assert his.counters["hits"] + his.counters["misses"] > 0, his.counters
     for i in range(PROMPTS):
         bad = tie_aware_mismatch(cpu.tokens[i], res.tokens[i], cpu.gaps[i], res.gaps[i])
         assert bad is None, f"{arch} {row_format} prompt {i}: CUDA vs CPU tokens, {bad}"
@@ -119,6 +136,34 @@ def test_cuda_tokens_equal_cpu_tokens_and_hisparse_equals_resident(
         assert diff <= LOGIT_TOL[row_format], (
             f"{arch} {row_format} prompt {i}: CUDA vs CPU first-step logits differ by {diff:.2e}"
         )
+
+
+@pytest.mark.parametrize("mode", ["resident", "hisparse"])
+def test_a_decode_step_never_syncs(tmp_path, mode):
+    """Every forward of a batched run under ``set_sync_debug_mode("error")``: a host sync in
+    the step (a ``.item()``, a ``.cpu()``, a blocking copy) raises. The checkpoint's layers are
+    dense: the engine's reference MoE reads its experts' ids on the host (the vLLM classes use
+    vLLM's fused MoE)."""
+    d = write_random_checkpoint(
+        tmp_path / "dense", "glm_moe_dsa", seed=1, first_k_dense_replace=4,
+        mlp_layer_types=["dense"] * 4,
+    )  # fmt: skip
+    ck = load_checkpoint(d, GPU)
+    calls = []
+
+    def strict(fn):
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            out = fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        calls.append(1)
+        return out
+
+    prompts = byte_prompts(ck, 4)
+    run = generate(ck, mode, "fp8", GPU, prompts, 4, max_batch=3, step_hook=strict)
+    assert len(calls) == _steps(4, 4, 3)[0]
+    assert all(len(t) == 4 for t in run.tokens)
 
 
 @pytest.mark.parametrize("mode", ["resident", "hisparse"])

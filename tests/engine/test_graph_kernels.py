@@ -213,7 +213,7 @@ def test_gather_decode_parts_need_pending_and_a_matching_out(kernels):
 
 
 def test_sparse_mla_matches_float64_over_the_decoded_rows(kernels):
-    from hisparse.engine.graph.mla_kernel import sparse_mla
+    from hisparse.models.dsa.kernels.mla import sparse_mla
 
     g = torch.Generator(device="cuda").manual_seed(32)
     # Rows of one scale: a smooth softmax, so the check measures the sums, not which of two

@@ -26,9 +26,9 @@ from hisparse.engine.graph import (
     Weights,
     counters,
     kernels,
-    mla_kernel,
 )
 from hisparse.engine.graph import miss_kernels as mk
+from hisparse.models.dsa.kernels import mla as mla_kernel
 from hisparse.models.rows import encode_rows
 from tests.engine.test_graph_step import _eager, _same
 

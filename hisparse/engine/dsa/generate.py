@@ -1,9 +1,11 @@
 """Greedy generation for a DSA checkpoint directory in either mode, and the resident-vs-HiSparse
 parity run behind ``hisparse demo --model DIR``.
 
-Requests run one after another (a prefill step, then one decode step per new token), each in
-its own connector state row; prompts are byte tokens (ids below the vocabulary), at least four
-times ``index_topk`` long so the top-k selection matters.
+Requests run batched, as a server runs them: each step decodes every running request and
+admits (prefills) at most one waiting one while fewer than ``max_batch`` run, so requests of
+different lengths join and leave the batch; each runs in its own block / connector state row.
+Prompts are byte tokens (ids below the vocabulary), at least four times ``index_topk`` long so
+the top-k selection matters.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from typing import List, Optional, Sequence
 
 import torch
 
-from hisparse.engine.dsa.model import DSAForward, RequestState
+from hisparse.engine.dsa.model import DSAForward
 from hisparse.engine.dsa.stores import BLOCK, HiSparseRows, ResidentRows
 from hisparse.models.dsa.weights import (
     Checkpoint,
@@ -76,21 +78,39 @@ def generate(
     prompts: Sequence[Sequence[int]],
     max_new: int,
     hot_size: Optional[int] = None,
+    *,
+    max_batch: Optional[int] = None,
+    key_format: Optional[str] = None,
+    backend: str = "auto",
+    step_hook=None,
 ) -> Generation:
-    """Greedy tokens of every prompt (no stop token: every prompt gets ``max_new``)."""
+    """Greedy tokens of every prompt (no stop token: every prompt gets ``max_new``).
+    ``step_hook(fn)``: runs each forward (a test wraps it, e.g. in a sync check)."""
     check_options(row_format, mode)
     ctx = _context(prompts, max_new)
     rb = ROW_LAYOUTS[row_format].row_bytes
+    nmax = max(1, min(max_batch or len(prompts), len(prompts)))
     if mode == "resident":
-        store = ResidentRows(ck.cfg, rb, ctx, device)
+        store = ResidentRows(ck.cfg, rb, ctx, device, nmax)
     else:
-        store = HiSparseRows(ck.cfg, rb, ctx, device, hot_size or 2 * ck.cfg.index_topk)
-    fwd = DSAForward(ck, row_format, device)
+        hot = hot_size or 2 * ck.cfg.index_topk
+        store = HiSparseRows(ck.cfg, rb, ctx, device, hot, nmax)
+    fwd = DSAForward(
+        ck,
+        row_format,
+        device,
+        max_requests=nmax,
+        max_context=ctx,
+        key_format=key_format,
+        backend=backend,
+    )
     out = Generation(mode)
+    out.tokens = [[] for _ in prompts]
+    out.gaps = [[] for _ in prompts]
+    out.first_logits = [None] * len(prompts)
     t0 = time.perf_counter()
     try:
-        for r, prompt in enumerate(prompts):
-            _one(fwd, store, f"req-{r}", prompt, max_new, ctx, out)
+        _run(fwd, store, prompts, max_new, nmax, out, step_hook or (lambda fn: fn()))
     finally:
         out.counters = store.close()
     if device.type == "cuda":
@@ -99,25 +119,68 @@ def generate(
     return out
 
 
-def _one(fwd: DSAForward, store, rid: str, prompt, max_new: int, ctx: int, out: Generation):
-    req = RequestState(fwd.ck, ctx, fwd.device)
-    step = torch.tensor(list(prompt), dtype=torch.int64, device=fwd.device)
-    toks, gaps, start = [], [], 0
-    for s in range(max_new):
-        store.begin(rid, step.numel())
-        logits = fwd.step(store, req, step, start)
+def _upload(values, dtype, device) -> torch.Tensor:
+    t = torch.tensor(values, dtype=dtype)
+    # Pinned and non-blocking: the step's inputs never make the host wait for the device.
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
+
+
+def _run(fwd: DSAForward, store, prompts, max_new: int, nmax: int, out: Generation, hook):
+    waiting = list(range(len(prompts)))
+    running: List[int] = []  # requests that decode next step, in admission order
+    lengths = {}  # request -> tokens in its context so far
+    dev = fwd.device
+    while waiting or running:
+        rows = list(running)  # decodes first, then at most one prefill
+        if waiting and len(running) < nmax:
+            rows.append(waiting.pop(0))
+        prefill = rows[len(running) :]
+        nd = len(running)
+        new = {r: 1 for r in running}
+        new.update({r: len(prompts[r]) for r in prefill})
+        blocks = store.begin({f"req-{r}": new[r] for r in rows})
+        toks, pos, req = [], [], []
+        for b, r in enumerate(rows):
+            if r in prefill:
+                toks += list(prompts[r])
+                pos += range(len(prompts[r]))
+                lengths[r] = len(prompts[r])
+            else:
+                toks.append(out.tokens[r][-1])
+                pos.append(lengths[r])
+                lengths[r] += 1
+            req += [b] * new[r]
+        last = [i - 1 for i in _cumsum([new[r] for r in rows])]
+        batch = fwd.batch(
+            _upload(pos, torch.int64, dev),
+            _upload(req, torch.int64, dev),
+            _upload([lengths[r] for r in rows], torch.int64, dev),
+            _upload(blocks, torch.int64, dev),
+        )
+        args = (_upload(toks, torch.int64, dev), batch, _upload(last, torch.int64, dev), nd)
+        logits = hook(lambda: fwd.step(store, *args))
         store.end()
-        start += step.numel()
-        top = logits.topk(2).values
-        gaps.append(float(top[0] - top[1]))
-        tok = logits.argmax()
-        toks.append(int(tok))
-        if s == 0:
-            out.first_logits.append(logits.float().cpu())
-        step = tok.reshape(1)
-    store.finish(rid)
-    out.tokens.append(toks)
-    out.gaps.append(gaps)
+        top = logits.topk(2, dim=-1).values
+        gaps = (top[:, 0] - top[:, 1]).tolist()
+        picked = logits.argmax(dim=-1).tolist()
+        running = []
+        for b, r in enumerate(rows):
+            if not out.tokens[r]:
+                out.first_logits[r] = logits[b].float().cpu()
+            out.tokens[r].append(picked[b])
+            out.gaps[r].append(gaps[b])
+            if len(out.tokens[r]) < max_new:
+                running.append(r)
+            else:
+                store.finish(f"req-{r}")
+
+
+def _cumsum(xs):
+    total, out = 0, []
+    for x in xs:
+        total += x
+        out.append(total)
+    return out
 
 
 def parity(

@@ -1,9 +1,13 @@
-"""One forward step of a DSA checkpoint (DeepSeek-V3.2 / GLM-5) for one request, over a row store.
+"""One forward step of a DSA checkpoint (DeepSeek-V3.2 / GLM-5) for a batch of requests over a
+row store: decodes (one token each) first, then prefill tokens, in one pass per layer.
 
-The math is ``hisparse.models.dsa`` (shared with the vLLM classes); this module only orders it:
-per layer the new tokens' latent rows are encoded in the row format and saved to the store, the
-layer's top-k comes from its own indexer (full layers) or its index-group leader's (shared
-layers), and attention decodes exactly the bytes the store reads back.
+The layer's sparse attention is ``hisparse.models.dsa.core`` (the code the vLLM classes run);
+this module adds the decoder around it from ``hisparse.models.dsa`` (norms, rotary, MLP / MoE)
+and the request bookkeeping. Per layer the new tokens' latent rows are saved to the store in the
+row format, their index keys to the layer's key cache, the top-k comes from the layer's own
+indexer (full layers) or its index-group leader's (shared layers), and attention decodes exactly
+the bytes the store hands back. Request b's tokens have slots ``block[b] * max_context +
+position`` (one block of ``max_context`` per request).
 """
 
 from __future__ import annotations
@@ -12,87 +16,91 @@ from typing import List, Optional
 
 import torch
 
+from hisparse.models.dsa.core import CHUNK_ELEMS, SparseMLACore, TokenBatch
 from hisparse.models.dsa.decoder import Rotary, linear, mlp, moe, rms_norm
-from hisparse.models.dsa.projections import (
-    attention_output,
-    index_inputs,
-    mla_inputs,
-    select_sorted,
-)
+from hisparse.models.dsa.projections import index_inputs, mla_inputs
 from hisparse.models.dsa.weights import Checkpoint
-from hisparse.models.rows import KV_DIM, decode_rows, encode_rows
-
-#: Bound on one chunk's gathered row values / index scores (elements).
-CHUNK_ELEMS = 1 << 24
-
-
-class RequestState:
-    """A request's index keys (one [max_context, index_head_dim] cache per full layer)."""
-
-    def __init__(self, ck: Checkpoint, max_context: int, device: torch.device) -> None:
-        cfg = ck.cfg
-        self.index_keys: List[Optional[torch.Tensor]] = [
-            torch.zeros(max_context, cfg.index_head_dim, device=device) if cfg.is_full(i) else None
-            for i in range(cfg.num_layers)
-        ]
+from hisparse.models.rows import KV_DIM, encode_rows
 
 
 class DSAForward:
-    """The checkpoint's forward pass in float32 on ``device`` with rows in ``row_format``."""
+    """The checkpoint's forward pass on ``device`` for up to ``max_requests`` requests of up to
+    ``max_context`` tokens, with rows in ``row_format`` and index keys in ``key_format``."""
 
-    def __init__(self, ck: Checkpoint, row_format: str, device: torch.device) -> None:
+    def __init__(
+        self,
+        ck: Checkpoint,
+        row_format: str,
+        device: torch.device,
+        *,
+        max_requests: int = 1,
+        max_context: int,
+        key_format: Optional[str] = None,
+        backend: str = "auto",
+        attention: str = "bmm",
+    ) -> None:
         self.ck, self.cfg, self.spec = ck, ck.cfg, ck.spec
         self.row_format, self.device = row_format, device
+        self.max_context = max_context
+        self.core = SparseMLACore(
+            ck.cfg, row_format, device, key_format=key_format, backend=backend, attention=attention
+        )
         self.rotary = Rotary(ck.cfg, ck.spec.max_positions, device)
+        self.index_keys: List[Optional[torch.Tensor]] = [
+            self.core.key_cache(max_requests, max_context, device) if self.cfg.is_full(i) else None
+            for i in range(self.cfg.num_layers)
+        ]
+
+    def batch(
+        self, positions: torch.Tensor, req: torch.Tensor, seq_lens: torch.Tensor, blocks
+    ) -> TokenBatch:
+        """The tokens of a step, all on the device: ``blocks`` int [R] is each request's block."""
+        return TokenBatch(positions, req, seq_lens, blocks.view(-1, 1), self.max_context)
 
     @torch.no_grad()
-    def step(self, store, req: RequestState, tokens: torch.Tensor, start: int) -> torch.Tensor:
-        """Run ``tokens`` (int64 [T] at positions start..start+T-1); the last token's logits."""
-        self._end = start + tokens.numel()  # keys visible to this step (no device sync)
-        pos = torch.arange(start, self._end, device=self.device)
-        rope = self.rotary(pos)
-        base = store.state_row * store.max_context
+    def step(
+        self,
+        store,
+        tokens: torch.Tensor,
+        batch: TokenBatch,
+        last: torch.Tensor,
+        num_decodes: int,
+    ) -> torch.Tensor:
+        """Run ``tokens`` (int64 [T]; rows ``batch``; the first ``num_decodes`` are one-token
+        decodes); logits float [R, vocab] of each request's token ``last[r]``."""
+        slots = batch.slots(batch.positions.view(-1, 1)).view(-1)
+        rope = self.rotary(batch.positions)
         x = self.ck.embed[tokens]
         sel = None
         for i in range(self.cfg.num_layers):
             h = rms_norm(x, self.ck.norms[i]["input_layernorm.weight"], self.spec.rms_norm_eps)
-            o, sel = self._attention(i, h, pos, rope, store, req, base, sel)
+            o, sel = self._attention(i, h, rope, store, batch, slots, num_decodes, sel)
             x = x + o
             norm = self.ck.norms[i]["post_attention_layernorm.weight"]
             h = rms_norm(x, norm, self.spec.rms_norm_eps)
             w = self.ck.ffn[i]
             x = x + (mlp(h, w) if self.spec.dense[i] else moe(h, w, self.spec))
-        last = rms_norm(x[-1:], self.ck.norm, self.spec.rms_norm_eps)
-        return linear(last, self.ck.lm_head)[0]
+        out = rms_norm(x[last], self.ck.norm, self.spec.rms_norm_eps)
+        return linear(out, self.ck.lm_head)
 
-    def _attention(self, i: int, h, pos, rope, store, req: RequestState, base: int, sel):
-        cfg, w = self.cfg, self.ck.attn[i]
+    def _attention(self, i: int, h, rope, store, batch: TokenBatch, slots, nd: int, sel):
+        cfg, w, core = self.cfg, self.ck.attn[i], self.core
         q_resid, q_nope, q_pe, row = mla_inputs(h, w, cfg, rope)
-        store.save(i, encode_rows(row, self.row_format), base + pos)
+        store.save(i, encode_rows(row, self.row_format), slots)
         if cfg.is_full(i):
             q, k, head_w = index_inputs(h, q_resid, w, cfg, rope)
-            req.index_keys[i][pos] = k
-        # Query tokens in chunks: a long prompt's index scores [T, heads, context] and rows
-        # [T, K, 576] would not fit at once. Each query token's math is its own: chunks change
-        # no value, and both modes chunk alike.
-        per_token = max(cfg.index_topk * KV_DIM, cfg.index_n_heads * self._end)
-        step = max(1, CHUNK_ELEMS // per_token)
-        outs, sels = [], []
-        for s in range(0, h.shape[0], step):
-            c = slice(s, s + step)
-            if cfg.is_full(i):
-                keys = req.index_keys[i][: self._end]
-                sel_c = select_sorted(q[c], head_w[c], keys, pos[c], cfg)
-            else:
-                sel_c = sel[c]  # the index-group leader's top-k
-            outs.append(self._over_rows(i, store, q_nope[c], q_pe[c], sel_c, base, h.shape[0] > 1))
-            sels.append(sel_c)
-        return torch.cat(outs), torch.cat(sels)
-
-    def _over_rows(self, i: int, store, q_nope, q_pe, sel, base: int, prefill: bool):
-        valid = sel >= 0
-        got = store.read(i, torch.where(valid, base + sel, sel), prefill=prefill)
-        # Padding entries may read any row: zero them so no NaN byte pattern reaches softmax.
-        got = torch.where(valid.unsqueeze(-1), got, torch.zeros_like(got))
-        values = decode_rows(got, self.row_format, torch.float32)
-        return attention_output(q_nope, q_pe, values, valid, self.ck.attn[i], self.cfg)
+            core.store_keys(self.index_keys[i], slots, k, batch.block_size)
+            sel = core.select(q, head_w, self.index_keys[i], batch)
+        kv_b = w["kv_b_proj.weight"]
+        parts = []
+        if nd:
+            src, ids = store.decode_rows(i, sel[:nd])
+            parts.append(core.attend(q_nope[:nd], q_pe[:nd], kv_b, src, ids))
+        # Prefill tokens in chunks: their rows [T, K, 576] would not fit at once. Each token's
+        # math is its own: chunks change no value, and both modes chunk alike.
+        n = max(1, CHUNK_ELEMS // (cfg.index_topk * KV_DIM))
+        for s in range(nd, sel.shape[0], n):
+            src, ids = store.prefill_rows(i, sel[s : s + n])
+            parts.append(core.attend(q_nope[s : s + n], q_pe[s : s + n], kv_b, src, ids))
+        values = parts[0] if len(parts) == 1 else torch.cat(parts)
+        return linear(values, w["o_proj.weight"]), sel

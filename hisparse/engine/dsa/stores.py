@@ -1,14 +1,15 @@
-"""Where the DSA engine's latent rows live, one request at a time.
+"""Where the DSA engine's latent rows live, for a batch of requests.
 
 * ``ResidentRows``: every layer's rows [keys, row_bytes] in device memory; attention reads the
   selected rows by key.
 * ``HiSparseRows``: rows in the connector's host pool (saved with a device slot mapping, as a
-  CUDA vLLM saves them); each decode step the index-group leader resolves the top-k and every
-  member layer gathers into its own hot buffer, attention reads the hot rows. Prefill reads the
-  prompt's rows back from the host pool through ``connector/host_rows.py``.
+  CUDA vLLM saves them); each step the index-group leader resolves the decodes' top-k and every
+  member layer gathers into its own hot buffer, attention reads the hot rows. Prefill reads rows
+  back from the host pool (``load_host_rows``: one device gather on CUDA).
 
-Both hand attention the bytes of the selected keys in the caller's order, so two runs agree bit
-for bit exactly when the rows are right. Keys are ``state_row * max_context + position``.
+Both hand attention (source rows, row ids) for the selected keys in the caller's order, so two
+runs agree bit for bit exactly when the rows are right. Keys are ``block * max_context +
+position``; a request's block is its slot in the resident store, its state row with HiSparse.
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ from typing import List
 
 import torch
 
-from hisparse.connector.host_rows import HostRows
 from hisparse.models.dsa.config import DSAConfig
 
 BLOCK = 16
@@ -35,43 +35,54 @@ class _Request:
 
 
 class ResidentRows:
-    """Every layer's rows [max_context, row_bytes] on the device (one state row: requests run
-    one at a time)."""
+    """Every layer's rows [max_requests * max_context, row_bytes] on the device."""
 
     mode = "resident"
 
     def __init__(
-        self, cfg: DSAConfig, row_bytes: int, max_context: int, device: torch.device
+        self,
+        cfg: DSAConfig,
+        row_bytes: int,
+        max_context: int,
+        device: torch.device,
+        max_requests: int = 1,
     ) -> None:
         self.max_context = max_context
         self.rows = [
-            torch.zeros(max_context, row_bytes, dtype=torch.uint8, device=device)
+            torch.zeros(max_requests * max_context, row_bytes, dtype=torch.uint8, device=device)
             for _ in range(cfg.num_layers)
         ]
-        self.state_row = 0
+        self.free = list(range(max_requests))
+        self.blocks: dict = {}
 
-    def begin(self, rid: str, new_tokens: int) -> None:
-        pass
+    def begin(self, scheduled: dict) -> List[int]:
+        """A step of ``scheduled`` {request id: new tokens} (batch order): each one's block."""
+        for rid in scheduled:
+            if rid not in self.blocks:
+                self.blocks[rid] = self.free.pop(0)
+        return [self.blocks[rid] for rid in scheduled]
 
     def save(self, layer: int, rows: torch.Tensor, keys: torch.Tensor) -> None:
         self.rows[layer].index_copy_(0, keys, rows)
 
-    def read(self, layer: int, keys: torch.Tensor, prefill: bool) -> torch.Tensor:
-        return self.rows[layer][keys.clamp(min=0)]
+    def decode_rows(self, layer: int, keys: torch.Tensor):
+        return self.rows[layer], keys
+
+    prefill_rows = decode_rows
 
     def end(self) -> None:
         pass
 
     def finish(self, rid: str) -> None:
-        pass
+        self.free.append(self.blocks.pop(rid))
 
     def close(self) -> dict:
         return {}
 
 
 class HiSparseRows:
-    """The connector in both roles, one state row, one index group per full indexer layer; the
-    hot buffers ([hot_size, row_bytes] per layer) are the only device rows."""
+    """The connector in both roles, one index group per full indexer layer; the hot buffers
+    ([max_requests * hot_size, row_bytes] per layer) are the only device rows."""
 
     mode = "hisparse"
 
@@ -82,23 +93,26 @@ class HiSparseRows:
         max_context: int,
         device: torch.device,
         hot_size: int,
+        max_requests: int = 1,
     ) -> None:
         from hisparse.connector import HiSparseConnector
 
         self.cfg, self.device, self.max_context = cfg, device, max_context
-        self.row_bytes = row_bytes
         self.names = layer_names(cfg.num_layers)
         extra = {
-            # one state row's keys plus a block of slack, for every layer
-            "host_pool_gib": (max_context + BLOCK) * row_bytes * cfg.num_layers / 2**30,
+            # every state row's keys plus a block of slack, for every layer
+            "host_pool_gib": (max_requests * max_context + BLOCK)
+            * row_bytes
+            * cfg.num_layers
+            / 2**30,
             "top_k": cfg.index_topk,
             "device_buffer_size": hot_size,
-            "max_num_seqs": 1,
+            "max_num_seqs": max_requests,
             "block_size": BLOCK,
         }
         self.worker = HiSparseConnector.from_extra_config(extra, role="worker")
         hot = {
-            n: torch.zeros(hot_size, row_bytes, dtype=torch.uint8, device=device)
+            n: torch.zeros(max_requests * hot_size, row_bytes, dtype=torch.uint8, device=device)
             for n in self.names
         }
         # An index group is a full indexer layer and the shared layers after it (GLM-5).
@@ -108,57 +122,43 @@ class HiSparseRows:
             if cfg.is_full(lead)
         ]
         w = self.worker.worker
-        w.register_kv_caches(hot, groups=groups)
+        w.register_kv_caches(hot, groups=groups, host_rows=max_requests * max_context + BLOCK)
         self.sched = HiSparseConnector.from_extra_config(
             extra, role="scheduler", host_rows=w.host_rows
         )
-        self.host = [HostRows(w, [n]) for n in self.names]
         self.finished: set = set()
         self.stats: List = []
-        self.state_row = 0
-        self._scratch: dict = {}
         self.closed = False
 
-    def begin(self, rid: str, new_tokens: int) -> None:
+    def begin(self, scheduled: dict) -> List[int]:
+        """A step of ``scheduled`` {request id: new tokens} (decodes first): each one's state
+        row, which is its block of keys."""
         from hisparse.connector import StepSchedule
 
-        step = StepSchedule(num_scheduled_tokens={rid: new_tokens}, finished_req_ids=self.finished)
+        step = StepSchedule(num_scheduled_tokens=dict(scheduled), finished_req_ids=self.finished)
         meta = self.sched.build_connector_meta(step)
         self.finished = set()
-        self._scratch = {}  # layer -> the prompt rows read back this step
-        self.state_row = meta.state_rows[0]
         self.worker.bind_connector_metadata(meta)
         self.worker.start_load_kv(None)
+        return list(meta.state_rows)
 
     def save(self, layer: int, rows: torch.Tensor, keys: torch.Tensor) -> None:
         # keys stay on the rows' device: the save path a CUDA vLLM takes (no host sync)
         self.worker.save_kv_layer(self.names[layer], rows, None, slot_mapping=keys)
 
-    def read(self, layer: int, keys: torch.Tensor, prefill: bool) -> torch.Tensor:
-        if prefill:
-            return self._read_prefill(layer, keys)
+    def decode_rows(self, layer: int, keys: torch.Tensor):
+        """The decodes' rows: resolved into the hot buffers (the batch's leading state rows)."""
         name = self.names[layer]
         lead = self.cfg.is_full(layer)
-        out = self.worker.resolve(name, keys.to(torch.int32) if lead else None)
+        ids = self.worker.resolve(name, keys.to(torch.int32) if lead else None)
         self.worker.wait_for_layer_load(name)
-        return self.worker.hot_rows(name)[out.long().clamp(min=0)]
+        return self.worker.hot_rows(name), ids
 
-    def _read_prefill(self, layer: int, keys: torch.Tensor) -> torch.Tensor:
-        """The prompt's rows gathered back from the host pool into a device scratch (once per
-        layer and step, grown when a later chunk of queries sees further), then the selected
-        ones. On CUDA the saves run on the group's copy stream: wait for them first."""
-        base = self.state_row * self.max_context
-        n = int(keys.max()) - base + 1 if bool((keys >= 0).any()) else 1
-        scratch = self._scratch.get(layer)
-        if scratch is None or scratch.shape[0] < n:
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
-            scratch = torch.zeros(n, self.row_bytes, dtype=torch.uint8, device=self.device)
-            src = torch.arange(base, base + n, dtype=torch.int32, device=self.device)
-            dst = torch.arange(n, dtype=torch.int32, device=self.device)
-            self.host[layer].load([scratch], src, dst)
-            self._scratch[layer] = scratch
-        return scratch[(keys - base).clamp(min=0)]
+    def prefill_rows(self, layer: int, keys: torch.Tensor):
+        """Prefill tokens' rows, gathered from the host pool (ordered after this step's saves)."""
+        src = self.worker.load_host_rows(self.names[layer], keys)
+        ids = torch.arange(keys.numel(), device=keys.device).view(keys.shape)
+        return src, torch.where(keys >= 0, ids, keys)
 
     def end(self) -> None:
         self.worker.wait_for_save()

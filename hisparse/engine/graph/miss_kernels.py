@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from hisparse.engine.graph.kernels import ROPE_AT, ROW_BYTES, SCALE_AT, check_rows, triton
+from hisparse.models.dsa.kernels.rows import ROPE_AT, ROW_BYTES, SCALE_AT, check_rows, triton
 from hisparse.models.rows import FP8_TILE, KV_DIM, LATENT_DIM, ROPE_DIM
 
 if triton is not None:

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import torch
 
-from hisparse.engine.graph import kernels, mla_kernel
+from hisparse.engine.graph import kernels
 from hisparse.engine.graph.config import GraphConfig
+from hisparse.models.dsa.kernels import mla as mla_kernel
 from hisparse.models.rows import decode_rows
 
 DT = torch.bfloat16

@@ -31,10 +31,11 @@ from typing import Optional
 
 import torch
 
-from hisparse.engine.graph import kernels, miss_kernels, mla_kernel
+from hisparse.engine.graph import kernels, miss_kernels
 from hisparse.engine.graph import model as M
 from hisparse.engine.graph.config import ROW_BYTES, GraphConfig
 from hisparse.engine.graph.kv import HOT_POISON, KVStore
+from hisparse.models.dsa.kernels import mla as mla_kernel
 from hisparse.runtime import HiSparseIndexGroup, HiSparseRuntime
 
 MODES = ("resident", "hisparse", "hybrid")

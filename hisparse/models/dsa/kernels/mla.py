@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from hisparse.engine.graph.kernels import ROPE_AT, ROW_BYTES, SCALE_AT, check_rows, triton
+from hisparse.models.dsa.kernels.rows import ROPE_AT, ROW_BYTES, SCALE_AT, check_rows, triton
 from hisparse.models.rows import FP8_TILE, LATENT_DIM, ROPE_DIM
 
 if triton is not None:
@@ -55,8 +55,9 @@ if triton is not None:
         end = tl.minimum((split + 1) * CHUNK, K)
         for k0 in range(split * CHUNK, end, BN):
             j = k0 + tl.arange(0, BN)
-            ok = j < end
-            row = tl.load(ids + b * K + j, mask=ok, other=0).to(tl.int64)
+            row = tl.load(ids + b * K + j, mask=j < end, other=-1).to(tl.int64)
+            ok = row >= 0  # -1: padding (fewer visible rows than top_k), weight 0
+            row = tl.maximum(row, 0)
             # The latent as [BN, tiles, TILE] beside one scale per tile: a scale is loaded once,
             # not once per value.
             k8 = tl.load(src_u8 + row[:, None, None] * ROW_U8 + lat3, mask=ok[:, None, None],
@@ -132,7 +133,8 @@ def sparse_mla(
     products: str = "bf16",
 ) -> torch.Tensor:
     """softmax(scale * q . k_t) . k_t[:512] over the rows ``ids`` [n, top_k] of ``src`` (uint8
-    [N, 656], FP8 layout): q [n, heads, 576] bf16 -> latent mix [n, heads, 512] bf16.
+    [N, 656], FP8 layout; an id of -1 is padding and takes no part): q [n, heads, 576] bf16 ->
+    latent mix [n, heads, 512] bf16. Every request needs at least one row that is not padding.
     ``products="fp32"`` takes both products on float32 operands (the same values, widened): what
     Triton's CPU interpreter can run, whose bf16 products are wrong; slow on a GPU.
     ``splits`` > 1 cuts each request's rows into that many runs scored by programs of their own,

@@ -1,0 +1,242 @@
+"""One DSA layer's sparse attention for a whole batch, free of any serving framework: the indexer
+and its top-k over a paged key cache, then MLA over the selected latent rows.
+
+Every input is a device tensor (positions, each token's batch row, block tables), so a decode
+step has no Python loop over requests and reads nothing back to the host. Two backends:
+
+* ``torch``: the model math of ``hisparse.models.dsa`` (float32 index scores, rows decoded by
+  ``decode_rows``); the CPU path and the oracle of the tests. On the CPU it takes each request's
+  top-k over exactly its own context, as transformers does: ``topk``'s choice among equal scores
+  (ReLU zeros are common) depends on the length of the row it ranks.
+* ``triton`` (CUDA): the production formats' kernels (``hisparse.models.dsa.kernels``): the
+  paged FP8 indexer where keys are fp8, the one-pass FP8 row read with batched products
+  (``attention="bmm"``) or the fused sparse MLA kernel (``"fused"``) where rows are fp8.
+  Unquantized formats keep the torch math on CUDA too: they exist to compare with references.
+
+Resident and HiSparse attend through the same call on the same row bytes in the same order (the
+selection is sorted by position), so both modes give the same bits on one device. Which rows is
+the caller's business: the resident cache by slot, or the hot buffers by the rows the connector
+resolved.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from hisparse.models.dsa import attention as mla
+from hisparse.models.dsa import index_keys
+from hisparse.models.dsa.config import DSAConfig
+from hisparse.models.dsa.indexer import causal_top_k
+from hisparse.models.dsa.kernels import rows as row_kernels
+from hisparse.models.rows import KV_DIM, LATENT_DIM, ROW_LAYOUTS, decode_rows
+
+# Bound on one torch-path chunk (index scores [tokens, heads, context] or rows [tokens, K, 576]).
+CHUNK_ELEMS = 1 << 24
+# Larger than any position: sorts padding (-1) after every selected position.
+_PAD_SORT = torch.iinfo(torch.int64).max
+ATTENTION = ("bmm", "fused")
+
+
+@dataclass(frozen=True)
+class TokenBatch:
+    """The tokens of one forward: ``positions`` / ``req`` int64 [T] (each token's position and
+    batch row), ``seq_lens`` int [R] (context after this step), ``block_table`` int [R, blocks]:
+    position j of request r is slot ``block_table[r, j // block_size] * block_size + j %
+    block_size`` (a key of the row store and of the index cache)."""
+
+    positions: torch.Tensor
+    req: torch.Tensor
+    seq_lens: torch.Tensor
+    block_table: torch.Tensor
+    block_size: int
+
+    @property
+    def num_tokens(self) -> int:
+        return self.positions.shape[0]
+
+    @property
+    def max_context(self) -> int:
+        return self.block_table.shape[1] * self.block_size
+
+    def slots(self, pos: torch.Tensor) -> torch.Tensor:
+        """Slots of positions ``pos`` [T, K] of each token's request; -1 stays -1."""
+        p = pos.clamp(min=0)
+        bs = self.block_size
+        blk = self.block_table[self.req[:, None], torch.div(p, bs, rounding_mode="floor")]
+        return torch.where(pos >= 0, blk.long() * bs + p % bs, pos)
+
+    def narrow(self, start: int, length: int) -> "TokenBatch":
+        """Tokens start .. start + length (same requests)."""
+        s = slice(start, start + length)
+        return TokenBatch(
+            self.positions[s], self.req[s], self.seq_lens, self.block_table, self.block_size
+        )
+
+
+def token_rows(query_start_loc: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """Each token's batch row, int64 [num_tokens], from the rows' first tokens [R + 1] (on the
+    device, no host read)."""
+    t = torch.arange(num_tokens, device=query_start_loc.device, dtype=query_start_loc.dtype)
+    return torch.searchsorted(query_start_loc[1:].contiguous(), t, right=True).long()
+
+
+class SparseMLACore:
+    """The sparse attention of a DSA model with rows in ``row_format`` and index keys in
+    ``key_format`` (default: fp8 beside fp8 rows, else f32) on ``device``."""
+
+    def __init__(
+        self,
+        cfg: DSAConfig,
+        row_format: str,
+        device,
+        *,
+        key_format: str | None = None,
+        backend: str = "auto",
+        attention: str = "bmm",
+    ) -> None:
+        if row_format not in ROW_LAYOUTS:
+            raise ValueError(f"row_format must be one of {sorted(ROW_LAYOUTS)}, got {row_format!r}")
+        key_format = key_format or index_keys.default_format(row_format)
+        self.key_bytes = index_keys.key_bytes(key_format, cfg.index_head_dim)
+        if backend not in ("auto", "torch", "triton"):
+            raise ValueError(f"backend must be 'auto', 'torch' or 'triton', got {backend!r}")
+        if attention not in ATTENTION:
+            raise ValueError(f"attention must be one of {ATTENTION}, got {attention!r}")
+        can = row_kernels.available(device)
+        if backend == "triton" and not can:
+            raise ValueError(f"backend='triton' needs Triton and a CUDA device, not {device}")
+        use = can and backend != "torch"
+        from hisparse.models.dsa.kernels import indexer as idx_kernel
+
+        self.cfg, self.row_format, self.key_format = cfg, row_format, key_format
+        self.row_bytes = ROW_LAYOUTS[row_format].row_bytes
+        self.kernel_rows = use and row_format == "fp8"
+        self.kernel_index = (
+            use and key_format == "fp8" and idx_kernel.fits(cfg.index_n_heads, cfg.index_head_dim)
+        )
+        self.attention = attention
+
+    # ------------------------------------------------------------------ indexer
+    def key_cache(self, blocks: int, block_size: int, device) -> torch.Tensor:
+        """An empty paged index key cache (``hisparse.models.dsa.index_keys``)."""
+        return torch.zeros(blocks, block_size * self.key_bytes, dtype=torch.uint8, device=device)
+
+    def store_keys(self, cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, bs: int):
+        """This step's keys ``k`` [T, D] at their ``slots`` of the paged ``cache``."""
+        index_keys.store_keys(cache, slots, k, self.key_format, bs)
+
+    def select(
+        self, q: torch.Tensor, head_w: torch.Tensor, cache: torch.Tensor, batch: TokenBatch
+    ) -> torch.Tensor:
+        """Slots each token attends to, int64 [T, index_topk] in ascending position order, -1
+        padding last: q [T, Hi, D] / head_w [T, Hi] of the tokens, ``cache`` the layer's index
+        keys (paged, uint8 [blocks, block_size * key_bytes]), this step's keys already stored."""
+        cfg = self.cfg
+        if self.kernel_index:
+            from hisparse.models.dsa.kernels import indexer as idx_kernel
+
+            hw = head_w.float() * (cfg.index_n_heads**-0.5 * cfg.index_head_dim**-0.5)
+            scores = idx_kernel.paged_scores(
+                q, hw, cache, batch.block_table, batch.block_size, batch.req, batch.positions
+            )
+            pos = _sorted(self._top_k(scores, batch), cfg.index_topk)
+        else:
+            step = max(1, CHUNK_ELEMS // (cfg.index_n_heads * batch.max_context))
+            parts = []
+            for s in range(0, batch.num_tokens, step):
+                b = batch.narrow(s, min(step, batch.num_tokens - s))
+                scores = self._scores(q[s : s + step], head_w[s : s + step], cache, b)
+                parts.append(_sorted(self._top_k(scores, b), cfg.index_topk))
+            pos = torch.cat(parts) if parts else batch.positions.new_zeros(0, cfg.index_topk)
+        return batch.slots(pos)
+
+    def _scores(self, q, head_w, cache, batch: TokenBatch) -> torch.Tensor:
+        """float32 [T, max_context] over each token's request's keys (any position)."""
+        ctx = torch.arange(batch.max_context, device=q.device)
+        slots = batch.slots(ctx.expand(batch.num_tokens, -1))
+        keys = index_keys.load_keys(
+            cache, slots, self.key_format, self.cfg.index_head_dim, batch.block_size
+        )
+        logits = torch.einsum("thd,tnd->thn", q.float(), keys) * self.cfg.index_head_dim**-0.5
+        weights = head_w.float() * self.cfg.index_n_heads**-0.5
+        return torch.einsum("th,thn->tn", weights, torch.relu(logits))
+
+    def _top_k(self, scores: torch.Tensor, batch: TokenBatch) -> torch.Tensor:
+        """Positions int64 [T, <= top_k] of the best visible keys (-1 where too few)."""
+        top_k = self.cfg.index_topk
+        if scores.device.type != "cpu":  # one ranking over the padded rows, no host sync
+            return _masked_top_k(scores, batch.positions, top_k)
+        # The CPU: rank each token's own context (the request's seq_len keys), as transformers.
+        lens = batch.seq_lens[batch.req]
+        out = torch.full((batch.num_tokens, top_k), -1, dtype=torch.int64)
+        for n in lens.unique().tolist():
+            rows = (lens == n).nonzero().squeeze(1)
+            key_pos = torch.arange(n)
+            sel = causal_top_k(scores[rows, :n], key_pos, batch.positions[rows], top_k)
+            out[rows, : sel.shape[1]] = sel
+        return out
+
+    # ------------------------------------------------------------------ attention
+    def attend(
+        self,
+        q_nope: torch.Tensor,
+        q_pe: torch.Tensor,
+        kv_b_weight: torch.Tensor,
+        src: torch.Tensor,
+        ids: torch.Tensor,
+    ) -> torch.Tensor:
+        """Attention of each token over its rows ``ids`` [T, K] (-1 padding) of ``src`` (uint8
+        [N, row_bytes]) -> per-head values [T, H * v_head_dim] (the input of ``o_proj``)."""
+        cfg = self.cfg
+        q_lat = mla.absorb_query(q_nope, kv_b_weight, cfg)
+        if self.kernel_rows and ids.shape[0]:
+            o = self._attend_kernels(q_lat, q_pe, src, ids).to(q_lat.dtype)
+        else:
+            step = max(1, CHUNK_ELEMS // (ids.shape[1] * KV_DIM))
+            parts = [
+                self._attend_torch(q_lat[s : s + step], q_pe[s : s + step], src, ids[s : s + step])
+                for s in range(0, ids.shape[0], step)
+            ]
+            o = torch.cat(parts) if parts else q_lat.new_zeros(0, cfg.num_heads, LATENT_DIM)
+        return mla.expand_values(o, kv_b_weight, cfg)
+
+    def _attend_torch(self, q_lat, q_pe, src, ids) -> torch.Tensor:
+        valid = ids >= 0
+        rows = src[ids.clamp(min=0)]
+        # Padding entries read an arbitrary row: zero it so no NaN byte pattern reaches softmax.
+        rows = torch.where(valid.unsqueeze(-1), rows, torch.zeros_like(rows))
+        values = decode_rows(rows, self.row_format, q_lat.dtype)
+        return mla.attend_rows(q_lat, q_pe, values, valid, self.cfg.softmax_scale)
+
+    def _attend_kernels(self, q_lat, q_pe, src, ids) -> torch.Tensor:
+        from hisparse.models.dsa.kernels import mla as mla_kernel
+
+        q = torch.cat([q_lat, q_pe], dim=-1).to(torch.bfloat16)
+        scale = self.cfg.softmax_scale
+        if self.attention == "fused":
+            splits = mla_kernel.splits_for(ids.shape[0], q.shape[1], src.device)
+            return mla_kernel.sparse_mla(q, src, ids, scale, splits=splits)
+        kv = row_kernels.gather_decode(src, ids.clamp(min=0))  # [T, K, 576] bf16
+        s = torch.baddbmm(
+            q.new_empty(q.shape[0], q.shape[1], ids.shape[1]),
+            q,
+            kv.transpose(1, 2),
+            beta=0.0,
+            alpha=scale,
+        )
+        s = s.masked_fill_((ids < 0).unsqueeze(1), float("-inf"))
+        return torch.bmm(torch.softmax(s, dim=-1), kv[..., :LATENT_DIM])
+
+
+def _masked_top_k(scores: torch.Tensor, positions: torch.Tensor, top_k: int) -> torch.Tensor:
+    key_pos = torch.arange(scores.shape[1], device=scores.device)
+    return causal_top_k(scores, key_pos, positions, top_k)
+
+
+def _sorted(pos: torch.Tensor, top_k: int) -> torch.Tensor:
+    """[T, <= top_k] positions -> [T, top_k], ascending, -1 padding last."""
+    pos = torch.nn.functional.pad(pos, (0, top_k - pos.shape[1]), value=-1)
+    order = torch.where(pos >= 0, pos, torch.full_like(pos, _PAD_SORT)).sort(dim=-1).values
+    return torch.where(order == _PAD_SORT, torch.full_like(order, -1), order)

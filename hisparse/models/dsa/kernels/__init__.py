@@ -1,0 +1,9 @@
+"""Triton kernels of the DSA attention core on CUDA (``hisparse.models.dsa.core``):
+
+* ``rows``    -- the selected FP8 rows read and decoded to bf16 in one pass (``gather_decode``);
+* ``mla``     -- sparse MLA decode over FP8 rows in one kernel, split-KV for small batches;
+* ``indexer`` -- the DSA indexer's scores over a paged FP8 key cache (block table), the weights
+  and ReLU fused, no [tokens, heads, context] logits.
+
+Each has a torch reference in ``hisparse.models.dsa`` (the CPU path and the tests' oracle).
+"""
