@@ -3,6 +3,7 @@ connector's units a CPU registration and vLLM-shaped scheduler outputs."""
 
 from __future__ import annotations
 
+import os
 from types import SimpleNamespace
 
 import torch
@@ -23,6 +24,28 @@ RESOLVE_TENSOR_ARGS = [
     "miss_dst",
     "miss_count",
 ]
+
+
+# ------------------------------------------------------------ child processes
+#: Multiplies every child-process time limit (a slow CI machine, a sanitizer, a debugger).
+TIMEOUT_FACTOR_ENV = "HISPARSE_TEST_TIMEOUT_FACTOR"
+
+
+def child_timeout(idle_s: float) -> float:
+    """The time limit for a child process that takes about ``idle_s`` seconds on an idle
+    machine: 10x that, times ``$HISPARSE_TEST_TIMEOUT_FACTOR`` (default 1), times the load per
+    core when it is above 1. A fixed limit failed the interpreter test at load 6 on 2 cores;
+    the limit only guards against a hang, so it may be generous."""
+    raw = os.environ.get(TIMEOUT_FACTOR_ENV, "") or "1"
+    try:
+        factor = float(raw)
+    except ValueError:
+        raise ValueError(f"{TIMEOUT_FACTOR_ENV} must be a number, got {raw!r}") from None
+    if not factor > 0:
+        raise ValueError(f"{TIMEOUT_FACTOR_ENV} must be > 0, got {raw!r}")
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    load = max(os.getloadavg()) / max(1, cores or 1)
+    return 10.0 * idle_s * factor * max(1.0, load)
 
 
 def new_state(S, H, device="cpu"):

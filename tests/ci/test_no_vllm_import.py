@@ -10,6 +10,7 @@ import textwrap
 from pathlib import Path
 
 from tests import REPO_ROOT
+from tests.helpers import child_timeout
 
 ROOT = REPO_ROOT
 
@@ -31,7 +32,7 @@ def _run(code: str, tmp_path: Path, fake_vllm: str | None = None, env_extra=None
         cwd=tmp_path,
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=child_timeout(12),
     )
     assert r.returncode == 0, r.stdout + r.stderr
     return r.stdout

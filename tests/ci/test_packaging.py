@@ -14,6 +14,7 @@ import torch
 
 from tests import REPO_ROOT
 from tests.engine_helpers import SMALL_FLAGS
+from tests.helpers import child_timeout
 
 ROOT = str(REPO_ROOT)
 SETUP = os.path.join(ROOT, "setup.py")
@@ -114,7 +115,7 @@ def test_demo_needs_none_of_the_extras():
         capture_output=True,
         text=True,
         cwd=ROOT,
-        timeout=300,
+        timeout=child_timeout(30),
     )
     assert out.returncode == 0, out.stdout + out.stderr
     assert "parity (tokens + final hidden states)" in out.stdout and "OK" in out.stdout

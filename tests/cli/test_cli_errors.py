@@ -20,6 +20,7 @@ from hisparse.cli.errors import CommandError
 from hisparse.engine import EngineConfig
 from tests import REPO_ROOT
 from tests.engine_helpers import SMALL_FLAGS
+from tests.helpers import child_timeout
 
 ROOT = str(REPO_ROOT)
 
@@ -174,7 +175,7 @@ def test_real_sigint_during_a_run_leaves_no_traceback():
         assert first.startswith("workload:"), first
         time.sleep(0.5)
         p.send_signal(signal.SIGINT)
-        _, err = p.communicate(timeout=60)
+        _, err = p.communicate(timeout=child_timeout(6))
     finally:
         if p.poll() is None:
             p.kill()
@@ -199,7 +200,7 @@ def test_source_tree_without_the_extension_is_one_line(tmp_path):
             capture_output=True,
             text=True,
             cwd=ROOT,
-            timeout=120,
+            timeout=child_timeout(12),
         )
         assert p.returncode == 1, p.stderr
         lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
@@ -225,7 +226,7 @@ def test_plot_without_matplotlib_is_one_line_before_the_sweep(tmp_path):
         capture_output=True,
         text=True,
         cwd=ROOT,
-        timeout=120,
+        timeout=child_timeout(12),
     )
     assert p.returncode == 2, p.stderr
     assert p.stderr.strip() == (
@@ -246,7 +247,7 @@ def test_python_m_hisparse_metrics_serves_until_interrupted():
         line = p.stdout.readline()
         assert line.startswith("serving HiSparse metrics on http://127.0.0.1:"), line
         url = line.split()[4]
-        text = urllib.request.urlopen(url, timeout=10).read().decode()
+        text = urllib.request.urlopen(url, timeout=child_timeout(1)).read().decode()
         for series in (
             "vllm:hisparse_cache_hits_total",
             "vllm:hisparse_cache_misses_total",
@@ -256,7 +257,7 @@ def test_python_m_hisparse_metrics_serves_until_interrupted():
         ):
             assert f'{series}{{engine="0",model_name="m1"}}' in text, series
         p.send_signal(signal.SIGINT)
-        _, err = p.communicate(timeout=30)
+        _, err = p.communicate(timeout=child_timeout(3))
     finally:
         if p.poll() is None:
             p.kill()
@@ -279,7 +280,7 @@ def test_python_m_hisparse_metrics_busy_port_exits_2():
             capture_output=True,
             text=True,
             cwd=ROOT,
-            timeout=60,
+            timeout=child_timeout(6),
         )
     finally:
         s.close()

@@ -15,6 +15,7 @@ from hisparse.cli import app as cli
 from hisparse.cli.demo import run_demo, scrape_counters
 from tests.devices import needs_cuda
 from tests.engine_helpers import SMALL_FLAGS
+from tests.helpers import child_timeout
 
 
 def _args(*extra):
@@ -92,7 +93,7 @@ def test_console_script_runs(tmp_path):
         ],
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=child_timeout(30),
     )
     assert p.returncode == 0, p.stdout + p.stderr
     assert json.loads((tmp_path / "s.json").read_text())["parity"]["ok"] is True

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from tests import REPO_ROOT
+from tests.helpers import child_timeout
 
 REPO = str(REPO_ROOT)
 if REPO not in sys.path:
@@ -45,7 +46,7 @@ def ci_report(tmp_path_factory):
         [sys.executable, RUN_PARITY, "--profile", "ci", "--json", str(out), "--quiet"],
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=child_timeout(60),
         cwd="/",
     )
     return proc, json.loads(out.read_text()) if out.exists() else None
@@ -193,7 +194,7 @@ def hybrid_report(tmp_path_factory):
         [sys.executable, RUN_PARITY, "--profile", "hybrid-ci", "--json", str(out), "--quiet"],
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=child_timeout(60),
         cwd="/",
     )
     return proc, json.loads(out.read_text()) if out.exists() else None

@@ -14,6 +14,7 @@ from hisparse import ops
 from hisparse.ops import extension as _ext
 from hisparse.ops import limits
 from hisparse.runtime import empty_residency, reset_residency
+from tests.helpers import child_timeout
 
 
 def test_python_numbers_equal_what_the_built_extension_reports():
@@ -34,7 +35,7 @@ def test_a_build_with_other_limits_is_refused_by_name():
 
 def test_limits_and_the_cli_import_without_torch():
     code = "import sys, hisparse.ops.limits, hisparse.cli; assert 'torch' not in sys.modules"
-    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=child_timeout(6))
 
 
 @pytest.mark.parametrize(

@@ -18,6 +18,7 @@ import pytest
 from hisparse.runtime.host_pool import HostPoolError
 from hisparse.runtime.pool_fence import FenceError, PoolFence, arch_shares_pool, control_bytes
 from hisparse.runtime.shared_pool import SEGMENT_NAME, SharedHostPool
+from tests.helpers import child_timeout
 
 MIB = 1 << 20
 LAYERS = 3
@@ -132,12 +133,12 @@ def test_a_dead_peer_or_a_stall_fails_the_waiter_with_one_line():
 STEPS = 120
 
 
-def _reader(info, layers, q):
+def _reader(info, layers, q, timeout):
     """Rank 1 in its own process: every row it reads must be this step's, and stay so until
     it says the step is done."""
     try:
         pool = SharedHostPool.attach(info, what=WHAT)
-        fence = PoolFence(pool.control, 1, 2, layers, timeout=30.0)
+        fence = PoolFence(pool.control, 1, 2, layers, timeout=timeout)
         q.put("attached")
         for step in range(1, STEPS + 1):
             fence.begin_step()
@@ -165,21 +166,21 @@ def test_a_second_process_reads_every_row_of_its_step_and_only_those():
     (as reused blocks do)."""
     ctx = mp.get_context("spawn")
     pool = SharedHostPool.create(LAYERS * 4096, control_bytes(2, LAYERS), what=WHAT)
-    fence = PoolFence(pool.control, 0, 2, LAYERS, timeout=60.0)
+    fence = PoolFence(pool.control, 0, 2, LAYERS, timeout=child_timeout(6))
     q = ctx.Queue()
-    child = ctx.Process(target=_reader, args=(pool.info, LAYERS, q))
+    child = ctx.Process(target=_reader, args=(pool.info, LAYERS, q, child_timeout(3)))
     child.start()
     try:
-        assert q.get(timeout=120) == "attached"
+        assert q.get(timeout=child_timeout(12)) == "attached"
         pool.close_fd()
         for step in range(1, STEPS + 1):
             fence.begin_step()
             for layer in range(LAYERS):
                 pool.raw[layer * 4096 : (layer + 1) * 4096] = (step * LAYERS + layer) % 251
                 fence.layer_written(layer)
-        assert q.get(timeout=60) == "ok"
+        assert q.get(timeout=child_timeout(6)) == "ok"
     finally:
-        child.join(30)
+        child.join(child_timeout(3))
         if child.is_alive():
             child.kill()
         pool.release()
