@@ -152,7 +152,16 @@ def _add_export_model_command(sub) -> None:
         "tokenizer into DIR, for `python -m vllm.entrypoints.openai.api_server "
         "--model DIR` (with or without the HiSparse connector). No network needed.",
     )
-    p.add_argument("dir", metavar="DIR", help="output directory (created if missing)")
+    p.add_argument(
+        "dir",
+        metavar="DIR",
+        help="output directory: created if missing, replaced whole if it holds an earlier export",
+    )
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="replace DIR whole even if it holds files that are not an earlier export's",
+    )
     m = p.add_argument_group("model")
     add_model_flags(m, layers=2)
     m.add_argument(

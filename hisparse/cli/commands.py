@@ -110,7 +110,57 @@ def cmd_plan(args: argparse.Namespace) -> int:
         return 2
 
 
+#: --hidden is refused unless a multiple of this: 8 bf16/fp16 values make one 16-byte vector
+#: word, the unit vLLM's and torch's vectorised kernels load a row in, and every width the docs
+#: and tests serve is one.
+HIDDEN_MULTIPLE = 8
+
+
+def check_export_flags(args: argparse.Namespace) -> None:
+    """export-model's cross-flag checks (argparse checked each flag's own range), in one line
+    naming the flag, before anything is drawn or written."""
+    if args.hidden % HIDDEN_MULTIPLE:
+        _flag_error("--hidden", f"must be a multiple of {HIDDEN_MULTIPLE}", args.hidden)
+    for flag, value, bound, name in (
+        ("--index-share", args.index_share, args.layers, "--layers"),
+        ("--top-k", args.top_k, args.max_model_len, "--max-model-len"),
+        ("--recent-window", args.recent_window, args.top_k, "--top-k"),
+    ):
+        if value > bound:
+            _flag_error(flag, f"must be <= {name} ({bound})", value)
+
+
+def check_export_size(args: argparse.Namespace, cfg) -> None:
+    """The weights must fit on the disk that gets them and, twice (the tensors and the bytes
+    written from them), in the RAM available: refused before drawing them."""
+    import shutil
+    from pathlib import Path
+
+    from hisparse.models.checkpoint import weight_bytes
+    from hisparse.runtime.host_pool import available_host_bytes
+
+    need = weight_bytes(cfg)
+    out = Path(args.dir).absolute()
+    anchor = next((p for p in (out, *out.parents) if p.exists()), out.anchor)
+    for room, times, where in (
+        (shutil.disk_usage(anchor).free, "", f"free on the disk of {str(anchor)!r}"),
+        (available_host_bytes(), " (twice that while written)", "of RAM available"),
+    ):
+        if need * (2 if times else 1) > room:
+            raise CommandError(
+                f"argument --hidden: the weights at --hidden {args.hidden}, --layers "
+                f"{args.layers}, --vocab {args.vocab}, --max-model-len {args.max_model_len} take "
+                f"{need / 2**30:.2f} GiB{times}, more than the {room / 2**30:.2f} GiB {where}",
+                2,
+            )
+
+
+def _flag_error(flag: str, rule: str, value) -> None:
+    raise CommandError(f"argument {flag}: {rule}, got {value}", 2)
+
+
 def cmd_export_model(args: argparse.Namespace) -> int:
+    check_export_flags(args)
     from hisparse.models.checkpoint import ExportError, export_model, model_config
 
     try:
@@ -127,11 +177,8 @@ def cmd_export_model(args: argparse.Namespace) -> int:
             recent_window=args.recent_window,
             seed=args.seed,
         )
-        if args.index_share > args.layers:
-            raise ExportError(
-                f"--index-share ({args.index_share}) must be <= --layers ({args.layers})"
-            )
-        out = export_model(args.dir, cfg)
+        check_export_size(args, cfg)
+        out = export_model(args.dir, cfg, force=args.force)
     except (ExportError, OSError) as e:
         args._parser.error(str(e))
         return 2

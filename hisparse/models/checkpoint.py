@@ -13,14 +13,15 @@ import json
 import os
 import shutil
 import struct
-import tempfile
 from pathlib import Path
 from typing import Dict, Mapping, Union
 
 import torch
 
+from hisparse.models.export_dir import foreign_entry, fresh_dir, swap_in
 from hisparse.models.reference import Model
 from hisparse.models.reference_config import MODEL_FIELDS, ReferenceConfig
+from hisparse.models.rows import LATENT_DIM, ROPE_DIM
 
 ARCHITECTURE = "HiSparseMLAForCausalLM"
 CONFIG_KEY = "hisparse"
@@ -96,6 +97,14 @@ def config_from_hf(hf: Union[Mapping, object]) -> ReferenceConfig:
 def model_weights(cfg: ReferenceConfig) -> Dict[str, torch.Tensor]:
     """The seeded weights by name (the same draws as the reference engine's ``Model``)."""
     return weights_by_name(Model(cfg, torch.device("cpu")))
+
+
+def weight_bytes(cfg: ReferenceConfig) -> int:
+    """Bytes of ``model_weights(cfg)``, counted from the shapes ``Model`` draws (float32)."""
+    d, di = cfg.hidden, cfg.indexer_dim
+    per_layer = d * (2 * LATENT_DIM + 2 * ROPE_DIM) + LATENT_DIM * d + 4 * d * d
+    elems = 2 * cfg.vocab * d + cfg.max_context * di + cfg.num_layers * per_layer
+    return 4 * (elems + cfg.num_groups * 2 * d * di)
 
 
 def weights_by_name(m) -> Dict[str, torch.Tensor]:
@@ -207,13 +216,18 @@ def tokenizer_files(max_model_len: int) -> Dict[str, dict]:
     }
 
 
-def export_model(out_dir: Union[str, os.PathLike], cfg: ReferenceConfig) -> Path:
-    """Write config.json, model.safetensors and the tokenizer files into ``out_dir``.
+def export_model(
+    out_dir: Union[str, os.PathLike], cfg: ReferenceConfig, *, force: bool = False
+) -> Path:
+    """Write config.json, model.safetensors and the tokenizer files as the directory ``out_dir``.
 
-    Everything is written into a temporary directory beside ``out_dir`` first and moved into
-    place at the end, so an export that fails (a full disk, an interrupt) leaves nothing
-    behind: no directory without weights for vLLM to half-load."""
-    out = Path(out_dir)
+    Everything is written into a fresh directory beside ``out_dir``, which then replaces
+    ``out_dir`` whole (``hisparse.models.export_dir``): an export that fails (a full disk, an
+    interrupt) changes nothing, and one that succeeds leaves no file of what was there before.
+    A non-empty ``out_dir`` that is not an earlier export is refused unless ``force``."""
+    out = Path(os.path.abspath(out_dir))
+    if out.is_symlink():  # replace what the link points to, not the link
+        out = Path(os.path.realpath(out))
     if out.exists() and not out.is_dir():
         raise ExportError(f"DIR {str(out)!r} exists and is not a directory")
     anchor = next(p for p in (out, *out.parents) if p.exists())  # nearest existing folder
@@ -221,7 +235,13 @@ def export_model(out_dir: Union[str, os.PathLike], cfg: ReferenceConfig) -> Path
         anchor = out.parent
     if not os.access(anchor, os.W_OK) or (out.exists() and not os.access(out, os.W_OK)):
         raise ExportError(f"DIR {str(out)!r} is not writable")
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.export-", dir=anchor))
+    foreign = foreign_entry(out, is_export_config)
+    if foreign is not None and not force:
+        raise ExportError(
+            f"DIR {str(out)!r} is not empty and is not an earlier export ({foreign}); "
+            "pass --force to replace it whole"
+        )
+    tmp = fresh_dir(anchor, out.name)
     try:
         files = {
             "config.json": hf_config(cfg),
@@ -231,20 +251,15 @@ def export_model(out_dir: Union[str, os.PathLike], cfg: ReferenceConfig) -> Path
         for name, payload in files.items():
             (tmp / name).write_text(json.dumps(payload, indent=1) + "\n")
         write_safetensors(tmp / "model.safetensors", model_weights(cfg))
-        _move_into_place(tmp, out)
+        swap_in(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
 
 
-def _move_into_place(tmp: Path, out: Path) -> None:
-    """A new ``out`` is the renamed temporary directory (one step); into an existing one the
-    files are moved one by one, each replacing its old version in one step."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    if not out.exists():
-        os.rename(tmp, out)
-        return
-    for f in sorted(tmp.iterdir()):
-        os.replace(f, out / f.name)
-    tmp.rmdir()
+def is_export_config(config: Mapping) -> bool:
+    """``config`` (a parsed config.json) is one ``export_model`` wrote."""
+    return config.get("architectures") == [ARCHITECTURE] and isinstance(
+        config.get(CONFIG_KEY), Mapping
+    )

@@ -1,19 +1,27 @@
 """`hisparse export-model` in the environment README command (a) makes: no numpy needed, numpy
 declared (so torch prints no "Failed to initialize NumPy"), and a failed export leaves nothing
-behind (issue 23, item 7)."""
+behind (issue 23, item 7). An export replaces an earlier one whole (no stale index or shards
+beside it), refuses someone else's directory unless forced, makes files and directory with the
+umask's modes, and refuses flags that cannot go together in one line before any work."""
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
+import stat
 import subprocess
 import sys
 
 import pytest
 import tomllib
 
-from hisparse.models import checkpoint
-from hisparse.models.checkpoint import export_model, model_config
+from hisparse.cli import main
+from hisparse.models import checkpoint, export_dir
+from hisparse.models.checkpoint import ExportError, export_model, model_config
+from hisparse.models.export_dir import EXPORT_FILES
 from tests import REPO_ROOT
+from tests.helpers import child_timeout
 
 ARGS = ["--layers", "2", "--top-k", "8", "--max-model-len", "64"]
 
@@ -35,7 +43,7 @@ def test_export_model_runs_without_numpy_and_writes_the_same_bytes(tmp_path):
         capture_output=True,
         text=True,
         env=env,
-        timeout=300,
+        timeout=child_timeout(10),
     )
     assert r.returncode == 0, r.stderr[-2000:]
     assert "Numpy is not available" not in r.stderr
@@ -79,10 +87,160 @@ def test_a_failed_export_into_an_existing_directory_changes_nothing(tmp_path, mo
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m"]
 
 
-def test_an_export_replaces_an_existing_one_and_keeps_other_files(tmp_path):
+def test_an_export_replaces_an_earlier_one_whole(tmp_path):
     out = export_model(tmp_path / "m", _small())
-    (out / "notes.txt").write_text("mine")
     export_model(out, model_config(64, num_layers=3, top_k=8))
-    assert (out / "notes.txt").read_text() == "mine"
     assert '"num_hidden_layers": 3' in (out / "config.json").read_text()
+    assert sorted(p.name for p in out.iterdir()) == sorted(EXPORT_FILES)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m"]  # no temporary, no old copy
+
+
+def _sharded_checkpoint(d):
+    """What a loader following the index would load: shards beside an index, a foreign config."""
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
+    (d / "model.safetensors.index.json").write_text('{"weight_map": {}}')
+    for i in (1, 2):
+        (d / f"model-0000{i}-of-00002.safetensors").write_bytes(b"old")
+    return {p.name: p.read_bytes() for p in d.iterdir()}
+
+
+def test_a_foreign_directory_is_refused_and_left_as_it_was(tmp_path):
+    before = _sharded_checkpoint(tmp_path / "m")
+    with pytest.raises(ExportError, match=r"is not empty and is not an earlier export") as e:
+        export_model(tmp_path / "m", _small())
+    assert "(it holds 'model-00001-of-00002.safetensors', which an export" in str(e.value)
+    assert "--force" in str(e.value) and "\n" not in str(e.value)
+    assert {p.name: p.read_bytes() for p in (tmp_path / "m").iterdir()} == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m"]
+
+
+@pytest.mark.parametrize(
+    "extra", ["notes.txt", "model.safetensors.index.json", "model-00001-of-00002.safetensors"]
+)
+def test_an_earlier_export_with_files_beside_it_is_not_an_export(tmp_path, extra):
+    out = export_model(tmp_path / "m", _small())
+    (out / extra).write_text("mine")
+    with pytest.raises(ExportError, match=rf"\(it holds {extra!r}, which an export does not"):
+        export_model(out, _small())
+    assert (out / extra).read_text() == "mine"
+
+
+@pytest.mark.parametrize(
+    "config, why",
+    [
+        (None, "it has no config.json"),
+        ("{not json", "its config.json does not read as JSON"),
+        ('{"architectures": ["LlamaForCausalLM"]}', "its config.json is not an export's"),
+    ],
+)
+def test_a_directory_of_export_file_names_alone_is_not_an_export(tmp_path, config, why):
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "model.safetensors").write_bytes(b"someone's")
+    if config is not None:
+        (tmp_path / "m" / "config.json").write_text(config)
+    with pytest.raises(ExportError, match=rf"\({why}\); pass --force"):
+        export_model(tmp_path / "m", _small())
+    assert (tmp_path / "m" / "model.safetensors").read_bytes() == b"someone's"
+
+
+def test_force_replaces_a_foreign_directory_leaving_no_stale_index_or_shards(tmp_path):
+    _sharded_checkpoint(tmp_path / "m")
+    out = export_model(tmp_path / "m", _small(), force=True)
+    assert sorted(p.name for p in out.iterdir()) == sorted(EXPORT_FILES)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m"]
+
+
+def test_replacement_without_an_atomic_exchange(tmp_path, monkeypatch):
+    """Where renameat2 cannot exchange (another OS or filesystem), two renames do it."""
+    monkeypatch.setattr(export_dir, "_exchange", lambda a, b: False)
+    _sharded_checkpoint(tmp_path / "m")
+    out = export_model(tmp_path / "m", _small(), force=True)
+    assert sorted(p.name for p in out.iterdir()) == sorted(EXPORT_FILES)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m"]
+
+
+def test_a_link_to_an_export_stays_a_link(tmp_path):
+    real = export_model(tmp_path / "real", _small())
+    (tmp_path / "link").symlink_to(real)
+    export_model(tmp_path / "link", model_config(64, num_layers=3, top_k=8))
+    assert (tmp_path / "link").is_symlink()
+    assert '"num_hidden_layers": 3' in (real / "config.json").read_text()
+
+
+def test_cli_force(tmp_path, capsys):
+    _sharded_checkpoint(tmp_path / "m")
+    with pytest.raises(SystemExit) as e:
+        main(["export-model", str(tmp_path / "m"), *ARGS])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.endswith("pass --force to replace it whole"), err
+    assert main(["export-model", str(tmp_path / "m"), *ARGS, "--force"]) == 0
+    assert sorted(p.name for p in (tmp_path / "m").iterdir()) == sorted(EXPORT_FILES)
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o027, 0o077])
+@pytest.mark.parametrize("existing", [False, True])
+def test_modes_follow_the_umask(tmp_path, umask, existing):
+    out = tmp_path / "m"
+    if existing:
+        export_model(out, _small())
+    old = os.umask(umask)
+    try:
+        export_model(out, _small())
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(out.stat().st_mode) == 0o777 & ~umask
+    for p in out.iterdir():
+        assert stat.S_IMODE(p.stat().st_mode) == 0o666 & ~umask, p.name
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (
+            ["--top-k", "4096", "--max-model-len", "2048"],
+            "argument --top-k: must be <= --max-model-len (2048), got 4096",
+        ),
+        (["--hidden", "3"], "argument --hidden: must be a multiple of 8, got 3"),
+        (["--index-share", "3", "--layers", "2"], "argument --index-share: must be <= --layers"),
+        (
+            ["--top-k", "8", "--recent-window", "9"],
+            "argument --recent-window: must be <= --top-k (8), got 9",
+        ),
+        (["--hidden", "0"], "argument --hidden: must be >= 1, got 0"),
+        (["--hidden", "65536", "--vocab", "1048576"], "argument --hidden: the weights at"),
+    ],
+)
+def test_flags_that_cannot_go_together_are_one_line_before_any_work(
+    tmp_path, capsys, monkeypatch, flags, message
+):
+    monkeypatch.setattr(checkpoint, "model_weights", _never)
+    with pytest.raises(SystemExit) as e:
+        main(["export-model", str(tmp_path / "m"), *flags])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and message in err, err
+    assert list(tmp_path.iterdir()) == []
+
+
+def _never(cfg):
+    raise AssertionError("weights drawn for flags that were to be refused")
+
+
+def test_the_weights_must_fit_the_disk(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(checkpoint, "model_weights", _never)
+    need = checkpoint.weight_bytes(model_config(64, num_layers=2, top_k=8))
+    free = type("Usage", (), {"free": need - 1})
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: free)
+    with pytest.raises(SystemExit):
+        main(["export-model", str(tmp_path / "m"), *ARGS])
+    err = capsys.readouterr().err
+    assert "argument --hidden: the weights at --hidden 64, --layers 2" in err
+    assert f"free on the disk of {str(tmp_path)!r}" in err
+
+
+def test_weight_bytes_counts_what_is_written():
+    for cfg in (_small(), model_config(100, num_layers=3, hidden=8, indexer_dim=5, vocab=300)):
+        weights = checkpoint.model_weights(cfg)
+        assert checkpoint.weight_bytes(cfg) == sum(t.numel() * 4 for t in weights.values())

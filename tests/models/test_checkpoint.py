@@ -22,6 +22,7 @@ from hisparse.models.checkpoint import (
 )
 from hisparse.models.reference import Model
 from tests import REPO_ROOT
+from tests.helpers import child_timeout
 
 ROOT = REPO_ROOT
 _DT = {"F32": torch.float32, "F64": torch.float64, "I64": torch.int64}
@@ -95,14 +96,14 @@ def test_cli_export_and_its_errors(tmp_path):
             capture_output=True,
             text=True,
             cwd=tmp_path,
-            timeout=120,
+            timeout=child_timeout(12),
         )
 
     ok = run(str(tmp_path / "out"), "--layers", "2", "--top-k", "8", "--max-model-len", "64")
     assert ok.returncode == 0, ok.stderr
     assert (tmp_path / "out" / "model.safetensors").is_file()
     for args, msg in [
-        (["x", "--index-share", "3", "--layers", "2"], "--index-share (3)"),
+        (["x", "--index-share", "3", "--layers", "2"], "--index-share: must be <= --layers"),
         (["x", "--vocab", "12"], "--vocab"),
         ([str(tmp_path / "out" / "config.json")], "not a directory"),
     ]:
