@@ -6,6 +6,7 @@
 #include <c10/util/Exception.h>
 
 #include <cstdint>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -124,6 +125,12 @@ struct ResolveDims {
 inline int64_t check_int_arg(const c10::Scalar& v, const char* op, const char* name) {
   TORCH_CHECK(v.isIntegral(/*includeBool=*/false), op, ": argument '", name,
               "' must be an int, got ", c10::toString(v.type()), " ", v);
+  // A Python int in [2^63, 2^64) arrives as an unsigned Scalar, which toLong() would refuse
+  // without naming the argument. Every int argument is a count or a row in [0, 2^31-1]; the
+  // Python wrapper words the same refusal for integers torch cannot convert at all.
+  TORCH_CHECK(v.type() != at::kUInt64 ||
+                  v.toUInt64() <= static_cast<uint64_t>(std::numeric_limits<int64_t>::max()),
+              op, ": argument '", name, "' must be in [0, 2^31-1], got ", v.toUInt64());
   return v.toLong();
 }
 

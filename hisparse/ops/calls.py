@@ -10,7 +10,7 @@ from typing import Optional, Sequence
 import torch
 
 from hisparse.ops import extension as _ext
-from hisparse.ops.limits import as_index
+from hisparse.ops.limits import INT64_MAX, INT64_MIN, as_index
 
 
 def _device_type(t: torch.Tensor) -> str:
@@ -19,8 +19,14 @@ def _device_type(t: torch.Tensor) -> str:
 
 def _int_arg(op: str, name: str, value) -> int:
     """An integer argument of an op as a plain int; a bool (which torch would pass on as 0 or 1)
-    or a float is refused here with the RuntimeError the kernels raise for it."""
-    return as_index(f"{op}: argument '{name}'", value, error=RuntimeError)
+    or a float is refused here with the RuntimeError the kernels raise for it. So is an integer
+    outside int64: torch cannot hand it to the op and would fail without naming the argument
+    (``int too big to convert``). Every int argument of the ops is a count or a row in
+    [0, 2^31-1], the range this line gives (as the kernels' for ``num_keys`` does)."""
+    v = as_index(f"{op}: argument '{name}'", value, error=RuntimeError)
+    if not INT64_MIN <= v <= INT64_MAX:
+        raise RuntimeError(f"{op}: argument '{name}' must be in [0, 2^31-1], got {v}")
+    return v
 
 
 def _op(name: str):

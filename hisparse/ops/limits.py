@@ -19,6 +19,9 @@ MAX_HOT_SIZE = 2**15
 #: Keys, hot rows and plan entries are int32.
 INT32_MAX = 2**31 - 1
 
+#: The kernels read the ops' integer arguments as int64; each one's own range is narrower.
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
 #: Rows move as 16-byte vector words: row sizes, strides and data pointers are multiples of it.
 ROW_ALIGN = 16
 

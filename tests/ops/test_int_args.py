@@ -1,7 +1,8 @@
 """resolve_residency's integer arguments (num_keys, hot_base): a bool or a float is refused by
 name, through the Python wrapper, through ``torch.ops`` directly (the schema takes Scalars so
 the kernels see the type; torch's ``int`` would pass True on as 1) and on meta tensors; numpy
-and torch integer scalars are taken as the integers they are. Both backends (`device`)."""
+and torch integer scalars are taken as the integers they are; an integer no int64 holds is refused
+by name too. Both backends (`device`)."""
 
 from __future__ import annotations
 
@@ -60,3 +61,48 @@ def test_meta_tensors_refuse_a_bool_as_the_kernels_do(name):
     a[name] = True
     with pytest.raises(RuntimeError, match=rf"{OP}: argument '{name}' must be an int"):
         _direct(a)
+
+
+# Integers no int64 holds: torch would refuse them without naming the argument ("int too big to
+# convert", "value cannot be converted to type int64_t without overflow").
+BEYOND_INT64 = [2**63, 2**64 - 1, 2**64, 2**100, -(2**63) - 1, -(2**70)]
+RANGE = r"must be in \[0, 2\^31-1\]"
+
+
+@pytest.mark.parametrize("name", ["num_keys", "hot_base"])
+@pytest.mark.parametrize("value", BEYOND_INT64, ids=[f"{v:#x}" for v in BEYOND_INT64])
+def test_integers_beyond_int64_are_refused_by_name(device, name, value):
+    a = resolve_args(device)
+    a[name] = value
+    before = a["slot_keys"].clone()
+    want = rf"^{OP}: argument '{name}' {RANGE}, got {value}$"
+    with pytest.raises(RuntimeError, match=want):
+        call_resolve(a)
+    assert torch.equal(a["slot_keys"], before)
+
+
+def test_an_unsigned_numpy_scalar_beyond_int64_is_refused_by_name(device):
+    np = pytest.importorskip("numpy")
+    a = resolve_args(device)
+    a["num_keys"] = np.uint64(2**64 - 1)
+    with pytest.raises(RuntimeError, match=rf"^{OP}: argument 'num_keys' {RANGE}"):
+        call_resolve(a)
+
+
+@pytest.mark.parametrize("name", ["num_keys", "hot_base"])
+@pytest.mark.parametrize("value", [2**63, 2**64 - 1])
+def test_torch_ops_refuses_an_unsigned_int64_by_name(device, name, value):
+    """torch.ops hands an int in [2^63, 2^64) to the op as an unsigned Scalar: the kernels'
+    validator names it (one wider torch refuses itself, before the op is called)."""
+    a = resolve_args(device)
+    a[name] = value
+    with pytest.raises(RuntimeError, match=rf"^{OP}: argument '{name}' {RANGE}"):
+        _direct(a)
+
+
+@pytest.mark.parametrize("value", [2**63, -(2**63) - 1])
+def test_meta_tensors_refuse_integers_beyond_int64_by_name(value):
+    a = resolve_args("meta")
+    a["hot_base"] = value
+    with pytest.raises(RuntimeError, match=rf"{OP}: argument 'hot_base' {RANGE}"):
+        call_resolve(a)
