@@ -67,6 +67,7 @@ def register(
         host_rows * sum(row_bytes.values()),
         len(names),
         peers,
+        row_bytes=[row_bytes[n] for n in names],
         pin=pin,
         what="HiSparse host pool (kv_connector_extra_config['host_pool_gib'])",
     )

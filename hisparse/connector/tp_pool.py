@@ -22,7 +22,12 @@ import torch
 
 from hisparse.connector.config import HiSparseConfig, HiSparseConfigError
 from hisparse.runtime.host_pool import HostPool, HostPoolError
-from hisparse.runtime.pool_fence import PoolFence, arch_shares_pool, control_bytes
+from hisparse.runtime.pool_fence import (
+    PoolFence,
+    PoolMismatchError,
+    arch_shares_pool,
+    control_bytes,
+)
 from hisparse.runtime.shared_pool import SharedHostPool
 
 logger = logging.getLogger("vllm.hisparse")
@@ -36,11 +41,13 @@ def make_pool(
     num_layers: int,
     peers: Any,
     *,
+    row_bytes: Sequence[int],
     pin: bool,
     what: str,
 ) -> tuple:
     """``(pool, fence)``: the worker's host pool of ``num_bytes`` and, when it is shared, this
-    rank's ``PoolFence`` (None otherwise)."""
+    rank's ``PoolFence`` (None otherwise). ``row_bytes``: each of the ``num_layers`` layers' row
+    size; the ranks sharing a pool must agree on it, as on the pool's size."""
     why_not = _why_not_shared(cfg, device, peers)
     if why_not is not None:
         if peers is not None and peers.world_size > 1 and peers.rank == 0:
@@ -51,7 +58,7 @@ def make_pool(
                 why_not,
             )
         return HostPool(num_bytes, pin=pin, what=what), None
-    pool, fence, reason = _shared(num_bytes, num_layers, peers, what)
+    pool, fence, reason = _shared(num_bytes, num_layers, peers, what, row_bytes)
     if pool is not None:
         if peers.rank == 0:
             logger.info(
@@ -91,15 +98,17 @@ def _why_not_shared(cfg: HiSparseConfig, device: torch.device, peers: Any) -> Op
     return None
 
 
-def _shared(num_bytes: int, num_layers: int, peers: Any, what: str) -> tuple:
+def _shared(num_bytes: int, num_layers: int, peers: Any, what: str, row_bytes) -> tuple:
     """``(pool, fence, None)`` when every rank mapped rank 0's segment, else
-    ``(None, None, why)`` on every rank. A failure to create it is raised on every rank."""
+    ``(None, None, why)`` on every rank. A failure to create it is raised on every rank; a rank
+    whose sizes or rank differ from rank 0's raises ``HostPoolError`` once the others know."""
     ctl = control_bytes(peers.world_size, num_layers)
+    sizes = dict(row_bytes=tuple(row_bytes), pool_bytes=num_bytes)
     pool = fence = None
     if peers.rank == 0:
         try:
             pool = SharedHostPool.create(num_bytes, ctl, what=what)
-            fence = PoolFence(pool.control, 0, peers.world_size, num_layers)
+            fence = PoolFence(pool.control, 0, peers.world_size, num_layers, **sizes)
             sent = peers.broadcast(pool.info)
         except (HostPoolError, OSError) as e:
             msg = str(e) if isinstance(e, HostPoolError) else f"{what}: {e}"
@@ -109,11 +118,13 @@ def _shared(num_bytes: int, num_layers: int, peers: Any, what: str) -> tuple:
         sent = peers.broadcast(None)
         if isinstance(sent, str):
             raise HostPoolError(f"{sent} (on TP rank 0)")
-    why = None
+    why = mismatch = None
     if peers.rank != 0:
         try:
             pool = SharedHostPool.attach(sent, what=what)
-            fence = PoolFence(pool.control, peers.rank, peers.world_size, num_layers)
+            fence = PoolFence(pool.control, peers.rank, peers.world_size, num_layers, **sizes)
+        except PoolMismatchError as e:  # the ranks disagree: no pool per rank would mend that
+            why = mismatch = str(e)
         except (HostPoolError, ValueError) as e:
             why = f"TP rank {peers.rank}: {e}"
     ok = peers.all_agree(why is None)  # after this every rank has mapped the segment (or failed)
@@ -123,6 +134,8 @@ def _shared(num_bytes: int, num_layers: int, peers: Any, what: str) -> tuple:
         return pool, fence, None
     if pool is not None:
         pool.release()
+    if mismatch is not None:
+        raise HostPoolError(mismatch)
     return None, None, why or "another TP rank could not map rank 0's segment (see its log)"
 
 

@@ -17,6 +17,12 @@ stores issued before the flag's, and a reader loads the flag before the rows; Py
 the fences other CPUs would need, so the pool is shared on x86-64 only (``SHARED_POOL_ARCH``).
 A peer that exits while another waits for it fails the waiter with one line; so does a wait past
 ``timeout`` seconds.
+
+Rank 0 records in the block's header what every rank must agree on: the world size, the layer
+count, the pool's size and each layer's row bytes. A reader that disagrees, a rank outside
+``[0, world)`` or a rank another live process already claimed is refused when it attaches
+(``PoolMismatchError``, one line naming both values): otherwise it would read rows at the wrong
+places, or write its pid into another rank's flag and leave rank 0 waiting out ``timeout``.
 """
 
 from __future__ import annotations
@@ -24,11 +30,14 @@ from __future__ import annotations
 import os
 import platform
 import time
+from typing import Optional, Sequence
 
 #: CPU architectures whose store order makes the flags safe without explicit fences.
 SHARED_POOL_ARCH = ("x86_64", "AMD64")
 _SLOT = 8  # int64 slots per flag: one 64-byte cache line each, so flags never share a line
-_HEADER = 2  # flags: [magic, world]; then pids[world], written[layers], done[world]
+# Header flags: [magic, world, layers, pool bytes]; then pids[world], written[layers],
+# done[world], row_bytes[layers].
+_HEADER = 4
 _MAGIC = 0x48695370  # "HiSp"
 # Spin this long before yielding the core: a rank that waits for another at the same layer
 # usually waits for a few row copies (microseconds).
@@ -43,21 +52,42 @@ def arch_shares_pool() -> bool:
 
 def control_bytes(world: int, num_layers: int) -> int:
     """Bytes of the control block for ``world`` ranks and ``num_layers`` layers."""
-    return (_HEADER + 2 * world + num_layers) * _SLOT * 8
+    return (_HEADER + 2 * world + 2 * num_layers) * _SLOT * 8
 
 
 class FenceError(RuntimeError):
     """A rank waited for another that is gone or stalled past the timeout."""
 
 
+class PoolMismatchError(ValueError):
+    """A rank may not use the shared pool: its settings differ from TP rank 0's, or its rank is
+    out of range or taken. Not a reason to fall back to a pool per rank: the ranks disagree."""
+
+
 class PoolFence:
-    """One rank's side of the flags in ``control`` (an int64 memoryview of the control block)."""
+    """One rank's side of the flags in ``control`` (an int64 memoryview of the control block).
+    ``row_bytes`` (each layer's row size) and ``pool_bytes`` (the pool's size), as this rank
+    binds them, are compared with rank 0's where both ranks give them."""
 
     def __init__(
-        self, control: memoryview, rank: int, world: int, num_layers: int, timeout: float = 1800.0
+        self,
+        control: memoryview,
+        rank: int,
+        world: int,
+        num_layers: int,
+        timeout: float = 1800.0,
+        *,
+        row_bytes: Optional[Sequence[int]] = None,
+        pool_bytes: Optional[int] = None,
     ) -> None:
-        if len(control) < control_bytes(world, num_layers) // 8:
-            raise ValueError(f"control block of {len(control)} slots is too small")
+        if not 0 <= rank < world:
+            raise PoolMismatchError(
+                f"HiSparse shared host pool: TP rank {rank} is outside [0, {world}) "
+                f"(world size {world})"
+            )
+        row_bytes = tuple(row_bytes) if row_bytes is not None else (0,) * num_layers
+        if len(row_bytes) != num_layers:
+            raise ValueError(f"row_bytes has {len(row_bytes)} entries for {num_layers} layers")
         self._c = control
         self.rank, self.world, self.num_layers = rank, world, num_layers
         self.timeout = timeout
@@ -65,12 +95,52 @@ class PoolFence:
         self._pids = _HEADER
         self._written = _HEADER + world
         self._done = _HEADER + world + num_layers
+        self._rows = _HEADER + 2 * world + num_layers
+        if len(control) < _HEADER * _SLOT:
+            raise ValueError(f"control block of {len(control)} slots is too small")
+        mine = (world, num_layers, pool_bytes or 0)  # 0: not given
         if rank == 0:
-            self._set(0, _MAGIC)
-            self._set(1, world)
-        elif self._get(0) != _MAGIC or self._get(1) != world:
-            raise ValueError("the shared pool's control block was not set up by TP rank 0")
+            self._check_size()
+            for i, v in enumerate(row_bytes):
+                self._set(self._rows + i, v)
+            for flag, v in enumerate(mine, start=1):
+                self._set(flag, v)
+            self._set(0, _MAGIC)  # last: a reader finds the block whole or not set up
+        else:
+            self._check_against_writer(mine, row_bytes)
         self._set(self._pids + rank, os.getpid())
+
+    def _check_size(self) -> None:
+        if len(self._c) < control_bytes(self.world, self.num_layers) // 8:
+            raise ValueError(f"control block of {len(self._c)} slots is too small")
+
+    def _check_against_writer(self, mine: tuple, row_bytes: Sequence[int]) -> None:
+        """A reader: the header rank 0 wrote must say what this rank would have written."""
+        if self._get(0) != _MAGIC:
+            raise ValueError("the shared pool's control block was not set up by TP rank 0")
+        where = f"HiSparse shared host pool: TP rank {self.rank} has"
+        for what, here, flag in zip(("world size", "layers"), mine, (1, 2)):
+            if here != self._get(flag):
+                raise PoolMismatchError(
+                    f"{where} {what} {here}, TP rank 0 (the writer) {self._get(flag)}"
+                )
+        self._check_size()  # the counts agree: the block is rank 0's size for them
+        # Row sizes before the pool's: they explain a pool size that differs with them.
+        for i, here in enumerate(row_bytes):
+            theirs = self._get(self._rows + i)
+            if here != theirs and here and theirs:
+                raise PoolMismatchError(
+                    f"{where} {here}-byte rows in layer {i}, TP rank 0 (the writer) {theirs}"
+                )
+        if mine[2] != self._get(3) and mine[2] and self._get(3):
+            raise PoolMismatchError(
+                f"{where} pool bytes {mine[2]}, TP rank 0 (the writer) {self._get(3)}"
+            )
+        holder = self._get(self._pids + self.rank)
+        if holder not in (0, os.getpid()) and _alive(holder):
+            raise PoolMismatchError(
+                f"{where} rank {self.rank}, which pid {holder} (alive) already holds"
+            )
 
     @property
     def writer(self) -> bool:

@@ -5,6 +5,7 @@ not wanted or not possible; ``share_host_pool = true`` that cannot be met refuse
 
 from __future__ import annotations
 
+import re
 import threading
 
 import pytest
@@ -131,10 +132,14 @@ def test_share_host_pool_true_that_cannot_be_met_is_one_line(monkeypatch):
     cfg = HiSparseConfig(top_k=4, device_buffer_size=H, share_host_pool=True)
     peers = Peers(Group(2), 0)
     with pytest.raises(HiSparseConfigError, match=r"\['share_host_pool'\] = true needs the KV"):
-        tp_pool.make_pool(cfg, torch.device("cuda"), 64, 1, peers, pin=True, what="p")
+        tp_pool.make_pool(
+            cfg, torch.device("cuda"), 64, 1, peers, row_bytes=[64], pin=True, what="p"
+        )
     monkeypatch.setattr(tp_pool, "arch_shares_pool", lambda: False)
     with pytest.raises(HiSparseConfigError, match="needs an x86-64 CPU"):
-        tp_pool.make_pool(cfg, torch.device("cpu"), 64, 1, peers, pin=False, what="p")
+        tp_pool.make_pool(
+            cfg, torch.device("cpu"), 64, 1, peers, row_bytes=[64], pin=False, what="p"
+        )
     with pytest.raises(HiSparseConfigError, match="must be true, false or null"):
         HiSparseConfig(share_host_pool="yes")
 
@@ -160,3 +165,31 @@ def test_a_pool_rank_0_cannot_allocate_fails_every_rank(monkeypatch, error):
     e0, e1 = _workers()  # rank 1 is not left waiting for rank 0's segment
     assert isinstance(e0, HostPoolError) and isinstance(e1, HostPoolError)
     assert str(e1).endswith("lower host_pool_gib (on TP rank 0)")
+
+
+@pytest.mark.parametrize(
+    "rank1, match",
+    [
+        (dict(layers=("l0", "l1", "l2")), r"TP rank 1 has layers 3, TP rank 0 \(the writer\) 2$"),
+        (dict(row=2 * ROW), r"has 64-byte rows in layer 0, TP rank 0 \(the writer\) 32$"),
+        (dict(host_rows=32), r"has pool bytes 2048, TP rank 0 \(the writer\) 1024$"),
+    ],
+    ids=["layers", "row-bytes", "pool-size"],
+)
+def test_a_rank_that_disagrees_with_rank_0_is_refused_not_given_its_own_pool(rank1, match):
+    """Its rows would sit elsewhere than rank 0 writes them: no pool of its own mends that."""
+    cfg = HiSparseConfig(top_k=4, device_buffer_size=H, max_num_seqs=S, block_size=4)
+
+    def build(rank, peers):
+        mine = rank1 if rank == 1 else {}
+        names, row = mine.get("layers", NAMES), mine.get("row", ROW)
+        hot = {n: torch.zeros(S * H, row, dtype=torch.uint8) for n in names}
+        w = HiSparseConnectorWorker(cfg)
+        w.register_kv_caches(hot, host_rows=mine.get("host_rows", 16), peers=peers)
+        return w
+
+    w0, e1 = _ranks(build)
+    assert isinstance(e1, HostPoolError), e1
+    assert re.search(match, str(e1)) and "\n" not in str(e1), str(e1)
+    assert isinstance(w0.host_pool, HostPool)  # rank 0 goes on alone; rank 1's error stops it
+    w0.shutdown()
