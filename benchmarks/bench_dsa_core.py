@@ -1,21 +1,27 @@
-"""Per-layer decode cost of the DSA attention core the vLLM classes and the DSA engine run
-(``hisparse.models.dsa.core``), on a GPU, at DeepSeek-V3.2's attention shapes: 128 heads,
-kv_lora 512 + rope 64 in 656-byte FP8 rows, indexer 64 x 128 over 132-byte FP8 keys, top-k 2048.
+"""Decode step of the code the vLLM classes and the DSA engine run (``hisparse.models.dsa``: the
+projections and the batched attention core), on a GPU, at DeepSeek-V3.2's shapes: hidden 7168,
+q_lora 1536, 128 heads, kv_lora 512 + rope 64 in 656-byte FP8 rows, indexer 64 x 128 over
+132-byte FP8 keys, top-k 2048. The MoE is stood in by a dense SwiGLU of its active width per
+token (8 routed + 1 shared expert x 2048 = 18432), so each layer does the same matrix work per
+token. Weights are random bf16.
 
-One layer step, captured as a CUDA graph and replayed, in two modes over the same bytes:
+Per layer: norms, the MLA and indexer projections with rotary, the new row and key stored, the
+indexer's top-k (``core.select``), attention over the selected rows (``core.attend``), o_proj and
+the MLP. Two modes over the same bytes:
 
-* ``resident``: the indexer and its top-k over the paged key cache, then attention over the
-  selected rows read by slot from the device row store;
-* ``hisparse``: the same indexer, then the connector's runtime resolves the selection against
-  each request's hot buffer (``hot_size`` rows), gathers the misses from the pinned host pool on
-  the copy stream, and attention reads the hot rows.
+* ``resident``: rows read by slot from the device row store;
+* ``hisparse``: the new row saved to the pinned host pool on the copy stream (as the connector
+  saves), the selection resolved against each request's hot buffer, misses gathered from the
+  host pool, attention over the hot rows.
 
 The rows attention reads are a staged selection (``Drift``: about ``--miss`` of each request's
-top-k is new each step), so the hit rate is fixed by the run, not by random weights; the
-indexer's own ranking is computed every step all the same. Outputs of both modes are compared
-bit for bit each round. Modes are interleaved, ``--rounds`` rounds of ``--steps`` replays.
+top-k is new each step), so the hit rate is the run's setting, not random weights'; the indexer's
+own ranking is computed every step all the same. A step of ``--layers`` layers is captured as one
+CUDA graph and replayed; modes interleave, ``--rounds`` rounds of ``--steps`` replays; both
+modes' outputs are compared bit for bit. ``--capacity`` adds each mode at the most requests a
+45 GiB KV budget over DeepSeek-V3.2's 61 layers holds (``MemoryBudget``) and the tokens/s ratio.
 
-    python benchmarks/bench_dsa_core.py --out benchmarks/results/dsa_core_h200.json
+    python benchmarks/bench_dsa_core.py --capacity --out benchmarks/results/dsa_core_h200.json
 """
 
 from __future__ import annotations
@@ -29,17 +35,22 @@ from pathlib import Path
 
 import torch
 
+from hisparse import ops
+from hisparse.engine.graph.config import GraphConfig, MemoryBudget
 from hisparse.engine.graph.replay import Drift
 from hisparse.models.dsa.config import DSAConfig
 from hisparse.models.dsa.core import SparseMLACore, TokenBatch
-from hisparse.models.rows import KV_DIM, ROW_LAYOUTS, encode_rows
+from hisparse.models.dsa.decoder import Rotary, rms_norm
+from hisparse.models.dsa.projections import index_inputs, mla_inputs
+from hisparse.models.rows import ROW_LAYOUTS, encode_rows
 from hisparse.runtime import HiSparseIndexGroup, HiSparseRuntime
 
 ROW = ROW_LAYOUTS["fp8"].row_bytes
-BLOCK = 64
+BLOCK, MLP = 64, 18432
+BF = torch.bfloat16
 DSV32 = dict(
     model_type="deepseek_v32",
-    num_hidden_layers=1,
+    num_hidden_layers=61,
     hidden_size=7168,
     num_attention_heads=128,
     q_lora_rank=1536,
@@ -55,128 +66,173 @@ DSV32 = dict(
 )
 
 
-class Layer:
-    """One layer's static inputs and stores for ``batch`` requests of ``ctx`` tokens."""
+def _w(g, *shape):
+    return (torch.randn(*shape, device="cuda", generator=g) * shape[-1] ** -0.5).to(BF)
 
-    def __init__(self, core: SparseMLACore, batch: int, ctx: int, hot: int, seed: int):
+
+def weights(cfg: DSAConfig, g) -> dict:
+    D, H, Q = cfg.hidden_size, cfg.num_heads, cfg.q_lora_rank
+    one = lambda n: torch.ones(n, dtype=BF, device="cuda")  # noqa: E731
+    return {
+        "q_a_proj.weight": _w(g, Q, D),
+        "q_a_layernorm.weight": one(Q),
+        "q_b_proj.weight": _w(g, H * (cfg.qk_nope_head_dim + 64), Q),
+        "kv_a_proj_with_mqa.weight": _w(g, 576, D),
+        "kv_a_layernorm.weight": one(512),
+        "kv_b_proj.weight": _w(g, H * (cfg.qk_nope_head_dim + cfg.v_head_dim), 512),
+        "o_proj.weight": _w(g, D, H * cfg.v_head_dim),
+        "indexer.wq_b.weight": _w(g, cfg.index_n_heads * cfg.index_head_dim, Q),
+        "indexer.wk.weight": _w(g, cfg.index_head_dim, D),
+        "indexer.k_norm.weight": one(cfg.index_head_dim),
+        "indexer.k_norm.bias": torch.zeros(cfg.index_head_dim, dtype=BF, device="cuda"),
+        "indexer.weights_proj.weight": _w(g, cfg.index_n_heads, D),
+        "norm": one(D),
+        "mlp_norm": one(D),
+        "w13": _w(g, 2 * MLP, D),
+        "w2": _w(g, D, MLP),
+    }
+
+
+class Layer:
+    """One layer's weights, key cache and row stores for ``batch`` requests of ``ctx`` tokens
+    (the new token at position ``ctx``, outside every staged selection)."""
+
+    def __init__(self, core, batch: int, ctx: int, hot: int, modes, g) -> None:
         cfg, dev = core.cfg, torch.device("cuda")
-        g = torch.Generator(device=dev).manual_seed(seed)
-        self.core, self.batch = core, batch
-        n = batch * ctx
-        self.cache = core.key_cache(n // BLOCK, BLOCK, dev)
-        self.store = torch.empty(n, ROW, dtype=torch.uint8, device=dev)
-        self.host = torch.empty(n, ROW, dtype=torch.uint8, pin_memory=True)
-        for s in range(0, n, 1 << 18):  # a quarter million rows at a time
-            e = min(n, s + (1 << 18))
-            k = torch.randn(e - s, cfg.index_head_dim, device=dev, generator=g)
-            core.store_keys(self.cache, torch.arange(s, e, device=dev), k, BLOCK)
-            self.store[s:e] = encode_rows(
-                torch.randn(e - s, KV_DIM, device=dev, generator=g), "fp8"
+        self.core, self.w = core, weights(cfg, g)
+        slots = batch * (ctx + BLOCK)
+        self.cache = core.key_cache(slots // BLOCK, BLOCK, dev)
+        self.store = self.host = None
+        rows = torch.empty(slots, ROW, dtype=torch.uint8, device=dev)
+        for s in range(0, slots, 1 << 18):
+            e = min(slots, s + (1 << 18))
+            idx = torch.arange(s, e, device=dev)
+            core.store_keys(
+                self.cache, idx, torch.randn(e - s, 128, device=dev, generator=g), BLOCK
             )
-        self.host.copy_(self.store)
-        blocks = ctx // BLOCK
+            rows[s:e] = encode_rows(torch.randn(e - s, 576, device=dev, generator=g), "fp8")
+        if "resident" in modes:
+            self.store = rows
+        if "hisparse" in modes:
+            self.host = torch.empty(slots, ROW, dtype=torch.uint8, pin_memory=True)
+            self.host.copy_(rows)
+            self.hot = torch.zeros(batch * hot, ROW, dtype=torch.uint8, device=dev)
+            self.group = HiSparseIndexGroup(
+                f"g{id(self)}", num_state_rows=batch, hot_size=hot, top_k=cfg.index_topk,
+                max_batch=batch, num_keys=slots, device=dev,
+            )  # fmt: skip
+            self.rt = HiSparseRuntime(f"l{id(self)}", self.group, self.host, self.hot)
+        del rows
+
+
+class Step:
+    def __init__(self, args, batch: int, modes) -> None:
+        cfg = DSAConfig.from_hf(DSV32)
+        self.core = SparseMLACore(cfg, "fp8", "cuda", attention=args.attention)
+        assert self.core.kernel_rows and self.core.kernel_index, "the Triton kernels must run"
+        g = torch.Generator(device="cuda").manual_seed(batch)
+        ctx, dev = args.context, torch.device("cuda")
+        n = args.layers
+        self.layers = [Layer(self.core, batch, ctx, args.hot_size, modes, g) for _ in range(n)]
+        blocks = ctx // BLOCK + 1
         bt = torch.arange(batch * blocks, device=dev, dtype=torch.int32).view(batch, blocks)
         self.tokens = TokenBatch(
-            torch.full((batch,), ctx - 1, device=dev),
-            torch.arange(batch, device=dev),
-            torch.full((batch,), ctx, device=dev),
-            bt,
-            BLOCK,
-        )
-        H, Hi, D = cfg.num_heads, cfg.index_n_heads, cfg.index_head_dim
-        bf = torch.bfloat16
-        self.q = torch.randn(batch, Hi, D, device=dev, generator=g).to(bf)
-        self.w = torch.randn(batch, Hi, device=dev, generator=g)
-        self.q_nope = torch.randn(batch, H, cfg.qk_nope_head_dim, device=dev, generator=g).to(bf)
-        self.q_pe = torch.randn(batch, H, 64, device=dev, generator=g).to(bf)
-        kv_b = torch.randn(
-            H * (cfg.qk_nope_head_dim + cfg.v_head_dim), 512, device=dev, generator=g
-        )
-        self.kv_b = (kv_b * 512**-0.5).to(bf)
-        self.sel = torch.zeros(batch, cfg.index_topk, dtype=torch.int64, device=dev)
-        self.hot = torch.zeros(batch * hot, ROW, dtype=torch.uint8, device=dev)
-        self.group = HiSparseIndexGroup(
-            f"bench{seed}", num_state_rows=batch, hot_size=hot, top_k=cfg.index_topk,
-            max_batch=batch, num_keys=n, device=dev,
+            torch.full((batch,), ctx, device=dev), torch.arange(batch, device=dev),
+            torch.full((batch,), ctx + 1, device=dev), bt, BLOCK,
         )  # fmt: skip
-        self.rt = HiSparseRuntime(f"layer{seed}", self.group, self.host, self.hot)
+        self.new_slots = self.tokens.slots(self.tokens.positions.view(-1, 1)).view(-1)
+        # bf16 like the model (vLLM's rotary keeps the activations' dtype)
+        self.rope = tuple(t.to(BF) for t in Rotary(cfg, 163840, dev)(self.tokens.positions))
+        self.x = torch.randn(batch, cfg.hidden_size, device=dev, generator=g).to(BF)
+        self.sel = torch.zeros(batch, cfg.index_topk, dtype=torch.int64, device=dev)
         self.state_rows = torch.arange(batch, dtype=torch.int32, device=dev)
+        self.src_rows = torch.arange(batch, dtype=torch.int32, device=dev)
+        self.cfg, self.drift = cfg, Drift(batch, ctx, cfg.index_topk, args.miss, dev, seed=batch)
 
-    def step(self, mode: str) -> torch.Tensor:
-        core = self.core
-        ranked = core.select(self.q, self.w, self.cache, self.tokens)
-        keys = self.tokens.slots(self.sel)
-        if mode == "resident":
-            out = core.attend(self.q_nope, self.q_pe, self.kv_b, self.store, keys)
-        else:
-            ids = self.rt.resolve(keys.to(torch.int32), self.state_rows)
-            self.rt.gather()
-            self.rt.wait_ready()
-            out = core.attend(self.q_nope, self.q_pe, self.kv_b, self.hot, ids)
-        return out + 0 * ranked[:, :1]  # the ranking is part of the step
+    def stage(self) -> None:
+        """The next step's selection (outside the graph)."""
+        self.drift.advance()
+        self.sel.copy_(torch.topk(self.drift.bias, self.cfg.index_topk, dim=1).indices.sort(1)[0])
+
+    def forward(self, mode: str) -> torch.Tensor:
+        x, core, cfg, tok = self.x, self.core, self.cfg, self.tokens
+        keys = tok.slots(self.sel)
+        for lay in self.layers:
+            w = lay.w
+            h = rms_norm(x, w["norm"], 1e-6)
+            q_resid, q_nope, q_pe, row = mla_inputs(h, w, cfg, self.rope)
+            rows = encode_rows(row, "fp8")
+            q, k, head_w = index_inputs(h, q_resid, w, cfg, self.rope)
+            core.store_keys(lay.cache, self.new_slots, k, BLOCK)
+            ranked = core.select(q, head_w, lay.cache, tok)
+            if mode == "resident":
+                lay.store.index_copy_(0, self.new_slots, rows)
+                src, ids = lay.store, keys
+            else:
+                g = lay.group
+                g.copy_stream.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(g.copy_stream):  # the connector's save path
+                    ops.save_rows([rows], [lay.host], self.src_rows, self.new_slots.int())
+                ids = lay.rt.resolve(keys.to(torch.int32), self.state_rows)
+                lay.rt.gather()
+                lay.rt.wait_ready()
+                src = lay.hot
+            values = core.attend(q_nope, q_pe, w["kv_b_proj.weight"], src, ids)
+            x = x + values @ w["o_proj.weight"].t() + 0 * ranked[:, :1]
+            gu = rms_norm(x, w["mlp_norm"], 1e-6) @ w["w13"].t()
+            x = x + (torch.nn.functional.silu(gu[:, :MLP]) * gu[:, MLP:]) @ w["w2"].t()
+        return x
 
 
-def run_batch(args, batch: int) -> dict:
-    cfg = DSAConfig.from_hf(DSV32)
-    core = SparseMLACore(cfg, "fp8", "cuda", attention=args.attention)
-    assert core.kernel_rows and core.kernel_index, "the Triton kernels must run here"
-    layers = [Layer(core, batch, args.context, args.hot_size, s) for s in range(args.layers)]
-    drift = Drift(batch, args.context, cfg.index_topk, args.miss, "cuda", seed=batch)
-
-    def stage():
-        drift.advance()
-        sel = torch.topk(drift.bias, cfg.index_topk, dim=1).indices.sort(dim=1).values
-        for lay in layers:
-            lay.sel.copy_(sel)
-
-    outs, graphs = {}, {}
-    for mode in args.modes:
+def run(args, batch: int, modes) -> dict:
+    st = Step(args, batch, modes)
+    graphs, outs = {}, {}
+    for mode in modes:
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for _ in range(2):
-                stage()
-                [lay.step(mode) for lay in layers]
+                st.stage()
+                st.forward(mode)
         torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            outs[mode] = [lay.step(mode) for lay in layers]
-        graphs[mode] = graph
-    times = {m: [] for m in args.modes}
-    identical, hits0 = True, [lay.group.counters[:2].clone() for lay in layers]
+        graphs[mode] = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graphs[mode]):
+            outs[mode] = st.forward(mode)
+    groups = [lay.group for lay in st.layers if lay.host is not None]
+    before = [g.counters[:2].view(torch.int64).clone() for g in groups]
+    times = {m: [] for m in modes}
+    identical = True
     for _ in range(args.rounds):
-        for mode in args.modes:
-            ms = []
+        for mode in modes:
+            ev = []
             for _ in range(args.steps):
-                stage()
+                st.stage()
                 a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 a.record()
                 graphs[mode].replay()
                 b.record()
-                ms.append((a, b))
+                ev.append((a, b))
             torch.cuda.synchronize()
-            times[mode].append(statistics.median(x.elapsed_time(y) for x, y in ms))
-        if len(args.modes) == 2:  # the last replay of each mode saw the same selection
-            stage_same = [lay.sel.clone() for lay in layers]
-            for m in args.modes:
-                for lay, s in zip(layers, stage_same):
-                    lay.sel.copy_(s)
-                graphs[m].replay()
+            times[mode].append(statistics.median(a.elapsed_time(b) for a, b in ev))
+        if len(modes) == 2:  # the same selection through both graphs
+            for mode in modes:
+                graphs[mode].replay()
             torch.cuda.synchronize()
-            identical &= all(torch.equal(x, y) for x, y in zip(*(outs[m] for m in args.modes)))
-    hm = sum((lay.group.counters[:2] - h).view(torch.int64) for lay, h in zip(layers, hits0))
-    hits, misses = (int(v) for v in hm.tolist())
-    row = {"batch": batch, "layers": args.layers, "bit_identical": identical}
-    for m in args.modes:
-        per_layer = [1000 * t / args.layers for t in times[m]]
-        row[f"{m}_us_per_layer"] = round(statistics.median(per_layer), 1)
-        row[f"{m}_spread_us"] = [round(min(per_layer), 1), round(max(per_layer), 1)]
-    if len(args.modes) == 2:
-        row["ratio"] = round(row["hisparse_us_per_layer"] / row["resident_us_per_layer"], 3)
+            identical &= torch.equal(outs["resident"], outs["hisparse"])
+    row = {"batch": batch}
+    for m in modes:
+        row[f"{m}_ms_per_step"] = round(statistics.median(times[m]), 4)
+        row[f"{m}_spread_ms"] = [round(min(times[m]), 4), round(max(times[m]), 4)]
+        row[f"{m}_tok_s"] = round(batch / statistics.median(times[m]) * 1e3, 1)
+    if len(modes) == 2:
+        same_round = zip(times["hisparse"], times["resident"])
+        row["ratio"] = round(statistics.median(h / r for h, r in same_round), 4)
+        row["bit_identical"] = identical
+    if groups:
+        hm = sum(g.counters[:2].view(torch.int64) - b for g, b in zip(groups, before))
+        hits, misses = (int(v) for v in hm.tolist())
         row["hit_rate"] = round(hits / max(1, hits + misses), 4)
-    layers.clear()
-    graphs.clear()
-    outs.clear()
+    del st, graphs, outs
     torch.cuda.empty_cache()
     return row
 
@@ -189,31 +245,47 @@ def main(argv=None) -> int:
     p.add_argument("--hot-size", type=int, default=4096)
     p.add_argument("--miss", type=float, default=0.05, help="new share of the top-k per step")
     p.add_argument("--attention", choices=("bmm", "fused"), default="bmm")
-    p.add_argument("--modes", default="resident,hisparse")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--capacity", action="store_true", help="each mode at its budget's limit")
     p.add_argument("--out", type=Path)
     args = p.parse_args(argv)
-    args.modes = args.modes.split(",")
     if not torch.cuda.is_available():
         print("bench_dsa_core needs a CUDA GPU", file=sys.stderr)
         return 2
+    both = ("resident", "hisparse")
     rows = []
-    for b in (int(x) for x in args.batches.split(",")):
+    for b in (int(x) for x in args.batches.split(",") if x):
         t0 = time.time()
-        rows.append(run_batch(args, b))
+        rows.append(run(args, b, both))
         print(json.dumps(rows[-1]), f"({time.time() - t0:.0f} s)", flush=True)
     result = {
         "core": "hisparse.models.dsa.core",
         "device": torch.cuda.get_device_name(),
         "context": args.context,
+        "layers": args.layers,
         "attention": args.attention,
         "miss": args.miss,
         "hot_size": args.hot_size,
         "rounds": args.rounds,
         "steps": args.steps,
-        "rows": rows,
+        "mlp": f"dense SwiGLU {MLP} (the MoE's active width)",
+        "batches": rows,
     }
+    if args.capacity:
+        gc = GraphConfig.deepseek_v32(ctx_len=args.context, hot_size=args.hot_size)
+        budget = MemoryBudget()
+        limit = {m: budget.max_batch(gc, m == "resident") for m in both}
+        caps = {m: run(args, limit[m], (m,)) for m in both}
+        tok = {m: caps[m][f"{m}_tok_s"] for m in both}
+        result["capacity"] = {
+            "budget_gib": budget.kv_gib,
+            "max_batch": limit,
+            "tok_s": tok,
+            "ratio": round(tok["hisparse"] / tok["resident"], 3),
+            "hit_rate": caps["hisparse"].get("hit_rate"),
+        }
+        print(json.dumps(result["capacity"]), flush=True)
     if args.out:
         args.out.write_text(json.dumps(result, indent=1) + "\n")
     return 0

@@ -33,23 +33,35 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheSpec
 class StepMetadata:
     """One step's batch as the model reads it (the same object for every layer).
 
-    Requests are batch rows in vLLM's order. ``query_start`` / ``seq_lens`` are host lists;
-    tokens of row r are ``query_start[r]:query_start[r+1]`` at positions
-    ``seq_lens[r] - q_len .. seq_lens[r] - 1``."""
+    Requests are batch rows in vLLM's order, requests with one query token (decodes) first
+    (``reorder_batch_threshold``). ``query_start`` is a host list taken from vLLM's own host copy
+    (no device sync); everything else is on the device. Tokens of row r are
+    ``query_start[r]:query_start[r+1]`` at positions ``seq_lens[r] - q_len .. seq_lens[r] - 1``."""
 
     num_reqs: int
     query_start: List[int]
-    seq_lens: List[int]
+    query_start_loc: torch.Tensor  # int32 [num_reqs + 1], device
+    seq_lens_dev: torch.Tensor  # int32 [num_reqs], device
     block_table: torch.Tensor  # int32 [num_reqs, max_blocks]
     slot_mapping: torch.Tensor  # int64 [num_tokens]
     block_size: int
+    num_decodes: int  # leading rows with one query token
 
     @property
     def num_tokens(self) -> int:
         return self.query_start[self.num_reqs]
 
+    @property
+    def seq_lens(self) -> List[int]:
+        """Host copy of the sequence lengths: a device sync on CUDA. Only the exported reference
+        model reads it; the DSA classes stay on the device."""
+        return self.seq_lens_dev.cpu().tolist()
+
 
 class StepMetadataBuilder(AttentionMetadataBuilder[StepMetadata]):
+    # Decodes first: the model then finds them as the leading rows without a device read.
+    reorder_batch_threshold = 1
+
     def __init__(
         self,
         kv_cache_spec: KVCacheSpec,
@@ -71,14 +83,18 @@ class StepMetadataBuilder(AttentionMetadataBuilder[StepMetadata]):
         c = common_attn_metadata
         n = c.num_reqs
         qsl = c.query_start_loc_cpu[: n + 1].tolist()
-        seq = c.seq_lens[:n].cpu().tolist()
+        decodes = 0
+        while decodes < n and qsl[decodes + 1] - qsl[decodes] == 1:
+            decodes += 1
         return StepMetadata(
             num_reqs=n,
             query_start=qsl,
-            seq_lens=seq,
+            query_start_loc=c.query_start_loc[: n + 1],
+            seq_lens_dev=c.seq_lens[:n],
             block_table=c.block_table_tensor[:n],
             slot_mapping=c.slot_mapping[: qsl[n]].long(),
             block_size=self.kv_cache_spec.block_size,
+            num_decodes=decodes,
         )
 
 
@@ -155,6 +171,11 @@ class _CacheLayer(nn.Module, AttentionLayerBase):
         if kv.numel() == 0:
             raise RuntimeError(f"layer {self.prefix!r} has no KV cache bound")
         return kv.reshape(-1, self.row_width)
+
+    def blocks(self) -> torch.Tensor:
+        """The bound cache as [num_blocks, block_size * row_width] (a paged key cache)."""
+        kv = self.rows()
+        return kv.view(-1, self.block_size * self.row_width)
 
 
 class SparseMLACache(_CacheLayer):

@@ -21,6 +21,7 @@ resolved.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -117,6 +118,7 @@ class SparseMLACore:
             use and key_format == "fp8" and idx_kernel.fits(cfg.index_n_heads, cfg.index_head_dim)
         )
         self.attention = attention
+        self._splits: dict = {}  # kv_b_proj weight -> (W_uk, W_uv), kernel path
 
     # ------------------------------------------------------------------ indexer
     def key_cache(self, blocks: int, block_size: int, device) -> torch.Tensor:
@@ -138,8 +140,10 @@ class SparseMLACore:
             from hisparse.models.dsa.kernels import indexer as idx_kernel
 
             hw = head_w.float() * (cfg.index_n_heads**-0.5 * cfg.index_head_dim**-0.5)
+            b = batch
+            q16 = q.to(torch.bfloat16)  # read once per tile of keys: half the bytes of float32
             scores = idx_kernel.paged_scores(
-                q, hw, cache, batch.block_table, batch.block_size, batch.req, batch.positions
+                q16, hw, cache, b.block_table, b.block_size, b.req, b.positions
             )
             pos = _sorted(self._top_k(scores, batch), cfg.index_topk)
         else:
@@ -167,6 +171,9 @@ class SparseMLACore:
         """Positions int64 [T, <= top_k] of the best visible keys (-1 where too few)."""
         top_k = self.cfg.index_topk
         if scores.device.type != "cpu":  # one ranking over the padded rows, no host sync
+            if self.kernel_index:  # the kernel already gave -inf past each token's position
+                best, idx = scores.topk(min(top_k, scores.shape[1]), dim=-1)
+                return torch.where(torch.isfinite(best), idx, torch.full_like(idx, -1))
             return _masked_top_k(scores, batch.positions, top_k)
         # The CPU: rank each token's own context (the request's seq_len keys), as transformers.
         lens = batch.seq_lens[batch.req]
@@ -190,17 +197,35 @@ class SparseMLACore:
         """Attention of each token over its rows ``ids`` [T, K] (-1 padding) of ``src`` (uint8
         [N, row_bytes]) -> per-head values [T, H * v_head_dim] (the input of ``o_proj``)."""
         cfg = self.cfg
-        q_lat = mla.absorb_query(q_nope, kv_b_weight, cfg)
         if self.kernel_rows and ids.shape[0]:
-            o = self._attend_kernels(q_lat, q_pe, src, ids).to(q_lat.dtype)
-        else:
-            step = max(1, CHUNK_ELEMS // (ids.shape[1] * KV_DIM))
-            parts = [
-                self._attend_torch(q_lat[s : s + step], q_pe[s : s + step], src, ids[s : s + step])
-                for s in range(0, ids.shape[0], step)
-            ]
-            o = torch.cat(parts) if parts else q_lat.new_zeros(0, cfg.num_heads, LATENT_DIM)
+            w_uk, w_uv = self._split(kv_b_weight)
+            q_lat = torch.bmm(q_nope.to(w_uk.dtype).transpose(0, 1), w_uk).transpose(0, 1)
+            o = self._attend_kernels(q_lat, q_pe, src, ids).to(w_uv.dtype)
+            v = torch.bmm(o.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
+            return v.reshape(o.shape[0], -1)
+        q_lat = mla.absorb_query(q_nope, kv_b_weight, cfg)
+        step = max(1, CHUNK_ELEMS // (ids.shape[1] * KV_DIM))
+        parts = [
+            self._attend_torch(q_lat[s : s + step], q_pe[s : s + step], src, ids[s : s + step])
+            for s in range(0, ids.shape[0], step)
+        ]
+        o = torch.cat(parts) if parts else q_lat.new_zeros(0, cfg.num_heads, LATENT_DIM)
         return mla.expand_values(o, kv_b_weight, cfg)
+
+    def _split(self, kv_b: torch.Tensor):
+        """kv_b_proj's weight as contiguous W_uk [H, nope, 512] and W_uv [H, v, 512], split once
+        per weight (the slices of the weight would be copied on every call otherwise)."""
+        ref, version, *got = self._splits.get(id(kv_b), (None, None))
+        if ref is None or ref() is not kv_b or version != kv_b._version:
+            cfg = self.cfg
+            w = kv_b.detach().view(cfg.num_heads, cfg.qk_nope_head_dim + cfg.v_head_dim, -1)
+            got = [
+                w[:, : cfg.qk_nope_head_dim].contiguous(),
+                w[:, cfg.qk_nope_head_dim :].contiguous(),
+            ]
+            # A weak reference: a freed weight's id may come back with another tensor.
+            self._splits[id(kv_b)] = (weakref.ref(kv_b), kv_b._version, *got)
+        return got
 
     def _attend_torch(self, q_lat, q_pe, src, ids) -> torch.Tensor:
         valid = ids >= 0

@@ -1,9 +1,11 @@
 """One DSA decoder layer's attention in vLLM: MLA over latent rows plus (full layers) the
 indexer, with weights named as in the transformers checkpoint.
 
-Rows go where the step says: the layer's vLLM KV cache (all-resident) or the HiSparse connector
-(saved to the host pool; decode rows resolved into the hot buffer by the index-group leader,
-prefill rows read from the host pool). Both modes attend over the same row bytes.
+The sparse attention itself is ``hisparse.models.dsa.core`` (batched, device tensors only; Triton
+kernels on CUDA for fp8 rows and keys); this module is the vLLM adapter around it. Rows go where
+the step says: the layer's vLLM KV cache (all-resident) or the HiSparse connector (saved to the
+host pool; decode rows resolved into the hot buffer by the index-group leader, prefill rows
+gathered from the host pool). Both modes attend over the same row bytes through the same call.
 
 Tensor parallel: each rank holds 1/TP of the heads (``q_b_proj`` / ``kv_b_proj`` rows,
 ``o_proj`` columns; the partial outputs are summed across ranks); the latent rows and the
@@ -14,10 +16,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from functools import partial
-from typing import Any, List, Optional
+from typing import Any, Optional
 
 import torch
 from torch import nn
+from vllm.config import get_current_vllm_config
 from vllm.distributed import tensor_model_parallel_all_reduce
 from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.rotary_embedding import get_rope
@@ -25,22 +28,25 @@ from vllm.model_executor.layers.rotary_embedding import get_rope
 from hisparse.models.dsa import attention as mla
 from hisparse.models.dsa import indexer as dsa_index
 from hisparse.models.dsa.config import DSAConfig
-from hisparse.models.rows import KV_DIM, LATENT_DIM, ROPE_DIM, decode_rows, encode_rows
+from hisparse.models.dsa.core import CHUNK_ELEMS, SparseMLACore, TokenBatch
+from hisparse.models.rows import KV_DIM, LATENT_DIM, ROPE_DIM, encode_rows
 from hisparse.vllm.compat import tensor_parallel_peers
 from hisparse.vllm.layers import _CacheLayer
-
-# Bound on one prefill gather ([tokens, top_k, 576] values).
-_PREFILL_CHUNK_ELEMS = 1 << 24
 
 
 @dataclass
 class Step:
-    """What every layer of one forward shares: the batch view, positions and the connector."""
+    """What every layer of one forward shares: vLLM's metadata, the tokens as the core reads
+    them, the connector and (HiSparse decodes) the decode rows' state rows."""
 
-    batch: Any  # hisparse.vllm.model._Batch
-    positions: torch.Tensor
+    meta: Any  # hisparse.vllm.layers.StepMetadata
+    tokens: TokenBatch
     connector: Any = None
     state_rows: Optional[torch.Tensor] = None
+
+    @property
+    def positions(self) -> torch.Tensor:
+        return self.tokens.positions
 
 
 # The rotary embeddings are called through ``forward_native``: vLLM 0.32's CPU kernel
@@ -85,9 +91,9 @@ def _load_shard(param: torch.Tensor, w: torch.Tensor, *, dim: int, rank: int) ->
 class DSAIndexer(nn.Module):
     """A full layer's indexer weights (``self_attn.indexer.*``) and its key cache."""
 
-    def __init__(self, cfg: DSAConfig, cache_name: str, max_pos: int) -> None:
+    def __init__(self, cfg: DSAConfig, cache_name: str, max_pos: int, core: SparseMLACore) -> None:
         super().__init__()
-        self.cfg = cfg
+        self.cfg, self.core = cfg, core
         d, h = cfg.index_head_dim, cfg.index_n_heads
         self.wq_b = _linear(cfg.q_lora_rank, h * d)
         self.wk = _linear(cfg.hidden_size, d)
@@ -99,12 +105,12 @@ class DSAIndexer(nn.Module):
             rope_parameters=vllm_rope_parameters(cfg),
             is_neox_style=not cfg.indexer_rope_interleave,
         )
-        self.cache = _CacheLayer(cache_name, d, torch.float32, True)
+        self.cache = _CacheLayer(cache_name, core.key_bytes, torch.uint8, True)
 
-    def select(self, h: torch.Tensor, q_resid: torch.Tensor, step: Step) -> List[torch.Tensor]:
-        """Store the new tokens' keys; per request, the keys (slots) of each query token's
-        top-k positions: int64 [q_len, top_k'], -1 padding."""
-        cfg, batch = self.cfg, step.batch
+    def select(self, h: torch.Tensor, q_resid: torch.Tensor, step: Step) -> torch.Tensor:
+        """Store the new tokens' keys; the slots of each token's top-k positions, int64
+        [T, index_topk] in ascending position order, -1 padding."""
+        cfg = self.cfg
         t, d = h.shape[0], cfg.index_head_dim
         q = self.wq_b(q_resid).view(t, cfg.index_n_heads, d)
         k = dsa_index.normalise_key(self.wk(h), self.k_norm.weight, self.k_norm.bias)
@@ -113,22 +119,9 @@ class DSAIndexer(nn.Module):
         )
         q = torch.cat([q_pe.view(t, -1, ROPE_DIM), q[..., ROPE_DIM:]], -1)
         k = torch.cat([k_pe.view(t, ROPE_DIM), k[:, ROPE_DIM:]], -1)
-        w = self.weights_proj(h)
-        cache = self.cache.rows()
-        cache[batch.meta.slot_mapping] = k.to(cache.dtype)
-        out = []
-        for r in range(batch.meta.num_reqs):
-            keys = batch.context_keys[r]
-            tok = batch.tokens(r)
-            qpos = batch.query_pos[r]
-            scores = dsa_index.index_scores(q[tok], w[tok], cache[keys], cfg)
-            sel = dsa_index.causal_top_k(
-                scores, torch.arange(keys.numel(), device=keys.device), qpos, cfg.index_topk
-            )
-            # Every request's row has index_topk entries: the connector's plan is [B, top_k].
-            sel = nn.functional.pad(sel, (0, cfg.index_topk - sel.shape[1]), value=-1)
-            out.append(torch.where(sel >= 0, keys[sel.clamp(min=0)], sel))
-        return out
+        cache = self.cache.blocks()
+        self.core.store_keys(cache, step.meta.slot_mapping, k, step.tokens.block_size)
+        return self.core.select(q, self.weights_proj(h), cache, step.tokens)
 
 
 class DSAAttention(nn.Module):
@@ -140,9 +133,10 @@ class DSAAttention(nn.Module):
         layer: int,
         rows: "_CacheLayer",
         index_cache: str,
-        row_format: str,
+        formats: tuple,
         max_pos: int,
     ) -> None:
+        """``formats``: (row format, index key format or None for the row format's default)."""
         super().__init__()
         tp = _tp()
         if cfg.num_heads % tp[1]:
@@ -153,7 +147,10 @@ class DSAAttention(nn.Module):
         self.tp_size = tp[1]
         # The whole model's config but this rank's heads: MLA's math runs on those only.
         cfg = replace(cfg, num_heads=cfg.num_heads // tp[1])
+        row_format, key_format = formats
         self.cfg, self.layer, self.row_format = cfg, layer, row_format
+        device = get_current_vllm_config().device_config.device
+        self.core = SparseMLACore(cfg, row_format, device, key_format=key_format)
         self.kv_rows = rows
         hq = cfg.num_heads * tp[1] * (cfg.qk_nope_head_dim + ROPE_DIM)
         self.q_a_proj = _linear(cfg.hidden_size, cfg.q_lora_rank)
@@ -170,10 +167,12 @@ class DSAAttention(nn.Module):
             rope_parameters=vllm_rope_parameters(cfg),
             is_neox_style=False,
         )
-        self.indexer = DSAIndexer(cfg, index_cache, max_pos) if cfg.is_full(layer) else None
+        self.indexer = (
+            DSAIndexer(cfg, index_cache, max_pos, self.core) if cfg.is_full(layer) else None
+        )
 
-    def forward(self, h: torch.Tensor, step: Optional[Step], selection: list):
-        """(output [T, hidden], the top-k this layer used). ``step`` None: a dummy run."""
+    def forward(self, h: torch.Tensor, step: Optional[Step], selection):
+        """(output [T, hidden], the top-k slots this layer used). ``step`` None: a dummy run."""
         cfg = self.cfg
         t = h.shape[0]
         q_resid = self.q_a_layernorm(self.q_a_proj(h))
@@ -182,58 +181,52 @@ class DSAAttention(nn.Module):
         kv_a = self.kv_a_proj_with_mqa(h)
         latent = self.kv_a_layernorm(kv_a[:, :LATENT_DIM].contiguous())
         if step is None:  # profiling: shapes only, no cache
-            o = latent.new_zeros(t, cfg.num_heads, LATENT_DIM)
-            return self._out(o), selection
+            return self._out(latent.new_zeros(t, cfg.num_heads * cfg.v_head_dim)), selection
         q_pe, k_pe = self.rotary_emb.forward_native(
             step.positions, q_pe.contiguous(), kv_a[:, None, LATENT_DIM:].contiguous()
         )
         rows = encode_rows(mla.latent_row(latent, k_pe.view(t, ROPE_DIM)), self.row_format)
         if self.indexer is not None:
             selection = self.indexer.select(h, q_resid, step)
-        q_lat = mla.absorb_query(q_nope, self.kv_b_proj.weight, cfg)
-        o = self._attend(q_lat, q_pe.view(t, cfg.num_heads, ROPE_DIM), rows, selection, step)
-        return self._out(o), selection
+        values = self._attend(q_nope, q_pe.view(t, cfg.num_heads, ROPE_DIM), rows, selection, step)
+        return self._out(values), selection
 
-    def _out(self, o: torch.Tensor) -> torch.Tensor:
-        """``o_proj`` of this rank's heads, summed over the ranks' heads."""
-        out = self.o_proj(mla.expand_values(o, self.kv_b_proj.weight, self.cfg))
+    def _out(self, values: torch.Tensor) -> torch.Tensor:
+        """``o_proj`` of this rank's heads' values, summed over the ranks' heads."""
+        out = self.o_proj(values)
         return tensor_model_parallel_all_reduce(out) if self.tp_size > 1 else out
 
-    def _attend(self, q_lat, q_pe, rows, selection, step: Step) -> torch.Tensor:
-        batch, connector = step.batch, step.connector
-        name = self.kv_rows.prefix
+    def _attend(self, q_nope, q_pe, rows, selection: torch.Tensor, step: Step) -> torch.Tensor:
+        """Per-head values [T, H * v_head_dim]: decodes (the leading rows) over the hot buffer
+        or the resident rows, then the prefill tokens in chunks over rows read by slot."""
+        meta, connector = step.meta, step.connector
+        name, kv_b = self.kv_rows.prefix, self.kv_b_proj.weight
         if connector is not None:
-            connector.save_kv_layer(name, rows, batch.meta)
-            store = connector.host_rows(name)
+            connector.save_kv_layer(name, rows, meta)
         else:
             store = self.kv_rows.rows()
-            store[batch.meta.slot_mapping] = rows
-        out = q_lat.new_zeros(q_lat.shape)
-        if batch.decode:
-            keys = torch.cat([selection[r] for r in batch.decode])
-            dt = batch.decode_tokens
+            store.index_copy_(0, meta.slot_mapping, rows)
+        nd = meta.num_decodes
+        parts = []
+        if nd:
+            keys = selection[:nd]
             if connector is not None:
                 top_k = keys.to(torch.int32) if self.indexer is not None else None
-                where = connector.resolve(name, top_k, state_rows=step.state_rows)
+                ids = connector.resolve(name, top_k, state_rows=step.state_rows)
                 connector.wait_for_layer_load(name)
-                got = connector.hot_rows(name)[where.long().clamp(min=0)]
+                src = connector.hot_rows(name)
             else:
-                got = store[keys.clamp(min=0)]
-            out[dt] = self._over_rows(q_lat[dt], q_pe[dt], got, keys)
-        for r in batch.prefill:
-            keys, tok = selection[r], batch.tokens(r)
-            n = max(1, _PREFILL_CHUNK_ELEMS // (keys.shape[1] * KV_DIM))
-            for s in range(0, keys.shape[0], n):
-                k = keys[s : s + n]
-                got = store[k.clamp(min=0)]
-                out[tok][s : s + n] = self._over_rows(
-                    q_lat[tok][s : s + n], q_pe[tok][s : s + n], got, k
-                )
-        return out
-
-    def _over_rows(self, q_lat, q_pe, rows, keys) -> torch.Tensor:
-        valid = keys >= 0
-        # Padding entries read an arbitrary row; zero it so no NaN byte pattern reaches softmax.
-        rows = torch.where(valid.unsqueeze(-1), rows, torch.zeros_like(rows))
-        values = decode_rows(rows, self.row_format, q_lat.dtype)
-        return mla.attend_rows(q_lat, q_pe, values, valid, self.cfg.softmax_scale)
+                src, ids = store, keys
+            parts.append(self.core.attend(q_nope[:nd], q_pe[:nd], kv_b, src, ids))
+        t, k = selection.shape
+        n = max(1, CHUNK_ELEMS // (k * KV_DIM))
+        for s in range(nd, t, n):
+            keys = selection[s : s + n]
+            if connector is not None:  # this chunk's rows, gathered from the host pool
+                src = connector.load_host_rows(name, keys)
+                ids = torch.arange(keys.numel(), device=keys.device).view(keys.shape)
+                ids = torch.where(keys >= 0, ids, keys)
+            else:
+                src, ids = store, keys
+            parts.append(self.core.attend(q_nope[s : s + n], q_pe[s : s + n], kv_b, src, ids))
+        return parts[0] if len(parts) == 1 else torch.cat(parts)

@@ -30,12 +30,14 @@ from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 from vllm.model_executor.models.deepseek_v2 import DeepseekV2MLP, DeepseekV2MoE
 
 from hisparse.models.dsa.config import DSAConfig
+from hisparse.models.dsa.core import TokenBatch, token_rows
 from hisparse.models.rows import ROW_LAYOUTS
 from hisparse.vllm.dsa.attention import DSAAttention, Step
 from hisparse.vllm.layers import SparseMLACache
-from hisparse.vllm.model import HiSparseMLAForCausalLM, _Batch, uses_hisparse_connector
+from hisparse.vllm.model import HiSparseMLAForCausalLM, uses_hisparse_connector
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+KEY_FORMAT_KEY = "hisparse_key_format"
 
 
 def _routing_config(hf) -> None:
@@ -54,7 +56,12 @@ class DSADecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, eps=hf.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps=hf.rms_norm_eps)
         self.self_attn = DSAAttention(
-            cfg, layer, names.rows[layer], names.index[layer], names.fmt, hf.max_position_embeddings
+            cfg,
+            layer,
+            names.rows[layer],
+            names.index[layer],
+            (names.fmt, names.key_fmt),
+            hf.max_position_embeddings,
         )
         # transformers' per-layer list wins; older configs only give first_k_dense_replace.
         kinds = getattr(hf, "mlp_layer_types", None)
@@ -72,7 +79,7 @@ class DSADecoderLayer(nn.Module):
                 apply_routed_scale_to_output=True,
             )
 
-    def forward(self, x: torch.Tensor, step: Optional[Step], selection: list):
+    def forward(self, x: torch.Tensor, step: Optional[Step], selection):
         o, selection = self.self_attn(self.input_layernorm(x), step, selection)
         x = x + o
         return x + self.mlp(self.post_attention_layernorm(x)), selection
@@ -81,8 +88,8 @@ class DSADecoderLayer(nn.Module):
 class _Names:
     """Row-cache layers (one per decoder layer) and index-cache names (full layers)."""
 
-    def __init__(self, cfg: DSAConfig, fmt: str, hisparse: bool) -> None:
-        self.fmt = fmt
+    def __init__(self, cfg: DSAConfig, fmt: str, key_fmt: Optional[str], hisparse: bool) -> None:
+        self.fmt, self.key_fmt = fmt, key_fmt
         attn = [f"model.layers.{i}.self_attn.attn" for i in range(cfg.num_layers)]
         self.index = [f"model.layers.{i}.self_attn.indexer.k_cache" for i in range(cfg.num_layers)]
         # With the connector vLLM allocates no row storage: the host pool and hot buffers do.
@@ -102,7 +109,10 @@ class _DSAForCausalLM(nn.Module):
         self.cfg = cfg
         self.hisparse = uses_hisparse_connector(vllm_config)
         dtype = str(vllm_config.model_config.dtype).replace("torch.", "")
-        self.names = _Names(cfg, cfg.row_format_for(dtype), self.hisparse)
+        # The index keys' format: --hf-overrides '{"hisparse_key_format": "fp8" | "f32"}'
+        # (default: fp8 beside fp8 rows, else f32).
+        key_fmt = getattr(hf, KEY_FORMAT_KEY, None)
+        self.names = _Names(cfg, cfg.row_format_for(dtype), key_fmt, self.hisparse)
         self.model = nn.Module()
         self.model.embed_tokens = VocabParallelEmbedding(hf.vocab_size, cfg.hidden_size)
         self.model.layers = nn.ModuleList(
@@ -132,15 +142,22 @@ class _DSAForCausalLM(nn.Module):
         meta = attn.get(self.names.first_index) if isinstance(attn, dict) else None
         step = None
         if meta is not None:  # None: profiling / dummy run (no KV cache)
-            batch = _Batch(meta)
-            x = x[: meta.num_tokens]
-            step = Step(batch, positions[: meta.num_tokens])
+            n = meta.num_tokens
+            x = x[:n]
+            tokens = TokenBatch(
+                positions=positions[:n].long(),
+                req=token_rows(meta.query_start_loc, n),
+                seq_lens=meta.seq_lens_dev,
+                block_table=meta.block_table,
+                block_size=meta.block_size,
+            )
+            step = Step(meta, tokens)
             if self.hisparse:
                 step.connector = HiSparseMLAForCausalLM._connector()
-                if batch.decode:
-                    slots = meta.slot_mapping[batch.decode_tokens]
+                if meta.num_decodes:
+                    slots = meta.slot_mapping[: meta.num_decodes]
                     step.state_rows = step.connector.batch_state_rows(slots)
-        selection: list = []
+        selection = None
         for layer in self.model.layers:
             x, selection = layer(x, step, selection)
         return self.model.norm(x)

@@ -74,8 +74,11 @@ if triton is not None:
             s = tl.dot(q_lat, tl.trans(k_lat)) + tl.dot(q_rope, tl.trans(k_rope))  # [HB, BN]
             s = tl.where(ok[None, :], s * scale, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            p = tl.exp(s - m_new[:, None])
-            alpha = tl.exp(m_i - m_new)
+            # A run of padding only (a short context cut into splits) leaves the max at -inf:
+            # subtract 0 there, so its weights are exp(-inf) = 0, not exp(-inf + inf) = nan.
+            m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.exp(s - m_sub[:, None])
+            alpha = tl.exp(m_i - m_sub)
             l_i = l_i * alpha + tl.sum(p, axis=1)
             acc = acc * alpha[:, None] + tl.dot(p.to(DOT), k_lat)
             m_i = m_new
