@@ -1,5 +1,10 @@
-"""The reference sparse-MLA engine that hosts HiSparse (see docs/engine.md; its "Code map"
-says which module holds what)."""
+"""The engines that host HiSparse without a server: the reference sparse-MLA engine, the
+DeepSeek-V3.2 / GLM-5 engine over the attention core (``dsa``) and the GPU-bound graph step
+(``graph``); docs/engine.md's "Code map" says which module holds what.
+
+May import: ``hisparse.connector``, ``hisparse.models``, ``hisparse.runtime``, ``hisparse.ops``;
+never vLLM.
+"""
 
 from hisparse.engine.config import EngineConfig, request_lengths
 from hisparse.engine.forward import MODES
