@@ -1,0 +1,236 @@
+"""Greedy MTP speculative decoding (one draft token per step) in either mode, batched like
+``generate``: each step verifies every running request's pending token and its draft in one
+target forward and admits at most one waiting prompt, then one draft forward runs the MTP layer
+over the positions that step confirmed.
+
+Verification: the target runs ``[t, d]`` at positions ``L, L + 1``; its greedy token after
+``t`` decides. Equal to ``d``: both are kept and the token after ``d`` comes free. Otherwise the
+target's token replaces ``d`` and the row written at ``L + 1`` (for ``d``) is rejected: it is
+discarded (``mtp.discard``: its HiSparse hot copies dropped) and the next step writes position
+``L + 1`` again before its layers read. The MTP layer only ever runs on confirmed tokens, so its
+rows are never rejected. Output is the plain greedy output; only the number of target forwards
+changes.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence
+
+import torch
+
+from hisparse.engine.dsa.generate import Generation, _context, _upload, check_options
+from hisparse.engine.dsa.model import DSAForward
+from hisparse.engine.dsa.mtp import MTPHead, MTPModel, discard
+from hisparse.engine.dsa.stores import HiSparseRows, ResidentRows
+from hisparse.models.dsa.weights import Checkpoint
+from hisparse.models.rows import ROW_LAYOUTS
+
+# The connector's scheduler counts every token scheduled to a request (it has no rollback
+# without vLLM's block lists), and here the draft pass schedules each confirmed position a
+# second time and a rejected position is scheduled twice by the target: the pool and the key
+# stride are sized for that (a request schedules under 4x its context).
+_SCHEDULED_PER_POSITION = 4
+
+
+@dataclass
+class SpecGeneration(Generation):
+    proposed: int = 0  # draft tokens verified
+    accepted: int = 0  # of which the target agreed
+    target_steps: int = 0  # target forwards
+    rejected_keys: List[int] = field(default_factory=list)  # keys discarded, in order
+
+    @property
+    def acceptance(self) -> float:
+        return self.accepted / self.proposed if self.proposed else 0.0
+
+
+def generate_mtp(
+    ck: Checkpoint,
+    head: MTPHead,
+    mode: str,
+    row_format: str,
+    device: torch.device,
+    prompts: Sequence[Sequence[int]],
+    max_new: int,
+    hot_size: Optional[int] = None,
+    *,
+    max_batch: Optional[int] = None,
+    key_format: Optional[str] = None,
+    backend: str = "auto",
+    store_wrapper=None,
+) -> SpecGeneration:
+    """Greedy tokens of every prompt by MTP speculation; ``ck`` / ``head`` from
+    ``mtp.load_mtp``. ``store_wrapper(store)``: a test wraps the store (e.g. to check reads)."""
+    check_options(row_format, mode)
+    ctx = _context(prompts, max_new + 1)
+    if mode == "hisparse":
+        ctx *= _SCHEDULED_PER_POSITION
+    rb = ROW_LAYOUTS[row_format].row_bytes
+    nmax = max(1, min(max_batch or len(prompts), len(prompts)))
+    if mode == "resident":
+        store = ResidentRows(ck.cfg, rb, ctx, device, nmax)
+    else:
+        store = HiSparseRows(ck.cfg, rb, ctx, device, hot_size or 2 * ck.cfg.index_topk, nmax)
+    fwd = DSAForward(
+        ck,
+        row_format,
+        device,
+        max_requests=nmax,
+        max_context=ctx,
+        key_format=key_format,
+        backend=backend,
+    )
+    out = SpecGeneration(mode)
+    out.tokens = [[] for _ in prompts]
+    out.gaps = [[] for _ in prompts]
+    out.first_logits = [None] * len(prompts)
+    t0 = time.perf_counter()
+    inner = store
+    if store_wrapper is not None:
+        store = store_wrapper(store)
+    try:
+        _Loop(MTPModel(fwd, head), store, prompts, max_new, nmax, out).run()
+    finally:
+        out.counters = inner.close()
+    out.seconds = time.perf_counter() - t0
+    return out
+
+
+class _Loop:
+    def __init__(self, model: MTPModel, store, prompts, max_new: int, nmax: int, out) -> None:
+        self.m, self.store, self.prompts = model, store, prompts
+        self.max_new, self.nmax, self.out = max_new, nmax, out
+        self.dev = model.fwd.device
+        self.length: Dict[int, int] = {}  # request -> positions whose target rows are confirmed
+        self.draft: Dict[int, Optional[int]] = {}  # request -> its draft token (None: none)
+
+    def _forward_inputs(self, toks, pos, counts, blocks):
+        """(tokens, batch, each row's end in the token list) of rows of ``counts`` tokens."""
+        req = [b for b, n in enumerate(counts) for _ in range(n)]
+        ends = torch.tensor(counts).cumsum(0).tolist()
+        seq = [p[-1] + 1 for p in _split(pos, counts)]
+        batch = self.m.fwd.batch(
+            _upload(pos, torch.int64, self.dev),
+            _upload(req, torch.int64, self.dev),
+            _upload(seq, torch.int64, self.dev),
+            _upload(blocks, torch.int64, self.dev),
+        )
+        return _upload(toks, torch.int64, self.dev), batch, ends
+
+    def run(self) -> None:
+        waiting = list(range(len(self.prompts)))
+        running: List[int] = []
+        while waiting or running:
+            # Requests without a draft (one token left) are one-token decodes: first.
+            single = [r for r in running if self.draft[r] is None]
+            verify = [r for r in running if self.draft[r] is not None]
+            rows = single + verify
+            if waiting and len(running) < self.nmax:
+                rows.append(waiting.pop(0))
+            running = self._step(rows, len(single), len(single) + len(verify))
+
+    def _step(self, rows: List[int], nd: int, nrun: int) -> List[int]:
+        out, store = self.out, self.store
+        toks, pos, counts = [], [], []
+        for b, r in enumerate(rows):
+            if b >= nrun:  # the admitted prompt
+                p = list(self.prompts[r])
+                toks += p
+                pos += range(len(p))
+            else:
+                n = self.length[r]
+                toks.append(out.tokens[r][-1])
+                pos.append(n)
+                if self.draft[r] is not None:
+                    toks.append(self.draft[r])
+                    pos.append(n + 1)
+            counts.append(len(pos) - sum(counts))
+        blocks = store.begin({f"req-{r}": c for r, c in zip(rows, counts)})
+        tokens, batch, ends = self._forward_inputs(toks, pos, counts, blocks)
+        # Logits of every verified token: a row's last two (verify), else its last.
+        want = []
+        for b, r in enumerate(rows):
+            two = b < nrun and self.draft[r] is not None
+            want += [ends[b] - 2, ends[b] - 1] if two else [ends[b] - 1]
+        hidden, logits = self.m.target(
+            store, tokens, batch, _upload(want, torch.int64, self.dev), nd
+        )
+        store.end()
+        out.target_steps += 1
+        top = logits.topk(2, dim=-1).values
+        gaps, picked = (top[:, 0] - top[:, 1]).tolist(), logits.argmax(-1).tolist()
+        # Draft inputs: (request, tokens, positions, target hidden rows) of confirmed positions.
+        drafts, j, still = [], 0, []
+        for b, r in enumerate(rows):
+            first = ends[b] - counts[b]
+            if b >= nrun:  # prefill: every prompt position, the last one's token just picked
+                self.length[r] = counts[b]
+                out.first_logits[r] = logits[j].float().cpu()
+                self._emit(r, picked[j], gaps[j])
+                nxt = list(self.prompts[r][1:]) + [picked[j]]
+                drafts.append((r, nxt, list(range(counts[b])), list(range(first, ends[b]))))
+                j += 1
+            elif self.draft[r] is None:
+                n = self.length[r]
+                self.length[r] = n + 1
+                self._emit(r, picked[j], gaps[j])
+                drafts.append((r, [picked[j]], [n], [first]))
+                j += 1
+            else:
+                n, d = self.length[r], self.draft[r]
+                out.proposed += 1
+                if picked[j] == d:
+                    out.accepted += 1
+                    self._emit(r, d, gaps[j])
+                    self._emit(r, picked[j + 1], gaps[j + 1])
+                    self.length[r] = n + 2
+                    drafts.append((r, [d, picked[j + 1]], [n, n + 1], [first, first + 1]))
+                else:
+                    self._emit(r, picked[j], gaps[j])
+                    self.length[r] = n + 1
+                    key = blocks[b] * self.m.fwd.max_context + n + 1
+                    out.rejected_keys.append(key)
+                    discard(store, f"req-{r}", [key])
+                    drafts.append((r, [picked[j]], [n], [first]))
+                j += 2
+            left = self.max_new - len(out.tokens[r])
+            if left <= 0:
+                store.finish(f"req-{r}")
+                continue
+            still.append(r)
+            self.draft[r] = None
+        # A request with one token left decodes it plainly: no draft needed.
+        self._draft_pass([d for d in drafts if self.max_new - len(out.tokens[d[0]]) >= 2], hidden)
+        return still
+
+    def _emit(self, r: int, token: int, gap: float) -> None:
+        if len(self.out.tokens[r]) < self.max_new:
+            self.out.tokens[r].append(token)
+            self.out.gaps[r].append(gap)
+
+    def _draft_pass(self, drafts, hidden: torch.Tensor) -> None:
+        if not drafts:
+            return
+        drafts.sort(key=lambda d: len(d[1]) > 1)  # one-token rows are decodes: first
+        nd = sum(len(d[1]) == 1 for d in drafts)
+        toks = [t for d in drafts for t in d[1]]
+        pos = [p for d in drafts for p in d[2]]
+        counts = [len(d[1]) for d in drafts]
+        src = _upload([i for d in drafts for i in d[3]], torch.int64, self.dev)
+        blocks = self.store.begin({f"req-{d[0]}": len(d[1]) for d in drafts})
+        tokens, batch, ends = self._forward_inputs(toks, pos, counts, blocks)
+        last = _upload([e - 1 for e in ends], torch.int64, self.dev)
+        logits = self.m.draft(self.store, tokens, hidden[src], batch, last, nd)
+        self.store.end()
+        for d, t in zip(drafts, logits.argmax(-1).tolist()):
+            self.draft[d[0]] = t
+
+
+def _split(xs: Sequence[int], counts: Sequence[int]) -> List[List[int]]:
+    out, s = [], 0
+    for n in counts:
+        out.append(list(xs[s : s + n]))
+        s += n
+    return out

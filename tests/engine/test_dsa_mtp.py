@@ -1,0 +1,188 @@
+"""MTP speculative greedy decoding in the DSA engine (hisparse.engine.dsa.mtp_generate) on the
+CPU: the tokens (and logit gaps) of plain greedy in both modes, acceptance above one half on a
+checkpoint whose MTP layer agrees with the target, and rows of rejected draft tokens never read
+before they are written again."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from hisparse.engine.dsa import mtp as mtp_module
+from hisparse.engine.dsa.generate import MODES, byte_prompts, generate
+from hisparse.engine.dsa.mtp import load_mtp
+from hisparse.engine.dsa.mtp_generate import generate_mtp
+from hisparse.models.checkpoint import write_safetensors
+from hisparse.models.dsa.random_checkpoint import random_weights, write_random_checkpoint
+from hisparse.models.dsa.weights import CheckpointError, load_checkpoint
+from tests.engine.dsa_helpers import ARCHS, one_thread, tie_aware_mismatch
+
+CPU = torch.device("cpu")
+PROMPTS, NEW = 3, 16
+# The agreeing checkpoint's target layers add little to the embedding (o_proj / down_proj
+# scaled by this), so its next token depends mostly on the current one, as the draft's does.
+DAMP = 0.005
+
+
+def write_mtp_checkpoint(out: Path, arch: str, agree: bool, seed: int = 3) -> Path:
+    """A tiny checkpoint with one MTP layer ``model.layers.{num_hidden_layers}.*``. ``agree``:
+    the MTP layer is the last target layer's copy, ``eh_proj`` passes the next token's embedding
+    (at the embedding's scale) and the shared head is the target's norm and LM head, over a
+    damped target; otherwise every MTP weight is random (drafts are mostly rejected)."""
+    write_random_checkpoint(out, arch, seed=seed, num_nextn_predict_layers=1)
+    hf = json.loads((out / "config.json").read_text())
+    w = random_weights(hf, seed)
+    n, hid = hf["num_hidden_layers"], hf["hidden_size"]
+    if agree:
+        for k in w:
+            if k.endswith(("o_proj.weight", "down_proj.weight")):
+                w[k] = DAMP * w[k]
+    gen = torch.Generator().manual_seed(seed + 1)
+
+    def fresh(t):
+        return t.clone() if agree else 0.1 * torch.randn(t.shape, generator=gen)
+
+    mtp, last = f"model.layers.{n}.", f"model.layers.{n - 1}."
+    full = max(i for i in range(n) if f"model.layers.{i}.self_attn.indexer.wk.weight" in w)
+    for k, v in list(w.items()):
+        if k.startswith(last):
+            w[mtp + k[len(last) :]] = fresh(v)
+        elif k.startswith(f"model.layers.{full}.self_attn.indexer."):  # GLM-5: last is shared
+            w[mtp + k[len(f"model.layers.{full}.") :]] = fresh(v)
+    emb = w["model.embed_tokens.weight"]
+    eh = torch.zeros(hid, 2 * hid)
+    eh[:, :hid] = float(emb.pow(2).mean().sqrt()) * torch.eye(hid)
+    w.update(
+        {
+            mtp + "enorm.weight": torch.ones(hid),
+            mtp + "hnorm.weight": torch.ones(hid),
+            mtp + "eh_proj.weight": eh if agree else fresh(eh),
+            mtp + "shared_head.norm.weight": w["model.norm.weight"].clone(),
+            mtp + "shared_head.head.weight": fresh(w["lm_head.weight"]),
+            mtp + "embed_tokens.weight": emb.clone(),
+        }
+    )
+    write_safetensors(out / "model.safetensors", w)
+    return out
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("dsa_mtp")
+    return {
+        (a, agree): write_mtp_checkpoint(root / f"{a}-{agree}", a, agree)
+        for a in ARCHS
+        for agree in (True, False)
+    }
+
+
+class StaleReadCheck:
+    """Wraps a store: a key the generator discards (a rejected draft token's position) must be
+    saved again in a layer before that layer reads it."""
+
+    def __init__(self, store, layers: int) -> None:
+        self.inner, self.stale = store, [set() for _ in range(layers)]
+        self.discarded = self.stale_reads = 0
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def discard(self, rid, keys) -> None:
+        self.discarded += len(keys)
+        for s in self.stale:
+            s.update(int(k) for k in keys)
+        mtp_module.discard(self.inner, rid, keys)
+
+    def save(self, layer, rows, keys) -> None:
+        self.stale[layer].difference_update(keys.tolist())
+        self.inner.save(layer, rows, keys)
+
+    def _check(self, layer, keys) -> None:
+        hit = self.stale[layer].intersection(keys[keys >= 0].tolist())
+        self.stale_reads += len(hit)
+        assert not hit, f"layer {layer} read rejected rows {sorted(hit)} before rewriting them"
+
+    def decode_rows(self, layer, keys):
+        self._check(layer, keys)
+        return self.inner.decode_rows(layer, keys)
+
+    def prefill_rows(self, layer, keys):
+        self._check(layer, keys)
+        return self.inner.prefill_rows(layer, keys)
+
+
+def _run(d: Path, mode: str, wrap=None):
+    ck = load_checkpoint(d, CPU)
+    ext, head = load_mtp(d, ck, CPU)
+    prompts = byte_prompts(ck, PROMPTS)
+    checks = []
+
+    def wrapper(store):
+        checks.append((wrap or StaleReadCheck)(store, ext.cfg.num_layers))
+        return checks[-1]
+
+    with one_thread():
+        plain = generate(ck, mode, "f32", CPU, prompts, NEW, max_batch=2)
+        spec = generate_mtp(
+            ext, head, mode, "f32", CPU, prompts, NEW, max_batch=2, store_wrapper=wrapper
+        )
+    return plain, spec, checks[0]
+
+
+@pytest.mark.parametrize("agree", [True, False], ids=["agreeing", "random-mtp"])
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("arch", ARCHS)
+def test_speculative_tokens_are_plain_greedy(checkpoints, arch, mode, agree):
+    plain, spec, check = _run(checkpoints[arch, agree], mode)
+    equal = sum(a == b for a, b in zip(plain.tokens, spec.tokens))
+    line = (
+        f"{arch} {mode} {'agreeing' if agree else 'random'} MTP: tokens equal {equal}/{PROMPTS}, "
+        f"acceptance {spec.accepted}/{spec.proposed} = {spec.acceptance:.2f}, "
+        f"{spec.target_steps} target steps for {PROMPTS * NEW} tokens, "
+        f"{check.discarded} rejected rows discarded, 0 read stale"
+    )
+    print(line)
+    for i in range(PROMPTS):
+        bad = tie_aware_mismatch(plain.tokens[i], spec.tokens[i], plain.gaps[i], spec.gaps[i])
+        assert bad is None, f"prompt {i}: {bad}; {line}"
+    if equal == PROMPTS:  # same tokens: the same logits up to summation order
+        for a, b in zip(plain.gaps, spec.gaps):
+            assert torch.allclose(torch.tensor(a), torch.tensor(b), atol=1e-4), line
+    assert spec.proposed > 0 and check.stale_reads == 0
+    if agree:
+        assert spec.acceptance > 0.5, line
+        assert spec.target_steps < PROMPTS * NEW * 0.8, line
+    assert check.discarded == spec.proposed - spec.accepted, line  # every rejection discarded
+    if mode == "hisparse":
+        c = spec.counters
+        assert c["hits"] + c["misses"] > 0, c  # the hot buffer served the decodes
+
+
+def test_a_rejected_row_left_unwritten_is_caught(checkpoints):
+    """Negative control: a store that skips saving a discarded position again makes the layers
+    read the rejected row, which the check reports."""
+
+    class SkipRewrite(StaleReadCheck):
+        def save(self, layer, rows, keys):
+            keep = torch.tensor([k not in self.stale[layer] for k in keys.tolist()])
+            if not keep.all():
+                self.inner.save(layer, rows[keep], keys[keep])
+                return
+            super().save(layer, rows, keys)
+
+    with pytest.raises(AssertionError, match="read rejected rows"):
+        _run(checkpoints["deepseek_v32", False], "resident", SkipRewrite)
+
+
+def test_a_checkpoint_without_mtp_layer_is_refused_in_one_line(tmp_path):
+    d = write_random_checkpoint(tmp_path / "plain", "deepseek_v32", seed=3)
+    ck = load_checkpoint(d, CPU)
+    with pytest.raises(CheckpointError, match="num_nextn_predict_layers"):
+        load_mtp(d, ck, CPU)
+    cfg = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**cfg, "num_nextn_predict_layers": 1}))
+    with pytest.raises(CheckpointError, match="MTP layer 4 has no indexer"):
+        load_mtp(d, load_checkpoint(d, CPU), CPU)
