@@ -237,6 +237,33 @@ def run(args, batch: int, modes) -> dict:
     return row
 
 
+def profile_kernels(args, batch: int, top: int) -> None:
+    """GPU time per eager step by kernel, for each mode (``--profile``)."""
+    import collections
+
+    from torch.profiler import ProfilerActivity, profile
+
+    both = ("resident", "hisparse")
+    st = Step(args, batch, both)
+    for mode in both:
+        for _ in range(2):
+            st.stage()
+            st.forward(mode)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(args.steps):
+                st.stage()
+                st.forward(mode)
+            torch.cuda.synchronize()
+        us = collections.Counter()
+        for e in prof.events():
+            if e.device_type == torch.autograd.DeviceType.CUDA:
+                us[e.name[:80]] += e.device_time / args.steps / args.layers
+        print(f"\n{mode} batch {batch}: {sum(us.values()):.1f} us of kernels per layer")
+        for name, t in us.most_common(top):
+            print(f"{t:9.1f} us  {name}")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--context", type=int, default=32768)
@@ -249,11 +276,16 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--capacity", action="store_true", help="each mode at its budget's limit")
     p.add_argument("--out", type=Path)
+    p.add_argument("--profile", type=int, default=0, help="print the top N kernels per mode")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_dsa_core needs a CUDA GPU", file=sys.stderr)
         return 2
     both = ("resident", "hisparse")
+    if args.profile:
+        for b in (int(x) for x in args.batches.split(",") if x):
+            profile_kernels(args, b, args.profile)
+        return 0
     rows = []
     for b in (int(x) for x in args.batches.split(",") if x):
         t0 = time.time()

@@ -172,7 +172,8 @@ class SparseMLACore:
         top_k = self.cfg.index_topk
         if scores.device.type != "cpu":  # one ranking over the padded rows, no host sync
             if self.kernel_index:  # the kernel already gave -inf past each token's position
-                best, idx = scores.topk(min(top_k, scores.shape[1]), dim=-1)
+                # unsorted: the positions are sorted next; ranking the values too cost a sort
+                best, idx = scores.topk(min(top_k, scores.shape[1]), dim=-1, sorted=False)
                 return torch.where(torch.isfinite(best), idx, torch.full_like(idx, -1))
             return _masked_top_k(scores, batch.positions, top_k)
         # The CPU: rank each token's own context (the request's seq_len keys), as transformers.

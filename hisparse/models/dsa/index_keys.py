@@ -63,11 +63,13 @@ def decode_keys(b: torch.Tensor, fmt: str, dim: int) -> torch.Tensor:
     return q * scale
 
 
-def _planes(cache: torch.Tensor, fmt: str, dim: int, block_size: int):
-    """(keys [blocks, block_size, D or 4D], scales [blocks, block_size, 4] or None) views."""
-    if cache.dtype != torch.uint8 or cache.dim() != 2:
+def _byte_index(cache: torch.Tensor, slots: torch.Tensor, fmt: str, dim: int, block_size: int):
+    """Flat byte offsets into the paged ``cache`` of each slot's key bytes: [*slots.shape,
+    key_bytes] (an fp8 key's D value bytes, then its 4 scale bytes). Indexing the flat bytes
+    touches only those rows; assigning through a strided view of the cache touched all of it."""
+    if cache.dtype != torch.uint8 or cache.dim() != 2 or not cache.is_contiguous():
         raise ValueError(
-            f"an index key cache is uint8 [blocks, bytes], got {cache.dtype} {cache.shape}"
+            f"an index key cache is contiguous uint8 [blocks, bytes], got {cache.shape}"
         )
     kb = key_bytes(fmt, dim)
     if cache.shape[1] != block_size * kb:
@@ -75,32 +77,26 @@ def _planes(cache: torch.Tensor, fmt: str, dim: int, block_size: int):
             f"an index key cache block of {block_size} {fmt} keys has {block_size * kb} bytes, "
             f"got {cache.shape[1]}"
         )
-    n = cache.shape[0]
+    slots = slots.long()
+    base = torch.div(slots, block_size, rounding_mode="floor") * (block_size * kb)
+    off = (slots % block_size).unsqueeze(-1)
+    base = base.unsqueeze(-1)
     if fmt == "f32":
-        return cache.view(n, block_size, kb), None
-    keys = cache[:, : block_size * dim].view(n, block_size, dim)
-    return keys, cache[:, block_size * dim :].view(n, block_size, 4)
+        return base + off * kb + torch.arange(kb, device=slots.device)
+    keys = base + off * dim + torch.arange(dim, device=slots.device)
+    scales = base + block_size * dim + off * 4 + torch.arange(4, device=slots.device)
+    return torch.cat([keys, scales], dim=-1)
 
 
-def store_keys(
-    cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, fmt: str, block_size: int
-):
+def store_keys(cache: torch.Tensor, slots, k: torch.Tensor, fmt: str, block_size: int) -> None:
     """Write keys ``k`` [T, D] (float) at ``slots`` [T] of the paged ``cache``."""
-    dim = k.shape[-1]
-    keys, scales = _planes(cache, fmt, dim, block_size)
-    b = encode_keys(k, fmt)
-    blk, off = torch.div(slots, block_size, rounding_mode="floor"), slots % block_size
-    if scales is None:
-        keys[blk, off] = b
-        return
-    keys[blk, off] = b[:, :dim]
-    scales[blk, off] = b[:, dim:]
+    idx = _byte_index(cache, slots, fmt, k.shape[-1], block_size)
+    # index_copy_, not an indexed assignment: index_put_ took 1000x longer on a 130 MB cache
+    cache.view(-1).index_copy_(0, idx.reshape(-1), encode_keys(k, fmt).reshape(-1))
 
 
 def load_keys(cache: torch.Tensor, slots: torch.Tensor, fmt: str, dim: int, block_size: int):
     """Keys at ``slots`` (any shape, >= 0) of the paged ``cache`` -> float32 [*slots.shape, D]."""
-    keys, scales = _planes(cache, fmt, dim, block_size)
-    blk, off = torch.div(slots, block_size, rounding_mode="floor"), slots % block_size
-    if scales is None:
-        return decode_keys(keys[blk, off], fmt, dim)
-    return decode_keys(torch.cat([keys[blk, off], scales[blk, off]], dim=-1), fmt, dim)
+    idx = _byte_index(cache, slots, fmt, dim, block_size)
+    got = cache.view(-1).index_select(0, idx.reshape(-1)).view(idx.shape)
+    return decode_keys(got, fmt, dim)
