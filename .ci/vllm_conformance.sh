@@ -85,7 +85,7 @@ if [ $rc -ne 0 ]; then
     exit $rc
 fi
 echo "--- stage 4: DeepSeek-V3.2 / GLM-5 checkpoints against transformers (bounded: 25 min)"
-served_stage DSA 1500 'dsa-*.log' test_vllm_dsa.py
+served_stage DSA 1500 'dsa-*.log' test_vllm_dsa.py test_vllm_dsa_fp8.py
 echo "--- stage 5: tensor parallel, TP 2 vs TP 1 with one shared host pool (bounded: 10 min)"
 served_stage tensor-parallel 600 'tp*.log' test_vllm_tp.py
 echo "VLLM CONFORMANCE PASSED"

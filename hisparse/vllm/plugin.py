@@ -7,6 +7,8 @@ the model class by its import path and installs hisparse's few vLLM patches
 
 from __future__ import annotations
 
+import logging
+
 from hisparse.models.checkpoint import ARCHITECTURE
 
 MODEL_CLASS = "hisparse.vllm.model:HiSparseMLAForCausalLM"
@@ -28,3 +30,12 @@ def register() -> None:
     for name, model_class in DSA_ARCHITECTURES.values():
         if name not in ModelRegistry.get_supported_archs():
             ModelRegistry.register_model(name, model_class)
+    # Block-FP8 checkpoints: their quantization_config becomes a block size the classes'
+    # loader dequantizes with, before vLLM would build FP8 linear methods from it.
+    from hisparse.vllm.dsa.weights import register_config_hook
+
+    why = register_config_hook(name for name, _ in DSA_ARCHITECTURES.values())
+    if why is not None:
+        logging.getLogger("vllm.hisparse").warning(
+            "hisparse: FP8 config hook not installed: %s", why
+        )

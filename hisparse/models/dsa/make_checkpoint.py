@@ -6,6 +6,7 @@ byte-level tokenizer of ``hisparse.models.checkpoint`` so vLLM serves the direct
 transformers is imported only when a checkpoint is made (it is not a hisparse dependency).
 
     make_checkpoint(out_dir, "deepseek_v32")   # or "glm_moe_dsa"
+    fp8_dir, ref_dir = make_fp8_checkpoint(out_dir, "glm_moe_dsa")  # block-FP8, as released
 
 Weights are transformers' seeded init, then: non-trivial norms and routing biases (so loading
 them is exercised) and an LM head scaled by ``HEAD_GAIN`` (wider logit gaps: greedy tokens are
@@ -16,7 +17,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Union
+from typing import Sequence, Tuple, Union
 
 import torch
 
@@ -117,3 +118,27 @@ def make_checkpoint(out_dir: Union[str, Path], arch: str, seed: int = 0) -> Path
     for name, payload in files.items():
         (out / name).write_text(json.dumps(payload, indent=1) + "\n")
     return out
+
+
+def make_fp8_checkpoint(
+    out_dir: Union[str, Path],
+    arch: str,
+    seed: int = 0,
+    block: Sequence[int] = (128, 128),
+    shards: int = 1,
+) -> Tuple[Path, Path]:
+    """(``out_dir/fp8``, ``out_dir/dequantized``): the seeded tiny ``arch`` checkpoint in
+    DeepSeek's block-FP8 format (``hisparse.models.dsa.fp8_weights``), and the same checkpoint
+    with those weights dequantized to float32 - what transformers runs as the reference. 128 x 128
+    blocks (the released size) leave partial edge blocks at these sizes (96, 576, 64 wide), so
+    the edge handling is exercised; ``shards`` > 1 splits the weights over files with an index."""
+    import shutil
+
+    from hisparse.models.dsa.fp8_weights import quantize_checkpoint
+
+    out = Path(out_dir)
+    src = make_checkpoint(out / "source", arch, seed)
+    fp8_dir, ref_dir = out / "fp8", out / "dequantized"
+    quantize_checkpoint(src, fp8_dir, block, dequantized=ref_dir, shards=shards)
+    shutil.rmtree(src)
+    return fp8_dir, ref_dir

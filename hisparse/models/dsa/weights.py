@@ -1,78 +1,102 @@
 """A DeepSeek-V3.2 / GLM-5 checkpoint directory read without transformers or numpy: config.json,
 safetensors by the tensor names transformers writes (one file or an index of shards), every
-tensor to float32 on one device. The inverse for tests and demos, a seeded tiny checkpoint with
-the same config fields and tensor names written without transformers, is
-``hisparse.models.dsa.random_checkpoint`` (``make_checkpoint`` makes them with transformers).
+tensor to float32 on one device. Unquantized checkpoints (F32 / F16 / BF16 / F64) and DeepSeek's
+block-FP8 ones (``hisparse.models.dsa.fp8_weights``: dequantized here, at load) are read. The
+inverse for tests and demos, a seeded tiny checkpoint with the same config fields and tensor
+names written without transformers, is ``hisparse.models.dsa.random_checkpoint``
+(``make_checkpoint`` makes them with transformers).
 
 ``load_checkpoint(dir, device)`` -> ``Checkpoint`` (configs, the embedding / norm / head, and per
 layer the ``self_attn.*`` and ``mlp.*`` tensors keyed by suffix). Every error is one line naming
-the directory, file or tensor that is wrong.
+the directory, file or tensor that is wrong; every header (offsets, dtypes, byte spans, shapes
+against config.json) is checked before a byte of tensor data is read.
 """
 
 from __future__ import annotations
 
 import json
-import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, List, Mapping, Union
+from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Union
 
 import torch
 
+from hisparse.models.dsa import fp8_weights as fp8
 from hisparse.models.dsa.config import DSAConfig, DSAConfigError
 from hisparse.models.dsa.decoder import DecoderSpec
-
-_DTYPES = {
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "F64": torch.float64,
-}
+from hisparse.models.dsa.tensor_files import CheckpointError, Entry, read_header, read_tensor
+from hisparse.models.dsa.weight_shapes import expected_shapes, shape_error
 
 
-class CheckpointError(ValueError):
-    """The directory is not a readable DSA checkpoint (the message names what is wrong)."""
-
-
-def _header(path: Path) -> dict:
+def read_safetensors(path: Union[str, Path], device: torch.device) -> Dict[str, torch.Tensor]:
+    """Every tensor of one safetensors file, as float32 on ``device`` (FP8 values as stored)."""
+    path = Path(path)
+    entries = read_header(path)
     with open(path, "rb") as f:
-        head = f.read(8)
-        if len(head) < 8:
-            raise CheckpointError(f"{path} is not a safetensors file (shorter than 8 bytes)")
-        (n,) = struct.unpack("<Q", head)
-        try:
-            return json.loads(f.read(n))
-        except ValueError as e:
-            raise CheckpointError(f"{path} has no valid safetensors header ({e})") from None
+        return {
+            n: read_tensor(f, e).to(device=device, dtype=torch.float32) for n, e in entries.items()
+        }
 
 
-def read_safetensors(path: Path, device: torch.device) -> Dict[str, torch.Tensor]:
-    """Every tensor of one safetensors file, as float32 on ``device``."""
-    header = _header(path)
-    base = 8 + struct.unpack("<Q", path.open("rb").read(8))[0]
-    out = {}
-    with open(path, "rb") as f:
-        for name, info in header.items():
-            if name == "__metadata__":
-                continue
-            dtype = _DTYPES.get(info["dtype"])
-            if dtype is None:
+def _check_dtype(e: Entry, entries: Mapping[str, Entry], block) -> None:
+    """The FP8 rules: F8_E4M3 only for the quantized linears of a block-FP8 config, each with
+    its weight_scale_inv; a weight_scale_inv only beside an F8_E4M3 weight."""
+    if e.dtype == "F8_E4M3":
+        if block is None:
+            raise CheckpointError(
+                f"{e.where()} is F8_E4M3; only unquantized checkpoints are read when config.json "
+                "has no block-FP8 quantization_config"
+            )
+        if not fp8.is_quantized(e.name):
+            raise CheckpointError(
+                f"{e.where()} is F8_E4M3, but block-FP8 checkpoints keep it unquantized"
+            )
+        if fp8.scale_name(e.name) not in entries:
+            raise CheckpointError(
+                f"{e.where()} is F8_E4M3 but no file holds {fp8.scale_name(e.name)!r}"
+            )
+    elif e.name.endswith(fp8.SCALE_SUFFIX):
+        w = entries.get(fp8.weight_name(e.name))
+        if w is None or w.dtype != "F8_E4M3":
+            raise CheckpointError(
+                f"{e.where()} scales {fp8.weight_name(e.name)!r}, which the checkpoint holds "
+                f"{'as ' + w.dtype if w is not None else 'nowhere'} (not F8_E4M3)"
+            )
+
+
+def check_headers(
+    files: Iterable[Path], hf, cfg: DSAConfig, block: Optional[Sequence[int]]
+) -> Dict[str, Entry]:
+    """Every tensor entry of ``files`` by name, each checked against its file, the FP8 rules and
+    the shape config.json gives it; no tensor data is read. One line naming file and tensor."""
+    entries: Dict[str, Entry] = {}
+    for path in files:
+        for name, e in read_header(path).items():
+            if name in entries:
                 raise CheckpointError(
-                    f"{path.name}: tensor {name!r} is {info['dtype']}; only unquantized "
-                    f"checkpoints ({', '.join(_DTYPES)}) are read"
+                    f"{e.where()} is also in {entries[name].path} (which one is meant?)"
                 )
-            lo, hi = info["data_offsets"]
-            f.seek(base + lo)
-            raw = bytearray(f.read(hi - lo))
-            t = torch.frombuffer(raw, dtype=dtype) if raw else torch.empty(0, dtype=dtype)
-            out[name] = t.reshape(info["shape"]).to(device=device, dtype=torch.float32)
-    return out
+            entries[name] = e
+    expected = expected_shapes(hf, cfg, block)
+    for name, e in entries.items():
+        _check_dtype(e, entries, block)
+        want = expected.get(name)
+        if want is not None and e.shape != want:
+            raise CheckpointError(shape_error(str(e.path), name, e.shape, want))
+    return entries
 
 
-def _weight_files(d: Path) -> List[Path]:
+def weight_files(d: Path) -> List[Path]:
+    """The safetensors files of ``d``: the shards its index names, else every *.safetensors."""
     index = d / "model.safetensors.index.json"
     if index.is_file():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        try:
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise CheckpointError(f"{index} is not a safetensors index ({e!r})") from None
+        missing = [s for s in shards if not (d / str(s)).is_file()]
+        if missing:
+            raise CheckpointError(f"{index} names {missing[0]!r}, which {d} does not hold")
         return [d / s for s in shards]
     files = sorted(d.glob("*.safetensors"))
     if not files:
@@ -160,17 +184,53 @@ def checkpoint_config(d: Union[str, Path]):
         raise CheckpointError(f"--model {d} is not a DSA checkpoint we run: {e}") from None
 
 
+def fp8_block(hf: Mapping, d: Union[str, Path]) -> Optional[Sequence[int]]:
+    """The checkpoint's FP8 block size (None: unquantized), refused in one line if unreadable."""
+    try:
+        return fp8.block_size(hf.get("quantization_config"))
+    except CheckpointError as e:
+        raise CheckpointError(f"--model {d}: {e}") from None
+
+
+def _present(name: str, entries: Mapping[str, Entry]) -> bool:
+    if name in entries:
+        return True
+    p = name.split(".mlp.experts.")[0] + ".mlp.experts."
+    return ".mlp.experts." in name and p + "gate_up_proj" in entries
+
+
+def _read(entries: Mapping[str, Entry], block, device: torch.device) -> Dict[str, torch.Tensor]:
+    """Every tensor as float32 on ``device``, FP8 weights dequantized by their scales."""
+    by_file: Dict[Path, List[Entry]] = {}
+    for e in entries.values():
+        by_file.setdefault(e.path, []).append(e)
+    raw: Dict[str, torch.Tensor] = {}
+    for path, es in by_file.items():
+        with open(path, "rb") as f:
+            raw.update({e.name: read_tensor(f, e) for e in es})
+    out = {}
+    for name, t in raw.items():
+        if name.endswith(fp8.SCALE_SUFFIX):
+            continue
+        if t.dtype == fp8.FP8:
+            t = fp8.dequantize(t, raw[fp8.scale_name(name)], block)
+        out[name] = t.to(device=device, dtype=torch.float32)
+    return out
+
+
 def load_checkpoint(d: Union[str, Path], device: torch.device) -> Checkpoint:
-    """Configs first (cheap, one-line errors), then the weights onto ``device``."""
+    """Configs first, then every header (against its file and config.json), then the weights
+    onto ``device``: nothing is read or computed before a one-line error could be raised."""
     d = Path(d)
     cfg, spec, hf = checkpoint_config(d)
-    tensors: Dict[str, torch.Tensor] = {}
-    for f in _weight_files(d):
-        tensors.update(read_safetensors(f, device))
-    _unfuse_experts(tensors)
+    block = fp8_block(hf, d)
+    entries = check_headers(weight_files(d), hf, cfg, block)
     for i in range(cfg.num_layers):
         for name in _required(cfg, spec, i):
-            _need(tensors, name, d)
+            if not _present(name, entries):
+                raise CheckpointError(f"{d}: the weights lack {name!r}")
+    tensors = _read(entries, block, device)
+    _unfuse_experts(tensors)
     embed = _need(tensors, "model.embed_tokens.weight", d)
     head = tensors.get("lm_head.weight", embed if spec.tie_embeddings else None)
     layers = range(cfg.num_layers)

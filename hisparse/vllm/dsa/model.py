@@ -19,20 +19,19 @@ import torch
 from torch import nn
 from vllm.config import VllmConfig
 from vllm.forward_context import get_forward_context
-from vllm.model_executor.layers.fused_moe import fused_moe_make_expert_params_mapping
 from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
 from vllm.model_executor.layers.vocab_parallel_embedding import (
     ParallelLMHead,
     VocabParallelEmbedding,
 )
-from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 from vllm.model_executor.models.deepseek_v2 import DeepseekV2MLP, DeepseekV2MoE
 
 from hisparse.models.dsa.config import DSAConfig
 from hisparse.models.dsa.core import TokenBatch, token_rows
 from hisparse.models.rows import ROW_LAYOUTS
 from hisparse.vllm.dsa.attention import DSAAttention, Step
+from hisparse.vllm.dsa.weights import load_dsa_weights
 from hisparse.vllm.layers import SparseMLACache
 from hisparse.vllm.model import HiSparseMLAForCausalLM, uses_hisparse_connector
 
@@ -163,46 +162,7 @@ class _DSAForCausalLM(nn.Module):
         return self.model.norm(x)
 
     def load_weights(self, weights: Iterable[Tuple[str, torch.Tensor]]) -> Set[str]:
-        params = dict(self.named_parameters())
-        experts = fused_moe_make_expert_params_mapping(
-            self, "gate_proj", "down_proj", "up_proj", self.n_routed_experts
-        )
-        loaded: Set[str] = set()
-        for name, w in weights:
-            m = _LAYER.match(name)
-            if m and int(m.group(1)) >= self.cfg.num_layers:
-                continue  # multi-token-prediction layers: not served
-            if m and ".indexer." in name and not self.cfg.is_full(int(m.group(1))):
-                continue  # a shared layer's checkpoint may still ship indexer weights
-            target = self._load_one(name, w, params, experts)
-            if target is None:
-                raise ValueError(
-                    f"checkpoint tensor {name!r} has no place in {type(self).__name__}"
-                )
-            loaded.add(target)
-        return loaded
-
-    @staticmethod
-    def _load_one(name: str, w: torch.Tensor, params: dict, experts) -> Optional[str]:
-        if ".mlp.experts." in name:
-            for param_name, weight_name, expert_id, shard in experts:
-                if weight_name in name:
-                    target = name.replace(weight_name, param_name)
-                    p = params[target]
-                    p.weight_loader(p, w, target, shard_id=shard, expert_id=expert_id)
-                    return target
-            return None
-        for shard, part in enumerate(("gate_proj", "up_proj")):
-            if f".{part}." in name:
-                target = name.replace(part, "gate_up_proj")
-                p = params[target]
-                p.weight_loader(p, w, shard)
-                return target
-        if name not in params:
-            return None
-        p = params[name]
-        getattr(p, "weight_loader", default_weight_loader)(p, w)
-        return name
+        return load_dsa_weights(self, weights, self.cfg, self.n_routed_experts)
 
 
 class HiSparseDeepseekV32ForCausalLM(_DSAForCausalLM):
