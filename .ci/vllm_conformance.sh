@@ -86,6 +86,6 @@ if [ $rc -ne 0 ]; then
 fi
 echo "--- stage 4: DeepSeek-V3.2 / GLM-5 checkpoints against transformers (bounded: 25 min)"
 served_stage DSA 1500 'dsa-*.log' test_vllm_dsa.py test_vllm_dsa_fp8.py
-echo "--- stage 5: tensor parallel, TP 2 vs TP 1 with one shared host pool (bounded: 10 min)"
-served_stage tensor-parallel 600 'tp*.log' test_vllm_tp.py
+echo "--- stage 5: tensor parallel, TP 2 vs TP 1 with one shared host pool, rank faults (bounded: 15 min)"
+served_stage tensor-parallel 900 'tp*.log' test_vllm_tp.py test_vllm_tp_faults.py
 echo "VLLM CONFORMANCE PASSED"

