@@ -39,3 +39,9 @@ def register() -> None:
         logging.getLogger("vllm.hisparse").warning(
             "hisparse: FP8 config hook not installed: %s", why
         )
+    # --speculative-config method=mtp: the checkpoints' MTP layer through our draft class.
+    from hisparse.vllm.dsa.mtp_config import install_draft_override
+
+    why = install_draft_override()
+    if why is not None:
+        logging.getLogger("vllm.hisparse").warning("hisparse: MTP draft not installed: %s", why)

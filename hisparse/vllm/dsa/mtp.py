@@ -3,11 +3,9 @@ checkpoint as vLLM's ``method="mtp"`` draft, with the same sparse attention as t
 (``DSADecoderLayer`` / ``DSAAttention``: all-resident, or through the HiSparse connector as the
 index-group leader of its own group).
 
-vLLM 0.32 drafts these model types with ``DeepseekV32MTPModel`` (``SpeculativeConfig.
-hf_config_override``), whose sparse MLA the CPU platform refuses. A draft config only takes the
-target's ``hf_overrides`` when they are a callable (``compose_draft_hf_overrides``), so
-``hf_overrides`` here is that callable: it names our target class for the target config and ours
-for the draft's (Python API: ``LLM(..., hf_overrides=hisparse.vllm.dsa.mtp.hf_overrides)``).
+vLLM 0.32 drafts these model types with ``DeepseekV32MTPModel``, whose sparse MLA the CPU
+platform refuses; ``hisparse.vllm.dsa.mtp_config`` says how a draft config gets this class
+instead (the plugin's patch on the CPU, or the callable ``hf_overrides``).
 
 Weights as the checkpoint stores them, ``model.layers.{num_hidden_layers}.*``: ``enorm``,
 ``hnorm``, ``eh_proj``, the decoder layer, ``shared_head.{norm,head}``; its ``embed_tokens`` is
@@ -30,38 +28,15 @@ from vllm.model_executor.layers.vocab_parallel_embedding import (
     VocabParallelEmbedding,
 )
 
-from hisparse.models.dsa.config import ARCHS, DSAConfig
+from hisparse.models.dsa.config import DSAConfig
 from hisparse.models.dsa.core import TokenBatch, token_rows
 from hisparse.models.rows import ROW_LAYOUTS
 from hisparse.vllm.dsa.attention import Step
 from hisparse.vllm.dsa.model import KEY_FORMAT_KEY, DSADecoderLayer, _routing_config
+from hisparse.vllm.dsa.mtp_config import hf_overrides  # noqa: F401 (the API's callable)
 from hisparse.vllm.dsa.weights import load_dsa_weights
 from hisparse.vllm.layers import SparseMLACache
 from hisparse.vllm.model import HiSparseMLAForCausalLM, uses_hisparse_connector
-
-#: checkpoint architecture -> (our target class name, our draft class name)
-MTP_ARCHITECTURES = {
-    "DeepseekV32ForCausalLM": ("HiSparseDeepseekV32ForCausalLM", "HiSparseDeepseekV32MTP"),
-    "GlmMoeDsaForCausalLM": ("HiSparseGlmMoeDsaForCausalLM", "HiSparseDeepseekV32MTP"),
-}
-DRAFT_CLASS = "hisparse.vllm.dsa.mtp:HiSparseDeepseekV32MTP"
-_VLLM_DRAFT = "DeepseekV32MTPModel"
-
-
-def hf_overrides(hf_config):
-    """The target's ``hf_overrides`` callable: our classes for the target and its MTP draft."""
-    archs = list(getattr(hf_config, "architectures", None) or [])
-    if archs == [_VLLM_DRAFT]:
-        # vLLM rewrote model_type to deepseek_mtp; the config's class still knows the checkpoint
-        # (DSAConfig reads the architecture from the second name).
-        kind = getattr(type(hf_config), "model_type", "")
-        source = {v: k for k, v in ARCHS.items()}.get(kind, "DeepseekV32ForCausalLM")
-        hf_config.architectures = ["HiSparseDeepseekV32MTP", source]
-    else:
-        for arch, (target, _) in MTP_ARCHITECTURES.items():
-            if arch in archs:
-                hf_config.architectures = [target]
-    return hf_config
 
 
 class _Names:
