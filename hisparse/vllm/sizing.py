@@ -84,7 +84,14 @@ def token_row_bytes(vllm_config: Any) -> Optional[int]:
     # checkpoint's override names or the serving dtype implies.
     cfg = DSAConfig.from_hf(hf)
     dtype = str(getattr(model, "dtype", "")).replace("torch.", "")
-    return ROW_LAYOUTS[cfg.row_format_for(dtype)].row_bytes * cfg.num_layers
+    layers = cfg.num_layers + _draft_layers(vllm_config)
+    return ROW_LAYOUTS[cfg.row_format_for(dtype)].row_bytes * layers
+
+
+def _draft_layers(vllm_config: Any) -> int:
+    """Row layers an MTP draft adds (``hisparse.vllm.dsa.mtp``: one, its rows in the same pool)."""
+    spec = getattr(vllm_config, "speculative_config", None)
+    return 1 if getattr(spec, "method", None) in ("mtp", "deepseek_mtp") else 0
 
 
 def serves_hisparse_model(vllm_config: Any) -> bool:

@@ -167,6 +167,14 @@ def test_dsa_rows_are_every_layers_row_in_the_served_format(arch, fmt, dtype, ro
     assert token_row_bytes(vc) == 4 * row  # 4 layers, one row each
 
 
+@pytest.mark.parametrize("method,extra", [("mtp", 1), ("ngram", 0)])
+def test_an_mtp_draft_adds_its_layers_rows(method, extra):
+    """The draft class (hisparse.vllm.dsa.mtp) saves its layer's rows into the same pool."""
+    vc = _dsa_config("deepseek_v32")
+    vc.speculative_config = NS(method=method, num_speculative_tokens=1)
+    assert token_row_bytes(vc) == (4 + extra) * 2304
+
+
 @pytest.mark.parametrize("arch", list(DSA_CLASSES))
 def test_dsa_classes_are_sized_like_the_exported_model(arch):
     """The GLM-5 start-up of the issue: --gpu-memory-utilization 0.5 of a 23 GiB machine gave the
