@@ -1,10 +1,13 @@
-"""The reference engine for the real sparse-attention architectures (DeepSeek-V3.2
+"""The engine for the real sparse-attention architectures (DeepSeek-V3.2
 ``DeepseekV32ForCausalLM``, GLM-5 ``GlmMoeDsaForCausalLM``) from their checkpoint directories,
-on the CPU or a GPU, with the model math of ``hisparse.models.dsa``.
+on the CPU or a GPU, over the batched attention core ``hisparse.models.dsa.core`` (the code the
+vLLM classes run).
 
-* ``model``    -- one forward step of one request over a row store;
+* ``model``    -- one forward step of a batch of requests over a row store;
 * ``stores``   -- ``ResidentRows`` (every row on the device) and ``HiSparseRows`` (the connector:
   host pool, per-group resolve, hot buffers);
-* ``generate`` -- greedy generation in either mode and the resident-vs-HiSparse parity run
-  (``hisparse demo --model DIR``).
+* ``generate`` -- batched greedy generation in either mode (requests join and leave) and the
+  resident-vs-HiSparse parity run (``hisparse demo --model DIR``);
+* ``mtp`` / ``mtp_generate`` -- the checkpoint's MTP layer as the draft of greedy speculative
+  decoding.
 """

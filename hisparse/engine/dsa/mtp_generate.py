@@ -131,8 +131,9 @@ class _Loop:
                 rows.append(waiting.pop(0))
             running = self._step(rows, len(single), len(single) + len(verify))
 
-    def _step(self, rows: List[int], nd: int, nrun: int) -> List[int]:
-        out, store = self.out, self.store
+    def _tokens(self, rows: List[int], nrun: int):
+        """(tokens, positions, tokens per row) of a verify step: each running row's pending
+        token and its draft, then the admitted prompt."""
         toks, pos, counts = [], [], []
         for b, r in enumerate(rows):
             if b >= nrun:  # the admitted prompt
@@ -141,12 +142,17 @@ class _Loop:
                 pos += range(len(p))
             else:
                 n = self.length[r]
-                toks.append(out.tokens[r][-1])
+                toks.append(self.out.tokens[r][-1])
                 pos.append(n)
                 if self.draft[r] is not None:
                     toks.append(self.draft[r])
                     pos.append(n + 1)
             counts.append(len(pos) - sum(counts))
+        return toks, pos, counts
+
+    def _step(self, rows: List[int], nd: int, nrun: int) -> List[int]:
+        out, store = self.out, self.store
+        toks, pos, counts = self._tokens(rows, nrun)
         blocks = store.begin({f"req-{r}": c for r, c in zip(rows, counts)})
         tokens, batch, ends = self._forward_inputs(toks, pos, counts, blocks)
         # Logits of every verified token: a row's last two (verify), else its last.
