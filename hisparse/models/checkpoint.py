@@ -29,7 +29,14 @@ EOS_TOKEN = "<|endoftext|>"
 NUM_BYTE_TOKENS = 256
 #: Positions are reserved in whole blocks of this many (as the engine reserves them).
 CONTEXT_ROUND = 16
-_ST_DTYPES = {torch.float32: "F32", torch.float64: "F64", torch.int64: "I64"}
+_ST_DTYPES = {
+    torch.float32: "F32",
+    torch.float64: "F64",
+    torch.int64: "I64",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.float8_e4m3fn: "F8_E4M3",
+}
 
 
 class ExportError(ValueError):
@@ -117,8 +124,9 @@ def weights_by_name(m) -> Dict[str, torch.Tensor]:
     return out
 
 
-def write_safetensors(path: Union[str, Path], tensors: Mapping[str, torch.Tensor]) -> None:
-    """The safetensors format: u64 header length, JSON header, raw little-endian bytes."""
+def write_safetensors(path: Union[str, Path], tensors: Mapping[str, torch.Tensor]) -> int:
+    """The safetensors format: u64 header length, JSON header, raw little-endian bytes; returns
+    the data bytes written."""
     header, blobs, offset = {}, [], 0
     for name, t in tensors.items():
         t = t.detach().cpu().contiguous()
@@ -142,6 +150,7 @@ def write_safetensors(path: Union[str, Path], tensors: Mapping[str, torch.Tensor
         f.write(raw)
         for b in blobs:
             f.write(b)
+    return offset
 
 
 def _byte_chars() -> list:

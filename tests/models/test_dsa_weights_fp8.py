@@ -13,9 +13,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from hisparse.models.checkpoint import write_safetensors
 from hisparse.models.dsa import fp8_weights as fp8
 from hisparse.models.dsa.random_checkpoint import write_random_checkpoint
-from hisparse.models.dsa.tensor_files import read_header, read_tensor, write_safetensors
+from hisparse.models.dsa.tensor_files import read_header, read_tensor
 from hisparse.models.dsa.weights import CheckpointError, load_checkpoint, read_safetensors
 from hisparse.vllm.dsa.weights import BLOCK_KEY, _Fp8Pairs, checked_config
 

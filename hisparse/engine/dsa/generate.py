@@ -87,27 +87,10 @@ def generate(
     """Greedy tokens of every prompt (no stop token: every prompt gets ``max_new``).
     ``step_hook(fn)``: runs each forward (a test wraps it, e.g. in a sync check)."""
     check_options(row_format, mode)
-    ctx = _context(prompts, max_new)
-    rb = ROW_LAYOUTS[row_format].row_bytes
     nmax = max(1, min(max_batch or len(prompts), len(prompts)))
-    if mode == "resident":
-        store = ResidentRows(ck.cfg, rb, ctx, device, nmax)
-    else:
-        hot = hot_size or 2 * ck.cfg.index_topk
-        store = HiSparseRows(ck.cfg, rb, ctx, device, hot, nmax)
-    fwd = DSAForward(
-        ck,
-        row_format,
-        device,
-        max_requests=nmax,
-        max_context=ctx,
-        key_format=key_format,
-        backend=backend,
-    )
-    out = Generation(mode)
-    out.tokens = [[] for _ in prompts]
-    out.gaps = [[] for _ in prompts]
-    out.first_logits = [None] * len(prompts)
+    ctx = _context(prompts, max_new)
+    store, fwd = open_run(ck, mode, row_format, device, ctx, nmax, hot_size, key_format, backend)
+    out = new_generation(Generation(mode), len(prompts))
     t0 = time.perf_counter()
     try:
         _run(fwd, store, prompts, max_new, nmax, out, step_hook or (lambda fn: fn()))
@@ -116,6 +99,29 @@ def generate(
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     out.seconds = time.perf_counter() - t0
+    return out
+
+
+def open_run(ck, mode, row_format, device, ctx, nmax, hot_size, key_format, backend):
+    """(row store of ``mode``, forward pass) for ``nmax`` requests of ``ctx`` tokens."""
+    rb = ROW_LAYOUTS[row_format].row_bytes
+    if mode == "resident":
+        store = ResidentRows(ck.cfg, rb, ctx, device, nmax)
+    else:
+        hot = hot_size or 2 * ck.cfg.index_topk
+        store = HiSparseRows(ck.cfg, rb, ctx, device, hot, nmax)
+    fwd = DSAForward(
+        ck, row_format, device, max_requests=nmax, max_context=ctx, key_format=key_format,
+        backend=backend,
+    )  # fmt: skip
+    return store, fwd
+
+
+def new_generation(out: Generation, n: int) -> Generation:
+    """``out`` with an empty record for each of ``n`` prompts."""
+    out.tokens = [[] for _ in range(n)]
+    out.gaps = [[] for _ in range(n)]
+    out.first_logits = [None] * n
     return out
 
 

@@ -20,12 +20,16 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
-from hisparse.engine.dsa.generate import Generation, _context, _upload, check_options
-from hisparse.engine.dsa.model import DSAForward
+from hisparse.engine.dsa.generate import (
+    Generation,
+    _context,
+    _upload,
+    check_options,
+    new_generation,
+    open_run,
+)
 from hisparse.engine.dsa.mtp import MTPHead, MTPModel, discard
-from hisparse.engine.dsa.stores import HiSparseRows, ResidentRows
 from hisparse.models.dsa.weights import Checkpoint
-from hisparse.models.rows import ROW_LAYOUTS
 
 # The connector's scheduler counts every token scheduled to a request (it has no rollback
 # without vLLM's block lists), and here the draft pass schedules each confirmed position a
@@ -67,25 +71,9 @@ def generate_mtp(
     ctx = _context(prompts, max_new + 1)
     if mode == "hisparse":
         ctx *= _SCHEDULED_PER_POSITION
-    rb = ROW_LAYOUTS[row_format].row_bytes
     nmax = max(1, min(max_batch or len(prompts), len(prompts)))
-    if mode == "resident":
-        store = ResidentRows(ck.cfg, rb, ctx, device, nmax)
-    else:
-        store = HiSparseRows(ck.cfg, rb, ctx, device, hot_size or 2 * ck.cfg.index_topk, nmax)
-    fwd = DSAForward(
-        ck,
-        row_format,
-        device,
-        max_requests=nmax,
-        max_context=ctx,
-        key_format=key_format,
-        backend=backend,
-    )
-    out = SpecGeneration(mode)
-    out.tokens = [[] for _ in prompts]
-    out.gaps = [[] for _ in prompts]
-    out.first_logits = [None] * len(prompts)
+    store, fwd = open_run(ck, mode, row_format, device, ctx, nmax, hot_size, key_format, backend)
+    out = new_generation(SpecGeneration(mode), len(prompts))
     t0 = time.perf_counter()
     inner = store
     if store_wrapper is not None:

@@ -29,12 +29,8 @@ from typing import Dict, Optional, Sequence, Tuple, Union
 
 import torch
 
-from hisparse.models.dsa.tensor_files import (
-    CheckpointError,
-    read_header,
-    read_tensor,
-    write_safetensors,
-)
+from hisparse.models.checkpoint import write_safetensors
+from hisparse.models.dsa.tensor_files import CheckpointError, read_header, read_tensor
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # the largest finite float8_e4m3fn

@@ -10,12 +10,11 @@ then the raw little-endian bytes.
 
 from __future__ import annotations
 
-import ctypes
 import json
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, Mapping, Tuple, Union
+from typing import Dict, Tuple, Union
 
 import torch
 
@@ -139,30 +138,3 @@ def read_tensor(f, entry: Entry) -> torch.Tensor:
     dtype = DTYPES[entry.dtype]
     t = torch.frombuffer(raw, dtype=dtype) if raw else torch.empty(0, dtype=dtype)
     return t.reshape(entry.shape)
-
-
-def write_safetensors(path: Union[str, Path], tensors: Mapping[str, torch.Tensor]) -> int:
-    """Write ``tensors`` in their own dtypes (float8 included); returns the data bytes."""
-    header, blobs, offset = {}, [], 0
-    for name, t in tensors.items():
-        t = t.detach().cpu().contiguous()
-        if t.dtype not in _NAMES:
-            raise CheckpointError(f"tensor {name!r} has dtype {t.dtype}, not one of {list(DTYPES)}")
-        # Straight from the tensor's memory (little-endian on x86 and arm64, as the format wants).
-        data = ctypes.string_at(t.data_ptr(), t.numel() * t.element_size()) if t.numel() else b""
-        header[name] = {
-            "dtype": _NAMES[t.dtype],
-            "shape": list(t.shape),
-            "data_offsets": [offset, offset + len(data)],
-        }
-        blobs.append(data)
-        offset += len(data)
-    header["__metadata__"] = {"format": "pt"}
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(raw)))
-        f.write(raw)
-        for b in blobs:
-            f.write(b)
-    return offset
