@@ -12,7 +12,6 @@ resolves once per group.
 
 from __future__ import annotations
 
-import re
 from typing import Iterable, Optional, Set, Tuple
 
 import torch
@@ -35,7 +34,6 @@ from hisparse.vllm.dsa.weights import load_dsa_weights
 from hisparse.vllm.layers import SparseMLACache
 from hisparse.vllm.model import HiSparseMLAForCausalLM, uses_hisparse_connector
 
-_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 KEY_FORMAT_KEY = "hisparse_key_format"
 
 
