@@ -151,7 +151,7 @@ def weight_bytes_per_gpu(params: dict, gpus: int, tp: int) -> float:
     return shared / tp + params["experts"] * per / gpus
 
 
-# Gathers of 656-B rows on one H200 over PCIe Gen5 (docs/results.md's op table, docs/hardware.md), GB/s
+# Gathers of 656-B rows on one H200 over PCIe Gen5 (docs/results.md, docs/hardware.md), GB/s
 # (low, high). A large pool is bound by host address translation, not by the link, so the rate
 # depends on how many layers' rows one translation serves (rows of an index group co-located).
 WINDOW_GIB = 1.0  # pools at most this big gather at the small-pool rate
@@ -277,11 +277,12 @@ def _regime(p: PlanInputs, gpus: int, tp: int, rate, b8: float, c_us: float) -> 
             f"requests from its own host pool ({gpus} pool(s))"
         )
     rate_text = f"{lo:g} GB/s" if lo == hi else f"{lo:.1f}-{hi:.1f} GB/s"
-    src = "" if layout.startswith("given") else " (measured on an H200: docs/results.md, docs/hardware.md)"
+    src = "" if layout.startswith("given") else " (measured on an H200: docs/results.md)"
     lines += [
         f"PCIe: {rate_text} per GPU, {layout}{src}; ~46 GB/s holds only for pools <= 1 GiB",
         "copy: not hidden: the misses' copy adds its time to every decode step (measured on "
-        "the H200, docs/results.md); the tokens/s estimate adds it to the step; it is not a time per token",
+        "the H200, docs/results.md); the tokens/s estimate adds it to the step; it is not a "
+        "time per token",
         f"tokens/s: n / (b + n*c + copy) per rank; b = {b8:.2f} ms x {p.layers}/{PROXY_LAYERS} "
         f"layers / TP {tp}, c = {c_us:.2f} us per request-layer at {p.context:,} tokens, "
         "measured on one H200 for the project's engine (8 layers of DeepSeek-V3.2 attention, "
