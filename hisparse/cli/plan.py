@@ -18,7 +18,7 @@ from hisparse.cli.capacity import (
     PlanError,
     PlanInputs,
 )
-from hisparse.ops.limits import MAX_HOT_SIZE, ROW_ALIGN
+from hisparse.ops.limits import MAX_HOT_SIZE, ROW_ALIGN, default_hot_size
 
 
 def _gib(n: float) -> str:
@@ -139,7 +139,7 @@ def inputs_from_args(args):
     groups = [s] * (L // s) + ([L % s] if L % s else [])
     if cfg is not None and args.layers is None and args.index_share is None:
         groups = cfg["group_sizes"]  # uneven groups: the config's own indexer_types
-    hot = args.hot_size if args.hot_size is not None else 2 * model["top_k"]
+    hot = args.hot_size if args.hot_size is not None else default_hot_size(model["top_k"])
     p = PlanInputs(
         layers=model["layers"],
         row_bytes=model["row_bytes"],

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields
 from typing import Any, Mapping, Optional
 
-from hisparse.ops.limits import INT32_MAX, MAX_HOT_SIZE, check_int
+from hisparse.ops.limits import INT32_MAX, MAX_HOT_SIZE, check_int, default_hot_size
 from hisparse.vllm.compat import engine_defaults
 
 #: Upper bounds of the integer settings. Hot rows are addressed with int32, so
@@ -66,7 +66,7 @@ class HiSparseConfig:
         for key in ("top_k", "index_share", "metrics_interval", "max_num_seqs", "block_size"):
             _check_int(key, getattr(self, key), minimum=1, maximum=MAX_INT_SETTING[key])
         if self.device_buffer_size is None:
-            object.__setattr__(self, "device_buffer_size", min(2 * self.top_k, MAX_HOT_SIZE))
+            object.__setattr__(self, "device_buffer_size", default_hot_size(self.top_k))
         _check_int("device_buffer_size", self.device_buffer_size, minimum=1)
         if not self.top_k <= self.device_buffer_size <= MAX_HOT_SIZE:
             raise HiSparseConfigError(

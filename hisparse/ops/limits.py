@@ -16,6 +16,12 @@ from typing import Any, Optional, Type
 #: Largest hot buffer per state row: slot ids and LRU entries are int16.
 MAX_HOT_SIZE = 2**15
 
+
+def default_hot_size(top_k: int) -> int:
+    """Hot-buffer rows per request when none are given: twice the top-k, within the limit."""
+    return min(2 * top_k, MAX_HOT_SIZE)
+
+
 #: Keys, hot rows and plan entries are int32.
 INT32_MAX = 2**31 - 1
 

@@ -25,6 +25,7 @@ from hisparse.models.dsa.weights import (
     load_checkpoint,
 )
 from hisparse.models.rows import ROW_LAYOUTS
+from hisparse.ops.limits import default_hot_size
 
 MODES = ("resident", "hisparse")
 TEXTS = (
@@ -108,7 +109,7 @@ def open_run(ck, mode, row_format, device, ctx, nmax, hot_size, key_format, back
     if mode == "resident":
         store = ResidentRows(ck.cfg, rb, ctx, device, nmax)
     else:
-        hot = hot_size or 2 * ck.cfg.index_topk
+        hot = hot_size or default_hot_size(ck.cfg.index_topk)
         store = HiSparseRows(ck.cfg, rb, ctx, device, hot, nmax)
     fwd = DSAForward(
         ck, row_format, device, max_requests=nmax, max_context=ctx, key_format=key_format,
@@ -219,7 +220,7 @@ def parity(
         "prompt_tokens": [len(p) for p in prompts],
         "new_tokens": max_new,
         "index_topk": ck.cfg.index_topk,
-        "hot_size": hot_size or 2 * ck.cfg.index_topk,
+        "hot_size": hot_size or default_hot_size(ck.cfg.index_topk),
         "tokens_equal": equal,
         "parity": equal == len(prompts),
         "seconds": {m: round(g.seconds, 3) for m, g in runs.items()},
