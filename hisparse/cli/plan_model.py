@@ -22,7 +22,6 @@ from hisparse.cli.capacity import GIB, PlanError, PlanInputs, compute
 # MLA's latent row (kv_lora_rank + qk_rope_head_dim), fixed by DSAConfig's checks.
 _LATENT, _ROPE = 512, 64
 _FP8_ROW_BYTES = 656  # FP8 MLA: 512 B latent + 16 B scales + 128 B bf16 rope
-_INDEX_SCALE_BYTES = 4  # one float32 scale per FP8 indexer key
 
 
 def read_config(model_dir, config_file) -> Tuple[dict, str, str]:
@@ -63,6 +62,7 @@ def _group_sizes(types) -> List[int]:
 
 def model_from_config(hf: dict, flag: str, path: str) -> dict:
     """The planner's model fields, the index groups and the parameter count of one config."""
+    from hisparse.models.dsa import index_keys
     from hisparse.models.dsa.config import DSAConfig
     from hisparse.models.dsa.decoder import DecoderSpec
     from hisparse.models.rows import ROW_LAYOUTS
@@ -71,12 +71,14 @@ def model_from_config(hf: dict, flag: str, path: str) -> dict:
         cfg = DSAConfig.from_hf(hf)
         spec = DecoderSpec.from_hf(hf, cfg)
         params = param_count(hf, cfg, spec)
+        fmt = cfg.row_format  # the config's hisparse_row_format; else FP8, as DeepSeek-V3.2 serves
+        key_fmt = hf.get("hisparse_key_format") or index_keys.default_format(fmt or "fp8")
+        key_bytes = index_keys.key_bytes(key_fmt, cfg.index_head_dim)
     except (ValueError, TypeError, KeyError) as e:  # DSAConfigError is a ValueError
         msg = next((ln for ln in str(e).splitlines() if ln.strip()), type(e).__name__)
         msg = msg.removeprefix("config.json: ")  # the path is already named
         raise PlanError(f"argument {flag}: {path}: {msg}") from None
     groups = _group_sizes(cfg.indexer_types)
-    fmt = cfg.row_format  # the config's hisparse_row_format; else FP8, as DeepSeek-V3.2 serves
     return {
         "source": path,
         "arch": cfg.arch,
@@ -87,7 +89,7 @@ def model_from_config(hf: dict, flag: str, path: str) -> dict:
         "index_share": max(groups),
         "index_groups": len(groups),
         "group_sizes": groups,
-        "indexer_key_bytes": cfg.index_head_dim + _INDEX_SCALE_BYTES,
+        "indexer_key_bytes": key_bytes,
         "params": params,
     }
 
