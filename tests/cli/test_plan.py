@@ -297,3 +297,17 @@ def _exits_2_naming(flag, argv, capsys) -> str:
     assert len(lines) == 1 and lines[0].startswith("hisparse plan: error:"), err
     assert flag in lines[0], lines[0]
     return lines[0]
+
+
+@pytest.mark.parametrize("override,want", [(None, 132), ("fp8", 132), ("f32", 512)])
+def test_index_key_bytes_follow_the_key_format(override, want):
+    hf = json.loads(DSV32.read_text())
+    if override:
+        hf["hisparse_key_format"] = override
+    assert model_from_config(hf, "--config", str(DSV32))["indexer_key_bytes"] == want
+
+
+def test_an_unknown_key_format_is_named():
+    hf = json.loads(DSV32.read_text()) | {"hisparse_key_format": "int4"}
+    with pytest.raises(PlanError, match="--config.*index key format"):
+        model_from_config(hf, "--config", str(DSV32))
