@@ -4,11 +4,11 @@
 #   STAGES="build tests sanitizer bench engine demo" bash benchmarks/run_h200.sh
 # STAGES may also name "cudatests" (only the CUDA tests, the oracle property tests and the
 # save_rows tests: the quick gate after a kernel change), "bench2" (a second bench_ops run,
-# for the spread between runs), "misspaths" (the GPU-bound step's miss paths: the kernels alone,
-# the per-kernel profile, the TPOT comparison at 32k) and "contexts" (capacity at 64k and 128k
-# tokens per request); each of the last two fits one 10-minute device call. "fusedattn": the
-# fused sparse-MLA kernel's profile and TPOT comparison (its own call). "pcie": the misses' bytes
-# moved by SM loads, the copy engine and bulk copies (TMA) beside the row read.
+# for the spread between runs), "core" (the DSA attention core vLLM runs: its CUDA tests, then
+# bench_dsa_core at 32k with capacity, and capacity at 64k and 128k), "misspaths" (the graph
+# engine's miss paths: the per-kernel profile, the TPOT comparison at 32k) and "contexts" (the
+# graph engine's capacity at 64k and 128k); each fits one 10-minute device call. "fusedattn": the
+# fused sparse-MLA kernel's profile and TPOT comparison (its own call).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/hisparse-out}
@@ -58,9 +58,15 @@ if has engine; then
   timeout 400 python3 benchmarks/bench_engine.py --device cuda --out-dir "$OUT" > "$OUT/engine.txt" 2>&1 || status=1
   tail -20 "$OUT/engine.txt"
 fi
+if has core; then
+  timeout 200 python3 -m pytest -q -p no:cacheprovider -m cuda tests/models/test_dsa_core_cuda.py tests/engine/test_dsa_cuda.py > "$OUT/pytest_core.txt" 2>&1 || status=1
+  tail -2 "$OUT/pytest_core.txt"
+  timeout 150 python3 benchmarks/bench_dsa_core.py --capacity --out "$OUT/dsa_core_h200.json" || status=1
+  for ctx in 65536 131072; do
+    timeout 90 python3 benchmarks/bench_dsa_core.py --batches "" --capacity --context $ctx --out "$OUT/dsa_core_h200_ctx$ctx.json" || status=1
+  done
+fi
 if has misspaths; then
-  timeout 120 python3 benchmarks/bench_in_read.py --batches 16,64,112 --json "$OUT/in_read_h200.json" > "$OUT/in_read.txt" 2>&1 || status=1
-  tail -3 "$OUT/in_read.txt"
   timeout 150 python3 benchmarks/profile_step_kernels.py --layers 4 --batches 64 --modes resident,hisparse,hisparse_in_read,hisparse_beside --out "$OUT/step_kernels_miss_paths_h200.md" > /dev/null 2>&1 || status=1
   grep "minus resident" "$OUT/step_kernels_miss_paths_h200.md"
   timeout 420 python3 benchmarks/bench_decode_tpot.py --layers 8 --batches 1,16,64 --in-read --beside --json "$OUT/engine_tpot_h200.json" > "$OUT/tpot.txt" 2>&1 || status=1
@@ -72,10 +78,6 @@ if has contexts; then
     grep -E "^B=|^Capacity" "$OUT/tpot_$ctx.txt"
   done
   python3 benchmarks/capacity_report.py benchmarks/results/engine_tpot_h200.json "$OUT"/engine_tpot_h200_ctx*.json --out "$OUT/capacity_by_context_h200.md" || status=1
-fi
-if has pcie; then
-  timeout 200 python3 benchmarks/bench_pcie_overlap.py --batches 64,112,16 --json "$OUT/pcie_overlap_h200.json" > "$OUT/pcie.txt" 2>&1 || status=1
-  tail -3 "$OUT/pcie.txt"
 fi
 if has fusedattn; then
   timeout 120 python3 benchmarks/bench_mla.py --json "$OUT/mla_h200.json" 2>&1 | tail -3 || status=1
