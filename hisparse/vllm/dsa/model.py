@@ -45,6 +45,31 @@ def _routing_config(hf) -> None:
             setattr(hf, name, value)
 
 
+def forward_step(index_name: str, positions: torch.Tensor, hisparse: bool) -> Optional[Step]:
+    """This forward's ``Step`` from the metadata vLLM built for the index cache ``index_name``
+    (None in a profiling / dummy run, which has no KV cache): the tokens as the core reads
+    them and, with the connector, the decode rows' state rows."""
+    attn = get_forward_context().attn_metadata
+    meta = attn.get(index_name) if isinstance(attn, dict) else None
+    if meta is None:
+        return None
+    n = meta.num_tokens
+    tokens = TokenBatch(
+        positions=positions[:n].long(),
+        req=token_rows(meta.query_start_loc, n),
+        seq_lens=meta.seq_lens_dev,
+        block_table=meta.block_table,
+        block_size=meta.block_size,
+    )
+    step = Step(meta, tokens)
+    if hisparse:
+        step.connector = HiSparseMLAForCausalLM._connector()
+        if meta.num_decodes:
+            slots = meta.slot_mapping[: meta.num_decodes]
+            step.state_rows = step.connector.batch_state_rows(slots)
+    return step
+
+
 class DSADecoderLayer(nn.Module):
     def __init__(self, vllm_config: VllmConfig, cfg: DSAConfig, layer: int, names) -> None:
         super().__init__()
@@ -135,25 +160,9 @@ class _DSAForCausalLM(nn.Module):
         **kwargs,
     ) -> torch.Tensor:
         x = self.embed_input_ids(input_ids) if inputs_embeds is None else inputs_embeds
-        attn = get_forward_context().attn_metadata
-        meta = attn.get(self.names.first_index) if isinstance(attn, dict) else None
-        step = None
-        if meta is not None:  # None: profiling / dummy run (no KV cache)
-            n = meta.num_tokens
-            x = x[:n]
-            tokens = TokenBatch(
-                positions=positions[:n].long(),
-                req=token_rows(meta.query_start_loc, n),
-                seq_lens=meta.seq_lens_dev,
-                block_table=meta.block_table,
-                block_size=meta.block_size,
-            )
-            step = Step(meta, tokens)
-            if self.hisparse:
-                step.connector = HiSparseMLAForCausalLM._connector()
-                if meta.num_decodes:
-                    slots = meta.slot_mapping[: meta.num_decodes]
-                    step.state_rows = step.connector.batch_state_rows(slots)
+        step = forward_step(self.names.first_index, positions, self.hisparse)
+        if step is not None:
+            x = x[: step.tokens.num_tokens]
         selection = None
         for layer in self.model.layers:
             x, selection = layer(x, step, selection)

@@ -20,7 +20,6 @@ from typing import Iterable, Optional, Set, Tuple
 import torch
 from torch import nn
 from vllm.config import VllmConfig
-from vllm.forward_context import get_forward_context
 from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
 from vllm.model_executor.layers.vocab_parallel_embedding import (
@@ -29,14 +28,17 @@ from vllm.model_executor.layers.vocab_parallel_embedding import (
 )
 
 from hisparse.models.dsa.config import DSAConfig
-from hisparse.models.dsa.core import TokenBatch, token_rows
 from hisparse.models.rows import ROW_LAYOUTS
-from hisparse.vllm.dsa.attention import Step
-from hisparse.vllm.dsa.model import KEY_FORMAT_KEY, DSADecoderLayer, _routing_config
+from hisparse.vllm.dsa.model import (
+    KEY_FORMAT_KEY,
+    DSADecoderLayer,
+    _routing_config,
+    forward_step,
+)
 from hisparse.vllm.dsa.mtp_config import hf_overrides  # noqa: F401 (the API's callable)
 from hisparse.vllm.dsa.weights import load_dsa_weights
 from hisparse.vllm.layers import SparseMLACache
-from hisparse.vllm.model import HiSparseMLAForCausalLM, uses_hisparse_connector
+from hisparse.vllm.model import uses_hisparse_connector
 
 
 class _Names:
@@ -112,25 +114,10 @@ class HiSparseDeepseekV32MTP(nn.Module):
         **kwargs,
     ) -> torch.Tensor:
         e = self.embed_input_ids(input_ids) if inputs_embeds is None else inputs_embeds
-        attn = get_forward_context().attn_metadata
-        meta = attn.get(self.names.first_index) if isinstance(attn, dict) else None
-        step = None
-        if meta is not None:  # None: profiling / dummy run
-            n = meta.num_tokens
+        step = forward_step(self.names.first_index, positions, self.hisparse)
+        if step is not None:  # None: profiling / dummy run
+            n = step.tokens.num_tokens
             e, positions, hidden_states = e[:n], positions[:n], hidden_states[:n]
-            tokens = TokenBatch(
-                positions=positions.long(),
-                req=token_rows(meta.query_start_loc, n),
-                seq_lens=meta.seq_lens_dev,
-                block_table=meta.block_table,
-                block_size=meta.block_size,
-            )
-            step = Step(meta, tokens)
-            if self.hisparse:
-                step.connector = HiSparseMLAForCausalLM._connector()
-                if meta.num_decodes:
-                    slots = meta.slot_mapping[: meta.num_decodes]
-                    step.state_rows = step.connector.batch_state_rows(slots)
         # As vLLM's DeepSeekMultiTokenPredictorLayer: position 0 has no previous token.
         e = torch.where(positions.unsqueeze(-1) == 0, torch.zeros_like(e), e)
         m = self.layer
