@@ -170,7 +170,9 @@ def test_the_ranks_share_one_pool_held_once_in_host_ram(runs):
         f"at TP 1, {runs[2]['workload_s']:.1f} s at TP 2"
     )
     assert abs(pss - rss) <= 64 << 10, "the segment's pages are counted once, not per rank"
-    assert written <= rss <= 1.15 * written + (1 << 20), "the pool holds the rows once"
+    # Rss counts the pages mapped in a process's page tables; the kernel may briefly unmap one
+    # (compaction, migration), so the lower bound allows 1 %: still every row, held once.
+    assert 0.99 * written <= rss <= 1.15 * written + (1 << 20), "the pool holds the rows once"
     assert "shared by TP ranks 0-1" in Path(runs[2]["log"]).read_text()
 
 
