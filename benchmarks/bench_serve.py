@@ -33,7 +33,7 @@ from hisparse.vllm.server import OpenAIServer
 
 KV_CONFIG = {
     "kv_connector": "HiSparseConnector",
-    "kv_connector_module_path": "hisparse.connector",
+    "kv_connector_module_path": "hisparse.vllm.connector",
     "kv_role": "kv_both",
 }
 METRICS = (

@@ -125,6 +125,21 @@ def fill_host_rows(reg, seed=0):
         rows.copy_(torch.randint(0, 256, rows.shape, dtype=torch.uint8, generator=gen))
 
 
+def vllm_step(*args, **kwargs):
+    """``vllm_output(...)`` as the connector's scheduler sees it (a ``StepSchedule`` with the
+    block view hisparse's vLLM connector reads from vLLM's output)."""
+    from hisparse.connector import StepSchedule
+    from hisparse.vllm.compat import scheduled_requests
+
+    out = vllm_output(*args, **kwargs)
+    return StepSchedule(
+        num_scheduled_tokens=out.num_scheduled_tokens,
+        finished_req_ids=out.finished_req_ids,
+        preempted_req_ids=out.preempted_req_ids,
+        blocks=scheduled_requests(out),
+    )
+
+
 # A vLLM SchedulerOutput's shape (no vLLM needed), for the scheduler's block-list logic.
 def vllm_new_req(rid, num_computed, blocks):
     """One entry of ``scheduled_new_reqs`` (KV-cache group 0 only)."""
@@ -148,3 +163,21 @@ def vllm_output(sched, new=(), cached=(), finished=(), preempted=None, resumed=(
         preempted_req_ids=preempted,
         has_sync_kv_loads=False,
     )
+
+
+def connector_impl(extra=None, role="worker", **kwargs):
+    """The vLLM-free connector (``HiSparseConnectorImpl``) in ``role``, its settings parsed from
+    an extra-config mapping as vLLM's would be."""
+    from hisparse.connector import HiSparseConnectorImpl
+    from hisparse.vllm.settings import config_from_extra
+
+    return HiSparseConnectorImpl(config_from_extra(extra), role, **kwargs)
+
+
+def vllm_connector(extra=None, role="worker", **vllm_fields):
+    """hisparse's vLLM connector class built from a stand-in VllmConfig holding ``extra`` as its
+    kv_connector_extra_config (and ``vllm_fields`` beside it)."""
+    from hisparse.vllm.connector import HiSparseConnector
+
+    kv = SimpleNamespace(kv_connector_extra_config=extra, kv_role="kv_both")
+    return HiSparseConnector(SimpleNamespace(kv_transfer_config=kv, **vllm_fields), role)

@@ -9,7 +9,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from hisparse.connector import HiSparseConnector, StepSchedule
+from hisparse.connector import StepSchedule
+from tests.helpers import connector_impl
 
 BASE_CFG = {
     "top_k": 4,
@@ -25,8 +26,8 @@ BASE_CFG = {
 def make_pair(extra=None, row_bytes=(32, 64, 48), rows=None, device_hooks=None):
     """A scheduler connector and a worker connector with registered caches (one per layer)."""
     cfg = dict(BASE_CFG, **(extra or {}))
-    sched = HiSparseConnector.from_extra_config(cfg, role="scheduler")
-    work = HiSparseConnector.from_extra_config(cfg, role="worker", device_hooks=device_hooks)
+    sched = connector_impl(cfg, role="scheduler")
+    work = connector_impl(cfg, role="worker", device_hooks=device_hooks)
     S, H = cfg["max_num_seqs"], cfg["device_buffer_size"]
     n_rows = rows if rows is not None else S * H
     caches = {

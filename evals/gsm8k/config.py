@@ -208,14 +208,14 @@ def validate(data: Any, where: str = "<dict>") -> EvalConfig:
                 f"a 'kv_connector' entry, got {kv!r}"
             )
         if (
-            parsed.get("kv_connector_module_path") == "hisparse.connector"
+            parsed.get("kv_connector_module_path") == "hisparse.vllm.connector"
             and parsed["kv_connector"] == "HiSparseConnector"
         ):
             # vLLM >= 0.32 keys its own CUDA-only HiSparse path on this name, whatever module
             # path is given: the run would not exercise this package.
             raise ConfigError(
                 f"{where}: key 'server_args': kv_connector 'HiSparseConnector' selects vLLM's "
-                "in-tree HiSparse; use 'HiSparseOOTConnector' to load hisparse.connector"
+                "in-tree HiSparse; use 'HiSparseOOTConnector' to load hisparse.vllm.connector"
             )
     return cfg
 

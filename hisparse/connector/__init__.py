@@ -1,28 +1,26 @@
-"""The connector layer: the KV-connector facade (``hisparse.connector`` is the path vLLM's
-``--kv-transfer-config`` names), its scheduler and worker halves and the units the worker
-composes, the message between the halves, the settings, the stats container and the Prometheus
-side.
+"""The connector layer, free of vLLM: ``HiSparseConnectorImpl`` (the KV-connector contract over
+its scheduler and worker halves), the units the worker composes, the message between the halves,
+the settings, the stats container and the Prometheus side. ``hisparse.vllm.connector`` is what
+vLLM's ``--kv-transfer-config`` names: it subclasses vLLM's base and delegates here.
 
-May import: ``hisparse.runtime``, ``hisparse.ops``, and from the vLLM integration only
-``hisparse.vllm.compat`` (vLLM's base classes where vLLM is installed, our own otherwise).
+May import: ``hisparse.runtime``, ``hisparse.ops``; never vLLM nor ``hisparse.vllm``.
 """
 
+from hisparse.connector.config import HiSparseConfig, HiSparseConfigError
 from hisparse.connector.facade import (
-    HAVE_VLLM,
-    HiSparseConnector,
+    ConnectorRole,
+    HiSparseConnectorImpl,
     HiSparseConnectorMetadata,
     HiSparseConnectorWorker,
-    HiSparseOOTConnector,
-    KVConnectorRole,
     StepSchedule,
 )
 
 __all__ = [
-    "HAVE_VLLM",
-    "HiSparseConnector",
+    "ConnectorRole",
+    "HiSparseConfig",
+    "HiSparseConfigError",
+    "HiSparseConnectorImpl",
     "HiSparseConnectorMetadata",
     "HiSparseConnectorWorker",
-    "HiSparseOOTConnector",
-    "KVConnectorRole",
     "StepSchedule",
 ]

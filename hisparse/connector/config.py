@@ -1,15 +1,15 @@
-"""HiSparse connector configuration, parsed from vLLM's ``kv_connector_extra_config``.
-
-Every error names the offending key: ``kv_connector_extra_config['top_k'] must be ...``.
+"""HiSparse's settings as one typed, validated value (``HiSparseConfig``), built directly by
+the engines, the CLI and the tests, and from vLLM's ``kv_connector_extra_config`` by
+``hisparse.vllm.settings``. Every error names the offending key as a served user sets it:
+``kv_connector_extra_config['top_k'] must be ...``.
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
-from typing import Any, Mapping, Optional
+from typing import Any, Optional
 
 from hisparse.ops.limits import INT32_MAX, MAX_HOT_SIZE, check_int, default_hot_size
-from hisparse.vllm.compat import engine_defaults
 
 #: Upper bounds of the integer settings. Hot rows are addressed with int32, so
 #: max_num_seqs * device_buffer_size is bounded as well (checked below).
@@ -21,10 +21,11 @@ MAX_INT_SETTING = {
     "metrics_interval": 1_000_000,
 }
 
+#: How errors name a setting (the key users write in vLLM's --kv-transfer-config).
+PREFIX = "kv_connector_extra_config"
+
 #: 64 TiB: beyond any one host's RAM, so a larger value is a unit mistake, not a plan.
 MAX_HOST_POOL_GIB = 65536
-
-_PREFIX = "kv_connector_extra_config"
 
 
 class HiSparseConfigError(ValueError):
@@ -70,39 +71,39 @@ class HiSparseConfig:
         _check_int("device_buffer_size", self.device_buffer_size, minimum=1)
         if not self.top_k <= self.device_buffer_size <= MAX_HOT_SIZE:
             raise HiSparseConfigError(
-                f"{_PREFIX}['device_buffer_size'] must satisfy top_k ({self.top_k}) <= "
+                f"{PREFIX}['device_buffer_size'] must satisfy top_k ({self.top_k}) <= "
                 f"device_buffer_size <= {MAX_HOT_SIZE}, got {self.device_buffer_size}"
             )
         if self.max_num_seqs * self.device_buffer_size > INT32_MAX:
             raise HiSparseConfigError(
-                f"{_PREFIX}['max_num_seqs'] * device_buffer_size must be <= {INT32_MAX} "
+                f"{PREFIX}['max_num_seqs'] * device_buffer_size must be <= {INT32_MAX} "
                 f"(hot rows are int32), got {self.max_num_seqs} * {self.device_buffer_size}"
             )
         g = self.host_pool_gib
         if isinstance(g, bool) or not isinstance(g, (int, float)):
             raise HiSparseConfigError(
-                f"{_PREFIX}['host_pool_gib'] must be a number (GiB), got {type(g).__name__} {g!r}"
+                f"{PREFIX}['host_pool_gib'] must be a number (GiB), got {type(g).__name__} {g!r}"
             )
         if not g > 0 or g != g or g == float("inf"):
             raise HiSparseConfigError(
-                f"{_PREFIX}['host_pool_gib'] must be a finite number > 0, got {g!r}"
+                f"{PREFIX}['host_pool_gib'] must be a finite number > 0, got {g!r}"
             )
         if g > MAX_HOST_POOL_GIB:
             raise HiSparseConfigError(
-                f"{_PREFIX}['host_pool_gib'] must be <= {MAX_HOST_POOL_GIB} (GiB), got {g!r}"
+                f"{PREFIX}['host_pool_gib'] must be <= {MAX_HOST_POOL_GIB} (GiB), got {g!r}"
             )
         object.__setattr__(self, "host_pool_gib", float(g))
         t = self.metrics_seconds
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 <= t <= 86400:
             raise HiSparseConfigError(
-                f"{_PREFIX}['metrics_seconds'] must be a number of seconds in [0, 86400] "
+                f"{PREFIX}['metrics_seconds'] must be a number of seconds in [0, 86400] "
                 f"(0 = every metrics_interval steps only), got {t!r}"
             )
         object.__setattr__(self, "metrics_seconds", float(t))
         f = self.host_pool_fraction
         if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 < f <= 1:
             raise HiSparseConfigError(
-                f"{_PREFIX}['host_pool_fraction'] must be a number in (0, 1] (share of the "
+                f"{PREFIX}['host_pool_fraction'] must be a number in (0, 1] (share of the "
                 f"available RAM), got {f!r}"
             )
         object.__setattr__(self, "host_pool_fraction", float(f))
@@ -111,7 +112,7 @@ class HiSparseConfig:
             p = getattr(self, key)
             if p is not None and not isinstance(p, bool):
                 raise HiSparseConfigError(
-                    f"{_PREFIX}[{key!r}] must be true, false or null, got {type(p).__name__} {p!r}"
+                    f"{PREFIX}[{key!r}] must be true, false or null, got {type(p).__name__} {p!r}"
                 )
 
     @property
@@ -122,24 +123,6 @@ class HiSparseConfig:
     def keys(cls) -> tuple:
         return tuple(f.name for f in fields(cls))
 
-    @classmethod
-    def from_extra_config(cls, extra: Optional[Mapping[str, Any]]) -> "HiSparseConfig":
-        """Build from ``kv_connector_extra_config`` (None or a mapping); rejects unknown keys."""
-        if extra is None:
-            return cls()
-        if not isinstance(extra, Mapping):
-            raise HiSparseConfigError(
-                f"{_PREFIX} must be a mapping of settings, got {type(extra).__name__}"
-            )
-        known = set(cls.keys())
-        unknown = sorted(str(k) for k in extra if k not in known)
-        if unknown:
-            raise HiSparseConfigError(
-                f"{_PREFIX}[{unknown[0]!r}] is not a HiSparse setting "
-                f"(known: {', '.join(sorted(known))})"
-            )
-        return cls(**dict(extra))
-
     def to_dict(self) -> dict:
         return asdict(self)
 
@@ -149,17 +132,10 @@ def _seconds(key: str, cfg: HiSparseConfig) -> float:
     w = getattr(cfg, key)
     if isinstance(w, bool) or not isinstance(w, (int, float)) or not 0 < w <= 86400:
         raise HiSparseConfigError(
-            f"{_PREFIX}[{key!r}] must be a number of seconds in (0, 86400], got {w!r}"
+            f"{PREFIX}[{key!r}] must be a number of seconds in (0, 86400], got {w!r}"
         )
     return float(w)
 
 
 def _check_int(key: str, value: Any, *, minimum: int, maximum: Optional[int] = None) -> None:
-    check_int(f"{_PREFIX}[{key!r}]", value, minimum, maximum, error=HiSparseConfigError)
-
-
-def config_from_vllm(vllm_config: Any) -> HiSparseConfig:
-    """The settings a connector built from ``vllm_config`` uses (extra config + vLLM's own)."""
-    kv = getattr(vllm_config, "kv_transfer_config", None)
-    extra = getattr(kv, "kv_connector_extra_config", None)
-    return HiSparseConfig.from_extra_config(engine_defaults(vllm_config, extra))
+    check_int(f"{PREFIX}[{key!r}]", value, minimum, maximum, error=HiSparseConfigError)

@@ -1,8 +1,8 @@
 """Standalone Prometheus exporter for servers without vLLM's metrics stack.
 
 It owns a private ``CollectorRegistry``, registers the HiSparse metrics through the very same
-``HiSparsePromMetrics`` vLLM uses (``HiSparseConnector.build_prom_metrics``), and serves the text
-exposition format over HTTP::
+``HiSparsePromMetrics`` vLLM's stats logger uses (``build_prom_metrics``), and serves the
+text exposition format over HTTP::
 
     exporter = HiSparseMetricsExporter()
     port = exporter.start(9400)          # 0 = any free port
@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import functools
 import threading
-from types import SimpleNamespace
 from typing import Any, Optional, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -44,10 +43,7 @@ class HiSparseMetricsExporter:
         }
         labelnames = ["model_name", "engine"]
         per_engine = {int(i): [model_name, str(int(i))] for i in engine_indexes}
-        # vLLM's base reads vllm_config.kv_transfer_config; a bare namespace satisfies it.
-        self.prom = HiSparsePromMetrics(
-            SimpleNamespace(kv_transfer_config=None), metric_types, labelnames, per_engine
-        )
+        self.prom = HiSparsePromMetrics(metric_types, labelnames, per_engine)
         self._lock = threading.Lock()
         self._server = None
         self._thread = None

@@ -1,118 +1,92 @@
-"""``HiSparseConnector``: HiSparse on vLLM's KV-connector contract.
+"""``HiSparseConnectorImpl``: HiSparse on the KV-connector contract, free of vLLM.
 
-Loaded by vLLM with ``kv_connector_module_path="hisparse.connector"`` and
-``kv_connector="HiSparseConnector"`` (hisparse's plugin keeps vLLM's config layer from taking
-that name for its in-tree connector, ``hisparse.vllm.patches``) or ``"HiSparseOOTConnector"``;
-driven the same way by hisparse's reference engine. See docs/connector.md and
-docs/vllm.md. Importing this module imports vLLM's base classes when vLLM is installed
-(never ``import hisparse`` itself).
+The scheduler half (state rows, token counts, each step's metadata) and the worker half (host
+pool, hot buffers, resolve, save, stats) behind the method names of vLLM's KV-connector
+contract. The reference engine drives it directly; inside vLLM, ``hisparse.vllm.connector``'s
+``HiSparseConnector`` subclasses vLLM's base and delegates here. See docs/connector.md.
 """
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-from typing import Any, Mapping, Optional
+import enum
+from typing import Any, Optional
 
 import torch
 
 from hisparse.connector.config import HiSparseConfig
-from hisparse.connector.lifecycle import (
-    SLEEP_MODE_REFUSAL,
-    Preemptions,
-    connector_role,
-    request_id,
-)
+from hisparse.connector.lifecycle import Preemptions, connector_role, request_id
 from hisparse.connector.metadata import HiSparseConnectorMetadata
 from hisparse.connector.scheduler import HiSparseScheduler, StepSchedule
 from hisparse.connector.stats import HiSparseKVConnectorStats, HiSparsePromMetrics
 from hisparse.connector.worker import HiSparseConnectorWorker
-from hisparse.vllm.compat import (
-    HAVE_VLLM,
-    KVConnectorBase_V1,
-    KVConnectorRole,
-    SupportsHMA,
-    engine_defaults,
-    tensor_parallel_peers,
-)
 
 __all__ = [
-    "HAVE_VLLM",
-    "HiSparseConnector",
+    "ConnectorRole",
+    "HiSparseConnectorImpl",
     "HiSparseConnectorMetadata",
     "HiSparseConnectorWorker",
-    "HiSparseOOTConnector",
-    "KVConnectorRole",
     "StepSchedule",
 ]
 
 
-class HiSparseConnector(KVConnectorBase_V1, SupportsHMA):
+class ConnectorRole(enum.Enum):
+    """The two halves, as vLLM numbers its ``KVConnectorRole``."""
+
+    SCHEDULER = 0
+    WORKER = 1
+
+
+class HiSparseConnectorImpl:
     """HiSparse hot-buffering as a KV connector: nothing is loaded from outside; the worker role
-    keeps the full KV in a pinned host pool and each request's selected rows in hot buffers."""
+    keeps the full KV in a pinned host pool and each request's selected rows in hot buffers.
+
+    ``role``: ``"scheduler"`` / ``"worker"`` (or a role enum with those names). ``device_hooks``:
+    stand-ins for the worker's stream/event/capture plumbing (``hisparse.connector.sampler``),
+    for tests. ``host_rows`` (scheduler role): the worker's host-pool rows, so that keys and
+    token counts past the pool are refused where they enter. ``model_layers``: the served
+    model's HiSparse layers (``hisparse.connector.registration.ModelLayers``), when the engine
+    keeps its own paged caches and the connector allocates the hot buffers and the pool."""
 
     def __init__(
-        self, vllm_config: Any, role: Any, kv_cache_config: Any = None, *, device_hooks=None
-    ) -> None:
-        """``device_hooks``: stand-ins for the worker's stream/event/capture plumbing
-        (``hisparse.connector.sampler.DeviceHooks``), for tests; vLLM never passes them."""
-        role = connector_role(role, KVConnectorRole)
-        super().__init__(vllm_config, role, kv_cache_config)
-        extra = getattr(self._kv_transfer_config, "kv_connector_extra_config", None)
-        # Inside a vLLM engine the worker is built after the model is loaded: the model's own
-        # layers must call us, and a model without HiSparse layers is refused first, at start-up.
-        layers = None
-        in_engine = getattr(vllm_config, "model_config", None) is not None
-        if in_engine and role == KVConnectorRole.WORKER:
-            from hisparse.vllm.model_check import model_hisparse_layers
-
-            layers = model_hisparse_layers(vllm_config)
-        self.config = HiSparseConfig.from_extra_config(engine_defaults(vllm_config, extra))
-        self.worker: Optional[HiSparseConnectorWorker] = None
-        self._scheduler: Optional[HiSparseScheduler] = None
-        self._model_layers = None
-        if layers is not None:
-            from hisparse.vllm.model_check import find_model_layers
-
-            self._model_layers = find_model_layers(
-                vllm_config, kv_cache_config, self.config, extra, layers
-            )
-        if role == KVConnectorRole.WORKER:
-            self.worker = HiSparseConnectorWorker(self.config, hooks=device_hooks)
-        else:
-            self._scheduler = HiSparseScheduler(self.config)
-            self._preemptions = Preemptions()
-            blocks = getattr(kv_cache_config, "num_blocks", None)
-            if isinstance(blocks, int) and blocks > 0:
-                self._scheduler.host_rows = blocks * self.config.block_size
-
-    @classmethod
-    def from_extra_config(
-        cls,
-        extra_config: Optional[Mapping] = None,
+        self,
+        config: HiSparseConfig,
         role: Any = "worker",
         *,
         device_hooks=None,
         host_rows: Optional[int] = None,
-    ) -> "HiSparseConnector":
-        """Build without a vLLM config (reference engine, tests). ``host_rows`` (scheduler role):
-        the worker's host-pool rows (``worker.host_rows``), which vLLM otherwise gives through
-        its KV blocks; with it keys and token counts past the pool are refused at the
-        scheduler, where they enter."""
-        kv = SimpleNamespace(
-            kv_connector="HiSparseConnector",
-            kv_connector_module_path="hisparse.connector.facade",
-            kv_role="kv_both",
-            # Handed on as given: HiSparseConfig names a non-mapping (a string, a list of
-            # pairs) instead of dict() silently accepting pairs.
-            kv_connector_extra_config=extra_config,
-            is_kv_producer=False,
-            is_kv_consumer=False,
-            engine_id=None,
-        )
-        conn = cls(SimpleNamespace(kv_transfer_config=kv), role, None, device_hooks=device_hooks)
+        model_layers: Any = None,
+    ) -> None:
+        if not isinstance(config, HiSparseConfig):
+            raise TypeError(
+                f"config must be a HiSparseConfig (hisparse.connector.config), got "
+                f"{type(config).__name__}"
+            )
+        self.config = config
+        self.role = connector_role(role, ConnectorRole)
+        self._metadata: Optional[HiSparseConnectorMetadata] = None
+        self._model_layers = model_layers
+        self.worker: Optional[HiSparseConnectorWorker] = None
+        self._scheduler: Optional[HiSparseScheduler] = None
+        if self.role == ConnectorRole.WORKER:
+            self.worker = HiSparseConnectorWorker(config, hooks=device_hooks)
+        else:
+            self._scheduler = HiSparseScheduler(config)
+            self._preemptions = Preemptions()
         if host_rows is not None:
-            conn._need_scheduler("from_extra_config(host_rows=...)").set_host_rows(host_rows)
-        return conn
+            self._need_scheduler("host_rows=...").set_host_rows(host_rows)
+
+    # ------------------------------------------------------------- metadata
+    def bind_connector_metadata(self, metadata: HiSparseConnectorMetadata) -> None:
+        self._metadata = metadata
+
+    def clear_connector_metadata(self) -> None:
+        """End of the step: a ``resolve`` before the next ``start_load_kv`` is refused by name."""
+        self._metadata = None
+        if self.worker is not None:
+            self.worker.end_step()
+
+    def has_connector_metadata(self) -> bool:
+        return self._metadata is not None
 
     # ----------------------------------------------------------- worker side
     def _need_worker(self, what: str) -> HiSparseConnectorWorker:
@@ -122,10 +96,11 @@ class HiSparseConnector(KVConnectorBase_V1, SupportsHMA):
             )
         return self.worker
 
-    def register_kv_caches(self, kv_caches: dict) -> None:
-        """From an engine that hands over its hot buffers (the reference engine): bind them. From
-        vLLM (its own paged caches): leave those alone; allocate hot buffers for the model's
-        HiSparse layers and a host pool backing every vLLM slot."""
+    def register_kv_caches(self, kv_caches: dict, *, peers: Any = None) -> None:
+        """From an engine that hands over its hot buffers (the reference engine): bind them. With
+        ``model_layers`` (vLLM, its own paged caches): leave those alone; allocate hot buffers for
+        the model's HiSparse layers and a host pool backing every engine slot. ``peers``: the
+        worker's tensor-parallel group (``hisparse.connector.tp_pool``), or None."""
         worker = self._need_worker("register_kv_caches")
         if self._model_layers is None:
             worker.register_kv_caches(kv_caches)
@@ -137,18 +112,16 @@ class HiSparseConnector(KVConnectorBase_V1, SupportsHMA):
             n: torch.zeros(S * H, rb, dtype=torch.uint8, device=device)
             for n, rb in lay.row_bytes.items()
         }
-        # The TP ranks of one host share one host pool where they can (connector/tp_pool.py).
-        peers = tensor_parallel_peers()
         worker.register_kv_caches(hot, host_rows=lay.host_rows, groups=lay.groups, peers=peers)
 
-    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+    def start_load_kv(self, forward_context: Any = None, **kwargs: Any) -> None:
         """Apply this step's metadata (reset/invalidate state rows, set the batch's state rows).
         HiSparse loads nothing from outside: the per-layer loads are the gathers ``resolve``
         launches."""
         worker = self._need_worker("start_load_kv")
         if not self.has_connector_metadata():
             raise RuntimeError("start_load_kv needs bind_connector_metadata(...) first")
-        worker.start_step(self._get_connector_metadata())
+        worker.start_step(self._metadata)
 
     def resolve(
         self, layer_name: str, top_k: Any, resident_rows: Any = None, *, state_rows: Any = None
@@ -191,12 +164,6 @@ class HiSparseConnector(KVConnectorBase_V1, SupportsHMA):
             raise ValueError("save_kv_layer needs attn_metadata.slot_mapping (or slot_mapping=)")
         worker.save_kv_layer(layer_name, kv_layer, slots)
 
-    def clear_connector_metadata(self) -> None:
-        """End of the step: a ``resolve`` before the next ``start_load_kv`` is refused by name."""
-        super().clear_connector_metadata()
-        if self.worker is not None:
-            self.worker.end_step()
-
     def wait_for_save(self) -> None:
         """Nothing to wait for: host writes and gathers are ordered on the copy streams."""
         return None
@@ -208,25 +175,12 @@ class HiSparseConnector(KVConnectorBase_V1, SupportsHMA):
     def get_kv_connector_stats(self) -> Optional[HiSparseKVConnectorStats]:
         if self.worker is None:
             return self._scheduler.gauges() if self._scheduler is not None else None
-        if self.has_connector_metadata() and not self._get_connector_metadata().req_ids:
+        if self._metadata is not None and not self._metadata.req_ids:
             # A step with nothing scheduled (vLLM runs one after the last request finishes, to
             # pass on its id): nothing decodes, so waiting for the counters costs nothing, and the
             # last steps' counts reach the scrape now instead of with the next request.
             return self.worker.drain_stats()
         return self.worker.get_kv_connector_stats()
-
-    # vLLM >= 0.33's sleep-mode hooks. Sleep mode frees and remaps vLLM's KV cache (the indexer
-    # caches here) under live state rows, hot buffers and host-pool keys that would then name
-    # stale rows; it is refused at start-up (``supports_sleep_mode``), so these never run.
-    @classmethod
-    def supports_sleep_mode(cls, kv_transfer_config: Any = None) -> bool:
-        return False
-
-    def unregister_kv_caches(self) -> None:
-        raise RuntimeError(SLEEP_MODE_REFUSAL)
-
-    def restore_kv_caches(self) -> None:
-        raise RuntimeError(SLEEP_MODE_REFUSAL)
 
     def shutdown(self) -> None:
         if self.worker is not None:
@@ -248,9 +202,9 @@ class HiSparseConnector(KVConnectorBase_V1, SupportsHMA):
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         return None
 
-    def build_connector_meta(self, scheduler_output: Any) -> HiSparseConnectorMetadata:
+    def build_connector_meta(self, scheduler_output: StepSchedule) -> HiSparseConnectorMetadata:
         """The step's metadata; a preempted request's state row is released here, and the row it
-        gets when vLLM resumes it is logged (one line per resumption)."""
+        gets when the engine resumes it is logged (one line per resumption)."""
         sched = self._need_scheduler("build_connector_meta")
         self._preemptions.before(sched.rows, scheduler_output)
         meta = sched.build(scheduler_output)
@@ -264,9 +218,6 @@ class HiSparseConnector(KVConnectorBase_V1, SupportsHMA):
         self._preemptions.forget(rid)
         return False, None
 
-    def request_finished_all_groups(self, request: Any, block_ids: Any) -> tuple:
-        return self.request_finished(request, block_ids)
-
     def invalidate_keys(self, request: Any, keys: Any) -> None:
         """Scheduler side: positions of ``request`` were rewritten; drop their hot copies next
         step."""
@@ -274,20 +225,10 @@ class HiSparseConnector(KVConnectorBase_V1, SupportsHMA):
         self._need_scheduler("invalidate_keys").invalidate_keys(rid, keys)
 
     # ------------------------------------------------------------- telemetry
-    @classmethod
-    def build_kv_connector_stats(cls, data: Optional[dict] = None) -> HiSparseKVConnectorStats:
-        return (
-            HiSparseKVConnectorStats(data=data) if data is not None else HiSparseKVConnectorStats()
-        )
+    @staticmethod
+    def build_kv_connector_stats(data: Optional[dict] = None) -> HiSparseKVConnectorStats:
+        return HiSparseKVConnectorStats(data=data if data is not None else {})
 
-    @classmethod
-    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
-        return HiSparsePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
-
-
-class HiSparseOOTConnector(HiSparseConnector):
-    """The same connector under a name vLLM does not reserve.
-
-    vLLM >= 0.32 ships an in-tree connector registered as ``HiSparseConnector`` and keys its own
-    HiSparse attention path on that *name*. hisparse's plugin routes the name here when the
-    module path is hisparse's; this name works whether or not that patch applies."""
+    @staticmethod
+    def build_prom_metrics(metric_types, labelnames, per_engine_labelvalues) -> HiSparsePromMetrics:
+        return HiSparsePromMetrics(metric_types, labelnames, per_engine_labelvalues)

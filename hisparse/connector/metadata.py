@@ -7,11 +7,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hisparse.ops.limits import as_index
-from hisparse.vllm.compat import KVConnectorMetadata
 
 
 @dataclass(frozen=True)
-class HiSparseConnectorMetadata(KVConnectorMetadata):
+class HiSparseConnectorMetadata:
     """What the scheduler connector tells the worker connector for one step (picklable).
 
     req_ids: requests of the batch, in batch order (row b of ``top_k`` is ``req_ids[b]``).

@@ -12,17 +12,20 @@ from hisparse.connector.metadata import HiSparseConnectorMetadata
 from hisparse.connector.stats import HiSparseKVConnectorStats
 from hisparse.ops.limits import INT32_MAX, as_index, check_int
 from hisparse.runtime.state_rows import StateRowAllocator
-from hisparse.vllm.compat import scheduled_requests
 
 
 @dataclass
 class StepSchedule:
-    """The part of vLLM's ``SchedulerOutput`` the HiSparse scheduler connector reads, for engines
-    without vLLM. ``num_scheduled_tokens``' order is the batch order."""
+    """What the HiSparse scheduler reads of one engine step. ``num_scheduled_tokens``' order is
+    the batch order. ``blocks``: where an engine pages KV in blocks (vLLM), {req_id:
+    (num_computed_tokens, block_ids or None, replace)}, ``replace`` when the ids are the request's
+    whole block list (a new or resumed request), else the blocks appended this step; empty
+    otherwise (every held token is then a host row of its own)."""
 
     num_scheduled_tokens: dict
     finished_req_ids: set = field(default_factory=set)
     preempted_req_ids: Optional[set] = None
+    blocks: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         _token_counts(self.num_scheduled_tokens)
@@ -129,7 +132,7 @@ class HiSparseScheduler:
             for attr in ("finished_req_ids", "preempted_req_ids")
             for rid in getattr(scheduler_output, attr, None) or ()
         ]
-        vllm_view = scheduled_requests(scheduler_output)
+        block_view = dict(getattr(scheduler_output, "blocks", None) or {})
         live = {rid for rid in self.tokens if rid not in gone}
         new_reqs = [rid for rid in scheduled if rid not in live]
         if len(live) + len(new_reqs) > self.max_num_seqs:
@@ -137,8 +140,8 @@ class HiSparseScheduler:
                 f"request {new_reqs[-1]!r} needs a HiSparse state row but all "
                 f"kv_connector_extra_config['max_num_seqs'] = {self.max_num_seqs} are in use"
             )
-        tokens, blocks, added, anchors, rewrites = self._plan_requests(scheduled, vllm_view, live)
-        if not vllm_view:
+        tokens, blocks, added, anchors, rewrites = self._plan_requests(scheduled, block_view, live)
+        if not block_view:
             self._check_pool(tokens, live)
         # Commit.
         for rid in gone:
@@ -154,10 +157,6 @@ class HiSparseScheduler:
         self.blocks.update(blocks)
         invalidate = list(self.pending_invalidate)
         invalidate.extend((self.rows.row_of(rid), key) for rid, key in rewrites)
-        if hasattr(scheduler_output, "has_sync_kv_loads"):
-            # State rows must be bound before the forward, not after it (vLLM's default for
-            # connectors without synchronous loads).
-            scheduler_output.has_sync_kv_loads = True
         meta = HiSparseConnectorMetadata(
             req_ids=tuple(scheduled),
             state_rows=tuple(self.rows.row_of(rid) for rid in scheduled),
@@ -169,16 +168,16 @@ class HiSparseScheduler:
         self.pending_resets, self.pending_invalidate = [], []
         return meta
 
-    def _plan_requests(self, scheduled: Mapping, vllm_view: dict, live: set) -> tuple:
+    def _plan_requests(self, scheduled: Mapping, block_view: dict, live: set) -> tuple:
         """Each scheduled request's token count after this step and, with vLLM, its block list,
         the blocks it adds, its anchor key and the keys it writes a second time. Changes nothing
         (``build`` commits)."""
         tokens, blocks, added, anchors, rewrites = {}, {}, {}, [], []
         for rid, n in scheduled.items():
-            if rid not in vllm_view:
+            if rid not in block_view:
                 tokens[rid] = (self.tokens.get(rid, 0) if rid in live else 0) + n
                 continue
-            nc, ids, replace = vllm_view[rid]
+            nc, ids, replace = block_view[rid]
             have = [] if replace or rid not in live else self.blocks.get(rid, [])
             blocks[rid] = have + (ids or [])
             added[rid] = blocks[rid] if not have else (ids or [])

@@ -1,17 +1,15 @@
 """HiSparse telemetry containers on vLLM's KV-connector stats contract.
 
 ``HiSparseKVConnectorStats.data`` is a dict of plain lists (IPC-safe). Every entry of a counter
-list is the delta of one snapshot; gauge lists hold one sample per snapshot. Where vLLM is
-installed the classes subclass vLLM's ``KVConnectorStats`` / ``KVConnectorPromMetrics``,
-otherwise hisparse's own bases with the same contract (``hisparse.vllm.compat``).
+list is the delta of one snapshot; gauge lists hold one sample per snapshot. The classes follow
+the contract of vLLM's ``KVConnectorStats`` / ``KVConnectorPromMetrics`` without importing vLLM;
+``hisparse.vllm.connector`` derives vLLM's subclasses from them.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional
-
-from hisparse.vllm.compat import KVConnectorPromMetrics, KVConnectorStats
 
 # (data key, Prometheus name, help). Prometheus exposes counters with a `_total` suffix.
 COUNTERS = (
@@ -90,8 +88,10 @@ def _nonneg_int(name: str, v: Any) -> int:
 
 
 @dataclass
-class HiSparseKVConnectorStats(KVConnectorStats):
+class HiSparseKVConnectorStats:
     """Snapshot deltas of the hot-buffer counters (and gauge samples), one list entry each."""
+
+    data: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         data = self.data if self.data is not None else {}
@@ -172,7 +172,10 @@ class HiSparseKVConnectorStats(KVConnectorStats):
             for k, v in spill.items():
                 self.data[k].append(v)
 
-    def aggregate(self, other: Optional[KVConnectorStats]) -> "HiSparseKVConnectorStats":
+    def to_dict(self) -> dict:
+        return self.data
+
+    def aggregate(self, other: Any) -> "HiSparseKVConnectorStats":
         """Extend every list with ``other``'s entries (empty or None ``other`` is skipped)."""
         if other is None or other.is_empty():
             return self
@@ -216,18 +219,24 @@ class HiSparseKVConnectorStats(KVConnectorStats):
         return {key: sum(self.data[key]) for key in _SPILL_KEYS}
 
 
-class HiSparsePromMetrics(KVConnectorPromMetrics):
-    """Per-engine Prometheus counters and gauges; ``observe`` adds each snapshot delta once."""
+class HiSparsePromMetrics:
+    """Per-engine Prometheus counters and gauges; ``observe`` adds each snapshot delta once.
 
-    def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues) -> None:
-        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+    ``metric_types`` maps prometheus_client's Gauge / Counter to the classes to instantiate (a
+    registry bound, or vLLM's multiprocess-aware ones); ``per_engine_labelvalues`` maps each
+    engine index to its label values."""
+
+    def __init__(self, metric_types, labelnames, per_engine_labelvalues) -> None:
+        from prometheus_client import Counter, Gauge
+
+        self.per_engine_labelvalues = per_engine_labelvalues
         self.counters: dict = {}
         self.gauges: dict = {}
         for key, name, doc in COUNTERS + SPILL_COUNTERS:
-            metric = self._counter_cls(name=name, documentation=doc, labelnames=labelnames)
+            metric = metric_types[Counter](name=name, documentation=doc, labelnames=labelnames)
             self.counters[key] = self._per_engine(metric)
         for key, name, doc in GAUGES:
-            metric = self._gauge_cls(
+            metric = metric_types[Gauge](
                 name=name, documentation=doc, labelnames=labelnames, multiprocess_mode="mostrecent"
             )
             self.gauges[key] = self._per_engine(metric)
@@ -236,8 +245,8 @@ class HiSparsePromMetrics(KVConnectorPromMetrics):
         return {idx: metric.labels(*values) for idx, values in self.per_engine_labelvalues.items()}
 
     def observe(self, transfer_stats_data: Any, engine_idx: int = 0) -> None:
-        if isinstance(transfer_stats_data, KVConnectorStats):
-            transfer_stats_data = transfer_stats_data.data
+        if not isinstance(transfer_stats_data, dict):
+            transfer_stats_data = getattr(transfer_stats_data, "data", transfer_stats_data)
         if not transfer_stats_data:
             return
         if engine_idx not in self.per_engine_labelvalues:

@@ -1,5 +1,5 @@
 """The always-host store: every row in the connector's host pool, hot buffers on the device;
-the engine drives HiSparseConnector in both roles, as vLLM does."""
+the engine drives the connector in both roles, as vLLM does."""
 
 from __future__ import annotations
 
@@ -14,20 +14,20 @@ from hisparse.engine.kvstore import StepRows, packed_rows
 def open_connector(cfg: EngineConfig, state_rows: int, flat: List[torch.Tensor], hot_base: int):
     """The connector in both roles, its worker bound to the per-layer device rows ``flat``,
     whose hot rows must start at ``hot_base``. Returns (scheduler role, worker role)."""
-    from hisparse.connector import HiSparseConnector
+    from hisparse.connector import HiSparseConfig, HiSparseConnectorImpl
 
     rb, L, bs = cfg.row_bytes, cfg.num_layers, cfg.block_size
-    extra = {
+    config = HiSparseConfig(
         # enough whole blocks for every key, plus one block of slack against rounding
-        "host_pool_gib": (cfg.num_keys + bs) * rb * L / 2**30,
-        "top_k": cfg.top_k,
-        "device_buffer_size": cfg.hot_size,
-        "index_share": cfg.index_share,
-        "metrics_interval": cfg.metrics_interval,
-        "max_num_seqs": state_rows,
-        "block_size": bs,
-    }
-    worker = HiSparseConnector.from_extra_config(extra, role="worker")
+        host_pool_gib=(cfg.num_keys + bs) * rb * L / 2**30,
+        top_k=cfg.top_k,
+        device_buffer_size=cfg.hot_size,
+        index_share=cfg.index_share,
+        metrics_interval=cfg.metrics_interval,
+        max_num_seqs=state_rows,
+        block_size=bs,
+    )
+    worker = HiSparseConnectorImpl(config, "worker")
     worker.register_kv_caches({n: flat[i] for i, n in enumerate(cfg.layer_names())})
     w = worker.worker
     if w is None or w.hot_base != hot_base:
@@ -35,7 +35,7 @@ def open_connector(cfg: EngineConfig, state_rows: int, flat: List[torch.Tensor],
             f"connector hot_base {getattr(w, 'hot_base', None)} != engine's {hot_base}"
         )
     # The scheduler learns the pool the worker allocated, as vLLM's KV blocks tell it there.
-    sched = HiSparseConnector.from_extra_config(extra, role="scheduler", host_rows=w.host_rows)
+    sched = HiSparseConnectorImpl(config, "scheduler", host_rows=w.host_rows)
     return sched, worker
 
 
@@ -54,7 +54,7 @@ class _AttnMeta:
 class HiSparseKV:
     """Full KV in the connector's host pool; per layer a device buffer of ``max_running *
     window`` device-window rows (the newest tokens, served in place as resident hits) followed by
-    ``max_running * hot_size`` hot rows. Drives HiSparseConnector in both roles."""
+    ``max_running * hot_size`` hot rows. Drives the connector in both roles."""
 
     mode = "hisparse"
     peak_spilled = 0

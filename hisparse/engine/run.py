@@ -42,11 +42,11 @@ class _StatsRelay:
         self.metrics, self.agg, self.n = metrics, None, 0
 
     def __call__(self, stats) -> None:
-        from hisparse.connector import HiSparseConnector
+        from hisparse.connector import HiSparseConnectorImpl
 
-        rebuilt = HiSparseConnector.build_kv_connector_stats(dict(stats.data))
+        rebuilt = HiSparseConnectorImpl.build_kv_connector_stats(dict(stats.data))
         if self.agg is None:
-            self.agg = HiSparseConnector.build_kv_connector_stats(None)
+            self.agg = HiSparseConnectorImpl.build_kv_connector_stats(None)
         self.agg.aggregate(rebuilt)
         self.n += 1
         if self.metrics is not None:

@@ -1,6 +1,6 @@
 """vLLM's KV-connector base classes when vLLM is installed, hisparse's own otherwise.
 
-Only ``hisparse.connector`` and the rest of ``hisparse.vllm`` import this module; ``import
+Only ``hisparse.vllm``'s own modules import this one; ``import
 hisparse`` never does, so importing the package never imports vLLM. Set ``HISPARSE_NO_VLLM=1`` to
 use hisparse's own bases even where vLLM is installed.
 
@@ -15,9 +15,9 @@ This module heads hisparse's vLLM-version layer; what differs between the suppor
   kv_transfer_config)`` (default True), ``unregister_kv_caches()`` and ``restore_kv_caches()``:
   the connector defines all three on every version (refusing sleep mode), so 0.32 just never
   calls them;
-* what the connector reads of vLLM's objects (the engine's config, each step's scheduler
-  output, the worker's tensor-parallel group) is read here: ``engine_defaults``,
-  ``scheduled_requests`` and ``tensor_parallel_peers``;
+* what the connector reads of vLLM's objects (each step's scheduler output, the worker's
+  tensor-parallel group) is read here: ``scheduled_requests`` and ``tensor_parallel_peers``;
+  the engine's config is read in ``hisparse.vllm.settings``;
 * both key their in-tree HiSparse on the connector name, size KV in the engine core's
   ``get_kv_cache_configs`` and build configs in ``EngineArgs.create_engine_config``: the patches
   there live in ``hisparse.vllm.patches``, each checking its target is still in place.
@@ -29,7 +29,7 @@ import enum
 import os
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Optional
+from typing import Any, Optional
 
 #: Why vLLM's classes are not used (None when they are).
 VLLM_UNAVAILABLE_REASON: Optional[str] = None
@@ -216,34 +216,11 @@ else:
 
 
 # ---- what the connector reads of vLLM's objects -------------------------------------------
-def engine_defaults(vllm_config: Any, extra: Optional[Mapping]) -> Any:
-    """``extra`` with max_num_seqs / block_size filled from vLLM's own config, and top_k from the
-    served model's config (an exported HiSparse model), where the extra config omits them."""
-    if extra is not None and not isinstance(extra, Mapping):
-        return extra  # from_extra_config names the problem
-    merged = dict(extra or {})
-    hf = getattr(getattr(vllm_config, "model_config", None), "hf_config", None)
-    model = getattr(hf, "hisparse", None)
-    if "top_k" not in merged and isinstance(model, Mapping) and isinstance(model.get("top_k"), int):
-        merged["top_k"] = model["top_k"]
-    index_topk = getattr(hf, "index_topk", None)
-    if "top_k" not in merged and isinstance(index_topk, int):  # DeepSeek-V3.2 / GLM-5 indexer
-        merged["top_k"] = index_topk
-    sched = getattr(vllm_config, "scheduler_config", None)
-    cache = getattr(vllm_config, "cache_config", None)
-    seqs = getattr(sched, "max_num_seqs", None)
-    block = getattr(cache, "block_size", None)
-    for key, value in (("max_num_seqs", seqs), ("block_size", block)):
-        usable = isinstance(value, int) and not isinstance(value, bool) and value > 0
-        if key not in merged and usable:
-            merged[key] = value
-    return merged
-
-
 def scheduled_requests(scheduler_output: Any) -> dict:
     """{req_id: (num_computed_tokens, block_ids or None, replace)} from a vLLM SchedulerOutput
-    (KV-cache group 0); {} for a ``StepSchedule``. ``replace``: the ids are the request's whole
-    block list (new or resumed request), else blocks appended this step."""
+    (KV-cache group 0), as ``hisparse.connector.StepSchedule.blocks`` holds it. ``replace``: the
+    ids are the request's whole block list (new or resumed request), else blocks appended this
+    step."""
     view = {}
     for r in getattr(scheduler_output, "scheduled_new_reqs", None) or ():
         view[r.req_id] = (int(r.num_computed_tokens), list(r.block_ids[0]), True)

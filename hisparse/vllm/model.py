@@ -6,7 +6,7 @@ query token's top-k positions (leader layers), then attend over those rows only.
 come from is the one thing the two modes change:
 
 * all-resident (no connector): from the layer's own vLLM KV cache, by slot;
-* HiSparse (``kv_connector_module_path="hisparse.connector"``): rows are saved to the host pool
+* HiSparse (``kv_connector_module_path="hisparse.vllm.connector"``): rows are saved to the host pool
   through the connector; decode rows are resolved by the group leader (``connector.resolve``),
   every member gathers the same plan into its own hot buffer, waits for its own load and reads
   there; prefill rows are read from the host pool.
@@ -27,6 +27,7 @@ from hisparse.models.checkpoint import config_from_hf, weights_by_name
 from hisparse.models.reference import Model, select_top_k
 from hisparse.models.rows import LATENT_DIM, decode_rows, encode_rows
 from hisparse.vllm.layers import IndexerCache, SparseMLACache, StepMetadata
+from hisparse.vllm.settings import CONNECTOR_MODULE
 
 # Bound on one prefill attention gather ([tokens, top_k, 576] values).
 _PREFILL_CHUNK_ELEMS = 1 << 24
@@ -34,7 +35,7 @@ _PREFILL_CHUNK_ELEMS = 1 << 24
 
 def uses_hisparse_connector(vllm_config: VllmConfig) -> bool:
     kv = getattr(vllm_config, "kv_transfer_config", None)
-    return kv is not None and getattr(kv, "kv_connector_module_path", None) == "hisparse.connector"
+    return kv is not None and getattr(kv, "kv_connector_module_path", None) == CONNECTOR_MODULE
 
 
 class _Batch:

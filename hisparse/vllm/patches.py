@@ -34,6 +34,7 @@ from typing import Any, Callable, Optional
 from hisparse.connector.lifecycle import SLEEP_MODE_REFUSAL
 from hisparse.vllm.compat import unsupported_vllm_line
 from hisparse.vllm.model_check import HiSparseModelError, refuse_stock_architecture
+from hisparse.vllm.settings import moved_connector_line
 from hisparse.vllm.sizing import plan, refuse_early
 
 logger = logging.getLogger("vllm.hisparse")  # under vLLM's configured "vllm" logger
@@ -90,6 +91,9 @@ def _refusal(orig: Callable) -> Callable:
     def create_engine_config(self, *args, **kwargs):
         kv = self.kv_transfer_config
         name, path = _field(kv, "kv_connector"), _field(kv, "kv_connector_module_path")
+        moved = moved_connector_line(path)
+        if moved is not None:
+            raise HiSparseModelError(moved)
         if name == IN_TREE_NAME and _ours(path) and STATUS.get("route"):
             raise HiSparseModelError(
                 f"hisparse cannot route kv_connector={IN_TREE_NAME!r} on this vLLM "

@@ -17,13 +17,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Sequence
 
-from hisparse.connector.config import config_from_vllm
 from hisparse.models.checkpoint import CONFIG_KEY, config_from_hf
 from hisparse.models.dsa.config import DSAConfig
 from hisparse.models.rows import ROW_LAYOUTS
 from hisparse.runtime.host_pool import available_host_bytes
 from hisparse.runtime.pool_fence import arch_shares_pool
 from hisparse.vllm.dsa import DSA_ARCHITECTURES
+from hisparse.vllm.settings import config_from_vllm
 
 _GIB = float(1 << 30)
 # As HostPool / SharedHostPool: what they leave to the rest of the process and the OS.

@@ -142,9 +142,9 @@ def _covered(path, deps):
 
 
 def test_nightly_covers_every_module_on_the_vllm_path(steps):
-    """vLLM imports hisparse.connector; every hisparse module it pulls in (and the C++/CUDA
+    """vLLM imports hisparse.vllm.connector; every hisparse module it pulls in (and the C++/CUDA
     sources) must trigger the nightly when changed."""
-    closure = _hisparse_import_closure("hisparse.connector")
+    closure = _hisparse_import_closure("hisparse.vllm.connector")
     assert "hisparse/connector/facade.py" in closure
     assert "hisparse/runtime/index_group.py" in closure
     closure.discard("hisparse/__init__.py")

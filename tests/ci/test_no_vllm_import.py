@@ -1,5 +1,6 @@
-"""`import hisparse` never imports vLLM; hisparse.connector (and its stats) use vLLM's bases only
-when vLLM imports, and fall back to their own otherwise. Each case runs in a fresh interpreter."""
+"""`import hisparse` (and `hisparse.connector`) never imports vLLM; hisparse.vllm.connector (and
+its stats) use vLLM's bases only when vLLM imports, and fall back to their own otherwise. Each
+case runs in a fresh interpreter."""
 
 from __future__ import annotations
 
@@ -46,7 +47,8 @@ def test_import_hisparse_never_imports_vllm(tmp_path):
     out = _run(
         """
         import sys
-        import hisparse, hisparse.connector.config, hisparse.runtime, hisparse.ops
+        import hisparse, hisparse.runtime, hisparse.ops
+        import hisparse.connector, hisparse.connector.exporter, hisparse.connector.tp_pool
         loaded = [m for m in sys.modules if m == 'vllm' or m.startswith('vllm.')]
         assert not loaded, sorted(sys.modules)
         print('ok')
@@ -61,12 +63,11 @@ def test_broken_vllm_falls_back_to_own_bases(tmp_path):
     out = _run(
         """
         from hisparse.vllm import compat as c
-        from hisparse.connector import HiSparseConnector
-        from hisparse.connector.stats import HiSparseKVConnectorStats
+        from hisparse.vllm.connector import HiSparseConnector, VllmConnectorStats
         assert not c.HAVE_VLLM
         assert 'vllm was imported' in c.VLLM_UNAVAILABLE_REASON, c.VLLM_UNAVAILABLE_REASON
-        assert issubclass(HiSparseKVConnectorStats, c.KVConnectorStats)
-        assert HiSparseKVConnectorStats.__mro__[1].__module__ == 'hisparse.vllm.compat'
+        assert issubclass(VllmConnectorStats, c.KVConnectorStats)
+        assert HiSparseConnector.__mro__[1].__module__ == 'hisparse.vllm.compat'
         print('ok')
     """,
         tmp_path,
@@ -154,18 +155,19 @@ def test_subclasses_vllm_bases_when_vllm_imports(tmp_path):
         import hisparse
         assert 'vllm' not in sys.modules  # still nothing at package import
         from vllm.distributed.kv_transfer.kv_connector.v1 import base, metrics
-        from hisparse.connector import HiSparseConnector
-        from hisparse.connector.stats import HiSparseKVConnectorStats, HiSparsePromMetrics
-        from hisparse.connector.worker import HiSparseConnectorMetadata
+        import types
+        from hisparse.vllm.connector import (
+            HiSparseConnector, VllmConnectorMetadata, VllmConnectorStats, VllmPromMetrics)
         from hisparse.vllm import compat as c
         assert c.HAVE_VLLM
         assert issubclass(HiSparseConnector, base.KVConnectorBase_V1)
         assert issubclass(HiSparseConnector, base.SupportsHMA)
-        assert issubclass(HiSparseKVConnectorStats, metrics.KVConnectorStats)
-        assert issubclass(HiSparsePromMetrics, metrics.KVConnectorPromMetrics)
-        assert issubclass(HiSparseConnectorMetadata, base.KVConnectorMetadata)
-        c1 = HiSparseConnector.from_extra_config({'top_k': 4, 'device_buffer_size': 8},
-                                                 base.KVConnectorRole.WORKER)
+        assert issubclass(VllmConnectorStats, metrics.KVConnectorStats)
+        assert issubclass(VllmPromMetrics, metrics.KVConnectorPromMetrics)
+        assert issubclass(VllmConnectorMetadata, base.KVConnectorMetadata)
+        kv = types.SimpleNamespace(kv_connector_extra_config={'top_k': 4, 'device_buffer_size': 8})
+        c1 = HiSparseConnector(types.SimpleNamespace(kv_transfer_config=kv),
+                               base.KVConnectorRole.WORKER)
         assert c1.role is base.KVConnectorRole.WORKER and c1.worker is not None
         print('ok')
     """,

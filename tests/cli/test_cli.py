@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from hisparse.cli import app as cli
+from hisparse.vllm.settings import config_from_extra
 
 
 @pytest.mark.parametrize(
@@ -84,9 +85,8 @@ def test_large_top_k_defaults_keep_hot_size_in_range():
     """top-k above 16384: the default hot size is capped at 32768, not 2 x top-k."""
     from hisparse.cli.app import build_parser
     from hisparse.cli.flags import check_engine_flags
-    from hisparse.connector.config import HiSparseConfig
 
-    assert HiSparseConfig.from_extra_config({"top_k": 20000}).device_buffer_size == 32768
+    assert config_from_extra({"top_k": 20000}).device_buffer_size == 32768
     parser = build_parser()
     args = parser.parse_args(["demo", "--top-k", "20000", "--recent-window", "8"])
     assert check_engine_flags(parser, args).hot_size == 32768

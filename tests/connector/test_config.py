@@ -12,17 +12,18 @@ from hisparse.connector.config import (
     HiSparseConfigError,
 )
 from hisparse.ops.limits import MAX_HOT_SIZE
+from hisparse.vllm.settings import config_from_extra
 
 
 @pytest.mark.parametrize("key", ["max_num_seqs", "block_size", "index_share", "metrics_interval"])
 def test_integer_settings_have_upper_bounds(key):
     limit = MAX_INT_SETTING[key]
-    HiSparseConfig.from_extra_config({key: limit, "top_k": 4})
+    config_from_extra({key: limit, "top_k": 4})
     with pytest.raises(
         HiSparseConfigError,
         match=rf"^kv_connector_extra_config\['{key}'\] must be <= {limit}, got {limit + 1}$",
     ):
-        HiSparseConfig.from_extra_config({key: limit + 1, "top_k": 4})
+        config_from_extra({key: limit + 1, "top_k": 4})
 
 
 def test_top_k_above_the_hot_buffer_limit_is_blamed_on_top_k():
@@ -31,22 +32,20 @@ def test_top_k_above_the_hot_buffer_limit_is_blamed_on_top_k():
         HiSparseConfigError,
         match=rf"^kv_connector_extra_config\['top_k'\] must be <= {MAX_HOT_SIZE},",
     ):
-        HiSparseConfig.from_extra_config({"top_k": MAX_HOT_SIZE + 1})
+        config_from_extra({"top_k": MAX_HOT_SIZE + 1})
     with pytest.raises(HiSparseConfigError, match=r"\['top_k'\]"):
-        HiSparseConfig.from_extra_config(
-            {"top_k": MAX_HOT_SIZE + 1, "device_buffer_size": MAX_HOT_SIZE}
-        )
+        config_from_extra({"top_k": MAX_HOT_SIZE + 1, "device_buffer_size": MAX_HOT_SIZE})
 
 
 def test_hot_rows_must_fit_int32():
     with pytest.raises(HiSparseConfigError, match=r"\['max_num_seqs'\] \* device_buffer_size"):
-        HiSparseConfig.from_extra_config({"max_num_seqs": 65536, "top_k": MAX_HOT_SIZE})
+        config_from_extra({"max_num_seqs": 65536, "top_k": MAX_HOT_SIZE})
 
 
 @pytest.mark.parametrize("extra", ["top_k=4", [("top_k", 4)], 7, b"{}"])
 def test_non_mapping_extra_config_is_one_named_error(extra):
     with pytest.raises(HiSparseConfigError, match=r"^kv_connector_extra_config must be a mapping"):
-        HiSparseConfig.from_extra_config(extra)
+        config_from_extra(extra)
 
 
 @pytest.mark.parametrize("gib", [1e30, MAX_HOST_POOL_GIB + 1, 2**70])
@@ -54,7 +53,7 @@ def test_absurd_host_pool_is_refused_not_clamped(gib):
     with pytest.raises(
         HiSparseConfigError, match=rf"\['host_pool_gib'\] must be <= {MAX_HOST_POOL_GIB} \(GiB\)"
     ):
-        HiSparseConfig.from_extra_config({"host_pool_gib": gib})
+        config_from_extra({"host_pool_gib": gib})
     assert (
         HiSparseConfig(host_pool_gib=MAX_HOST_POOL_GIB).host_pool_bytes == MAX_HOST_POOL_GIB << 30
     )

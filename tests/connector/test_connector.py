@@ -1,4 +1,5 @@
-"""HiSparseConnector: roles, config validation, scheduler metadata, request lifecycle."""
+"""The connector (vLLM-free, and vLLM's class): roles, config validation, scheduler metadata,
+request lifecycle."""
 
 from __future__ import annotations
 
@@ -8,10 +9,14 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from hisparse.connector import HiSparseConnector, KVConnectorRole, StepSchedule
-from hisparse.connector.config import HiSparseConfig, HiSparseConfigError
+from hisparse.connector import ConnectorRole, HiSparseConnectorImpl, StepSchedule
+from hisparse.connector.config import HiSparseConfigError
 from hisparse.connector.stats import HiSparseKVConnectorStats
 from hisparse.connector.worker import HiSparseConnectorMetadata
+from hisparse.vllm.compat import KVConnectorRole
+from hisparse.vllm.connector import HiSparseConnector
+from hisparse.vllm.settings import config_from_extra
+from tests.helpers import connector_impl, vllm_connector
 from tests.telemetry_helpers import make_pair
 
 
@@ -21,14 +26,14 @@ def _req(rid):
 
 # ------------------------------------------------------------------ config
 def test_config_defaults():
-    c = HiSparseConfig.from_extra_config(None)
+    c = config_from_extra(None)
     assert (c.top_k, c.device_buffer_size, c.index_share, c.metrics_interval) == (
         2048,
         4096,
         1,
         2000,
     )
-    assert HiSparseConfig.from_extra_config({"top_k": 64}).device_buffer_size == 128
+    assert config_from_extra({"top_k": 64}).device_buffer_size == 128
 
 
 @pytest.mark.parametrize(
@@ -53,17 +58,17 @@ def test_config_defaults():
 )
 def test_config_errors_name_the_key(extra, key):
     with pytest.raises(HiSparseConfigError, match=rf"kv_connector_extra_config\['{key}'\]"):
-        HiSparseConfig.from_extra_config(extra)
+        config_from_extra(extra)
 
 
 def test_config_rejects_non_mapping():
     with pytest.raises(HiSparseConfigError, match="mapping"):
-        HiSparseConfig.from_extra_config([("top_k", 4)])
+        config_from_extra([("top_k", 4)])
 
 
 def test_connector_validates_extra_config_and_takes_vllm_defaults():
     with pytest.raises(HiSparseConfigError, match=r"\['topk'\]"):
-        HiSparseConnector.from_extra_config({"topk": 4}, role="worker")
+        connector_impl({"topk": 4}, role="worker")
     kv = SimpleNamespace(kv_connector_extra_config={"top_k": 8}, kv_role="kv_both")
     vc = SimpleNamespace(
         kv_transfer_config=kv,
@@ -77,7 +82,7 @@ def test_connector_validates_extra_config_and_takes_vllm_defaults():
     with pytest.raises(ValueError, match="kv_transfer_config"):
         HiSparseConnector(SimpleNamespace(kv_transfer_config=None), "worker")
     with pytest.raises(ValueError, match="role"):
-        HiSparseConnector.from_extra_config({}, role="driver")
+        connector_impl({}, role="driver")
 
 
 # ------------------------------------------------------------------- roles
@@ -87,12 +92,10 @@ def test_every_abstract_method_is_implemented():
 
 
 def test_roles():
-    sched = HiSparseConnector.from_extra_config({"top_k": 4, "device_buffer_size": 8}, "scheduler")
-    work = HiSparseConnector.from_extra_config(
-        {"top_k": 4, "device_buffer_size": 8}, KVConnectorRole.WORKER
-    )
-    assert sched.role == KVConnectorRole.SCHEDULER and sched.worker is None
-    assert work.role == KVConnectorRole.WORKER and work.worker is not None
+    sched = connector_impl({"top_k": 4, "device_buffer_size": 8}, "scheduler")
+    work = connector_impl({"top_k": 4, "device_buffer_size": 8}, KVConnectorRole.WORKER)
+    assert sched.role == ConnectorRole.SCHEDULER and sched.worker is None
+    assert work.role == ConnectorRole.WORKER and work.worker is not None
     assert sched.get_kv_connector_stats() is None  # no worker: None
     assert work.get_kv_connector_stats() is None  # nothing registered yet
     with pytest.raises(RuntimeError, match="worker-side"):
@@ -112,14 +115,13 @@ def test_hisparse_meaning_of_the_load_api():
     assert work.get_finished({"a"}) == (None, None)
     assert work.wait_for_save() is None
     assert sched.request_finished(_req("never-seen"), [1, 2]) == (False, None)
-    assert sched.request_finished_all_groups(_req("never-seen"), ([1],)) == (False, None)
+    vllm_sched = vllm_connector({"top_k": 4}, "scheduler")
+    assert vllm_sched.request_finished_all_groups(_req("never-seen"), ([1],)) == (False, None)
 
 
 # ------------------------------------------------- scheduler-side metadata
 def test_state_rows_assigned_reset_released_and_reused():
-    sched = HiSparseConnector.from_extra_config(
-        {"top_k": 4, "device_buffer_size": 8, "max_num_seqs": 2}, "scheduler"
-    )
+    sched = connector_impl({"top_k": 4, "device_buffer_size": 8, "max_num_seqs": 2}, "scheduler")
     m1 = sched.build_connector_meta(StepSchedule({"a": 5, "b": 3}))
     assert isinstance(m1, HiSparseConnectorMetadata)
     assert m1.req_ids == ("a", "b") and set(m1.state_rows) == {0, 1}
@@ -192,6 +194,7 @@ def test_save_kv_layer_reads_slot_mapping_from_attn_metadata():
 
 
 def test_build_kv_connector_stats_and_prom_metrics_are_classmethods():
+    assert HiSparseConnectorImpl.build_kv_connector_stats(None).is_empty()
     assert HiSparseConnector.build_kv_connector_stats(None).is_empty()
     s = HiSparseConnector.build_kv_connector_stats(
         {"hits": [1], "misses": [2], "host_to_device_bytes": [3]}

@@ -8,7 +8,7 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from hisparse.connector import HiSparseConnector
+from hisparse.connector import HiSparseConnectorImpl
 from hisparse.connector.exporter import HiSparseMetricsExporter
 from tests.telemetry_helpers import Workload, make_pair
 
@@ -37,7 +37,7 @@ def test_scraped_counters_equal_true_totals(interval):
             if stats is not None:
                 # What crosses the worker -> scheduler -> logger boundary is `data`.
                 wire = pickle.loads(pickle.dumps(stats.data))
-                exporter.observe(HiSparseConnector.build_kv_connector_stats(wire).data, 0)
+                exporter.observe(HiSparseConnectorImpl.build_kv_connector_stats(wire).data, 0)
                 observed += 1
         assert observed >= 2  # several snapshots, so interval boundaries are crossed
         mid = _scrape(port)

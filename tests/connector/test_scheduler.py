@@ -13,7 +13,7 @@ import torch
 from hisparse.connector.config import HiSparseConfig
 from hisparse.connector.metadata import HiSparseConnectorMetadata
 from hisparse.connector.scheduler import HiSparseScheduler, StepSchedule
-from tests.helpers import vllm_new_req, vllm_output
+from tests.helpers import vllm_new_req, vllm_step
 
 BS = 4
 
@@ -103,25 +103,23 @@ def test_invalidated_keys_go_out_once_with_the_requests_row():
 
 def test_anchors_are_the_keys_of_each_requests_last_token_and_rewrites_are_invalidated():
     s = _sched()
-    out = vllm_output({"a": 6}, new=[vllm_new_req("a", 0, [7, 2])])
-    m = s.build(out)
-    assert out.has_sync_kv_loads is True  # state rows are bound before the forward
+    m = s.build(vllm_step({"a": 6}, new=[vllm_new_req("a", 0, [7, 2])]))
     # position 5: block 2 (the second), offset 1; two blocks held = 8 host rows
     assert _fields(m) == (("a",), (0,), (0,), (), 2 * BS, (2 * BS + 1,))
     # rolled back to position 4: positions 4 and 5 are written a second time
-    m = s.build(vllm_output({"a": 2}, cached=[("a", 4, None)]))
+    m = s.build(vllm_step({"a": 2}, cached=[("a", 4, None)]))
     assert m.invalidate == ((0, 8), (0, 9)) and m.anchors == (9,) and m.reset_rows == ()
     # a grows into a new block 5: position 6 -> 2 * 4 + 2, position 8 -> 5 * 4 + 0
-    m = s.build(vllm_output({"a": 3}, cached=[("a", 6, [5])]))
+    m = s.build(vllm_step({"a": 3}, cached=[("a", 6, [5])]))
     assert m.anchors == (5 * BS,) and m.invalidate == () and m.host_rows_in_use == 3 * BS
 
 
 def test_a_reused_row_is_reset_not_invalidated_for_the_keys_its_last_owner_wrote():
     s = _sched(S=1)
-    s.build(vllm_output({"a": 6}, new=[vllm_new_req("a", 0, [2, 3])]))
+    s.build(vllm_step({"a": 6}, new=[vllm_new_req("a", 0, [2, 3])]))
     # b takes a's row and writes block 2 again (keys 8..11): the row is reset, which drops
     # every hot copy at once; b's own positions were never written, so none is invalidated.
-    m = s.build(vllm_output({"b": 6}, new=[vllm_new_req("b", 0, [2, 5])], finished={"a"}))
+    m = s.build(vllm_step({"b": 6}, new=[vllm_new_req("b", 0, [2, 5])], finished={"a"}))
     assert _fields(m) == (("b",), (0,), (0,), (), 2 * BS, (5 * BS + 1,))
     assert s.blocks == {"b": [2, 5]} and s.block_refs == {2: 1, 5: 1}
 
@@ -129,14 +127,14 @@ def test_a_reused_row_is_reset_not_invalidated_for_the_keys_its_last_owner_wrote
 def test_anchors_are_sent_for_every_request_or_for_none():
     s = _sched()
     # x is scheduled but listed in neither new nor cached requests: no block list, no anchor.
-    m = s.build(vllm_output({"a": 1, "x": 2}, new=[vllm_new_req("a", 0, [1])]))
+    m = s.build(vllm_step({"a": 1, "x": 2}, new=[vllm_new_req("a", 0, [1])]))
     assert m.req_ids == ("a", "x") and m.anchors == ()
 
 
 def test_host_rows_in_use_count_blocks_shared_by_a_prefix_once():
     s = _sched()
     m = s.build(
-        vllm_output(
+        vllm_step(
             {"a": 8, "b": 1}, new=[vllm_new_req("a", 0, [3, 4]), vllm_new_req("b", 7, [3, 4])]
         )
     )

@@ -7,8 +7,11 @@ import logging
 
 import pytest
 
-from hisparse.connector import HiSparseConnector, StepSchedule
+from hisparse.connector import StepSchedule
 from hisparse.connector.config import HiSparseConfig, HiSparseConfigError
+from hisparse.vllm.connector import HiSparseConnector
+from hisparse.vllm.settings import config_from_extra
+from tests.helpers import connector_impl, vllm_connector
 from tests.telemetry_helpers import Workload, make_pair
 
 
@@ -96,7 +99,7 @@ def test_defaults_put_counters_within_one_scrape():
 )
 def test_new_settings_are_checked_by_name(key, value):
     with pytest.raises(HiSparseConfigError, match=rf"\['{key}'\]"):
-        HiSparseConfig.from_extra_config({key: value})
+        config_from_extra({key: value})
 
 
 class _Req:
@@ -105,7 +108,7 @@ class _Req:
 
 
 def test_a_preempted_request_gets_a_fresh_state_row_and_it_is_logged(caplog):
-    sched = HiSparseConnector.from_extra_config({"top_k": 2, "max_num_seqs": 3}, "scheduler")
+    sched = connector_impl({"top_k": 2, "max_num_seqs": 3}, "scheduler")
     first = sched.build_connector_meta(StepSchedule({"a": 4, "b": 4}))
     row_a = first.state_rows[0]
     # vLLM preempts a: its row is released (reset next step) while b runs on.
@@ -125,7 +128,7 @@ def test_a_preempted_request_gets_a_fresh_state_row_and_it_is_logged(caplog):
 
 
 def test_a_request_finished_while_preempted_is_forgotten():
-    sched = HiSparseConnector.from_extra_config({"top_k": 2, "max_num_seqs": 2}, "scheduler")
+    sched = connector_impl({"top_k": 2, "max_num_seqs": 2}, "scheduler")
     sched.build_connector_meta(StepSchedule({"a": 4}))
     sched.build_connector_meta(StepSchedule({"b": 1}, preempted_req_ids={"a"}))
     assert "a" in sched._preemptions.released
@@ -135,7 +138,7 @@ def test_a_request_finished_while_preempted_is_forgotten():
 
 def test_sleep_mode_is_refused_with_one_line():
     assert HiSparseConnector.supports_sleep_mode(None) is False
-    work = HiSparseConnector.from_extra_config({"top_k": 2}, "worker")
+    work = vllm_connector({"top_k": 2}, "worker")
     for hook in (work.unregister_kv_caches, work.restore_kv_caches):
         with pytest.raises(RuntimeError, match="drop --enable-sleep-mode") as e:
             hook()

@@ -5,13 +5,12 @@ from __future__ import annotations
 import functools
 import json
 import pickle
-from types import SimpleNamespace
 
 import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from hisparse.connector import HiSparseConnector
 from hisparse.connector.stats import COUNTER_NAMES, HiSparseKVConnectorStats, HiSparsePromMetrics
+from hisparse.vllm.connector import HiSparseConnector
 
 
 def test_empty_on_creation():
@@ -153,9 +152,7 @@ def test_spill_counters_travel_and_reach_prometheus():
     assert agg.spill_totals()["returned_rows"] == 80
     reg = CollectorRegistry()
     types = {c: functools.partial(c, registry=reg) for c in (Gauge, Counter, Histogram)}
-    prom = HiSparsePromMetrics(
-        SimpleNamespace(kv_transfer_config=None), types, ["model_name", "engine"], {0: ["m", "0"]}
-    )
+    prom = HiSparsePromMetrics(types, ["model_name", "engine"], {0: ["m", "0"]})
     prom.observe(agg.data, 0)
     val = lambda n: reg.get_sample_value(n, {"model_name": "m", "engine": "0"})  # noqa: E731
     assert val("vllm:hisparse_spilled_requests_total") == 4

@@ -9,10 +9,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from hisparse.connector import HiSparseConnector, StepSchedule
+from hisparse.connector import StepSchedule
 from hisparse.connector.config import HiSparseConfig
 from hisparse.connector.metadata import HiSparseConnectorMetadata
 from hisparse.connector.worker import HiSparseConnectorWorker
+from tests.helpers import connector_impl
 
 LAYERS = ("l0", "l1", "l2", "l3")
 
@@ -86,7 +87,7 @@ def test_skipped_followers_in_two_groups_are_all_reported_and_reset(then):
 
 
 def test_resolve_after_clear_connector_metadata_names_the_ended_step():
-    conn = HiSparseConnector.from_extra_config(
+    conn = connector_impl(
         {"top_k": 2, "device_buffer_size": 4, "max_num_seqs": 2, "index_share": 2}, "worker"
     )
     conn.register_kv_caches({n: torch.zeros(8, 16, dtype=torch.uint8) for n in ("l0", "l1")})
@@ -118,7 +119,7 @@ def test_resolve_after_clear_connector_metadata_names_the_ended_step():
 def test_step_schedule_refuses_negative_zero_and_fractional_counts(count, fragment):
     with pytest.raises(ValueError, match=fragment):
         StepSchedule({"a": count})
-    sched = HiSparseConnector.from_extra_config({"top_k": 2}, "scheduler")
+    sched = connector_impl({"top_k": 2}, "scheduler")
     vllm_shaped = SimpleNamespace(num_scheduled_tokens={"a": count}, finished_req_ids=set())
     with pytest.raises(ValueError, match=fragment):
         sched.build_connector_meta(vllm_shaped)
@@ -126,7 +127,7 @@ def test_step_schedule_refuses_negative_zero_and_fractional_counts(count, fragme
 
 
 def test_integer_scalars_follow_one_rule_in_scheduler_metadata_and_runtime():
-    sched = HiSparseConnector.from_extra_config({"top_k": 2, "max_num_seqs": 2}, "scheduler")
+    sched = connector_impl({"top_k": 2, "max_num_seqs": 2}, "scheduler")
     meta = sched.build_connector_meta(StepSchedule({"a": IntScalar(3)}))
     assert meta.host_rows_in_use == 3 and type(meta.host_rows_in_use) is int
     sched.invalidate_keys("a", [IntScalar(5), torch.tensor(6)])
@@ -165,7 +166,7 @@ def test_integer_scalars_follow_one_rule_in_scheduler_metadata_and_runtime():
 
 def test_real_numpy_integers_pass_where_plain_ints_do():
     np = pytest.importorskip("numpy")
-    sched = HiSparseConnector.from_extra_config({"top_k": 2}, "scheduler")
+    sched = connector_impl({"top_k": 2}, "scheduler")
     sched.build_connector_meta(StepSchedule({"a": np.int64(2)}))
     sched.invalidate_keys("a", [np.int64(1), np.int32(0)])
     with pytest.raises(ValueError, match="got bool"):
@@ -176,9 +177,9 @@ def test_real_numpy_integers_pass_where_plain_ints_do():
 
 def test_the_scheduler_knows_the_pool_without_vllm_and_refuses_at_entry():
     extra = {"top_k": 2, "device_buffer_size": 4, "max_num_seqs": 2, "block_size": 4}
-    work = HiSparseConnector.from_extra_config(extra, "worker")
+    work = connector_impl(extra, "worker")
     work.worker.register_kv_caches({"l0": torch.zeros(8, 16, dtype=torch.uint8)}, host_rows=40)
-    sched = HiSparseConnector.from_extra_config(extra, "scheduler", host_rows=work.worker.host_rows)
+    sched = connector_impl(extra, "scheduler", host_rows=work.worker.host_rows)
     sched.build_connector_meta(StepSchedule({"a": 30}))
     with pytest.raises(ValueError, match=r"keys\[0\] = 40 lies outside the host pool.*\[0, 40\)"):
         sched.invalidate_keys("a", [40])
@@ -187,9 +188,9 @@ def test_the_scheduler_knows_the_pool_without_vllm_and_refuses_at_entry():
         sched.build_connector_meta(StepSchedule({"a": 1, "b": 10}))
     assert sched._scheduler.tokens == {"a": 30}  # the refused step changed nothing
     with pytest.raises(ValueError, match="host_rows must be >= 1"):
-        HiSparseConnector.from_extra_config(extra, "scheduler", host_rows=0)
+        connector_impl(extra, "scheduler", host_rows=0)
     with pytest.raises(RuntimeError, match="scheduler-side"):
-        HiSparseConnector.from_extra_config(extra, "worker", host_rows=40)
+        connector_impl(extra, "worker", host_rows=40)
 
 
 def test_the_reference_engine_hands_its_pool_to_the_scheduler():

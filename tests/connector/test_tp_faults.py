@@ -11,6 +11,7 @@ from hisparse.connector import tp_pool
 from hisparse.connector.config import HiSparseConfig, HiSparseConfigError
 from hisparse.runtime.pool_fence import PoolFence, arch_shares_pool, control_bytes
 from hisparse.runtime.shared_pool import SharedHostPool
+from hisparse.vllm.settings import config_from_extra
 
 pytestmark = pytest.mark.skipif(not arch_shares_pool(), reason="shared on x86-64 only")
 
@@ -53,4 +54,4 @@ def test_the_wait_timeout_is_a_checked_setting():
     assert HiSparseConfig(tp_wait_timeout_s=3).tp_wait_timeout_s == 3.0
     for bad in (0, -1, True, "5", float("nan"), 1e9):
         with pytest.raises(HiSparseConfigError, match=r"\['tp_wait_timeout_s'\]"):
-            HiSparseConfig.from_extra_config({"tp_wait_timeout_s": bad})
+            config_from_extra({"tp_wait_timeout_s": bad})

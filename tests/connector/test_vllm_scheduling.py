@@ -10,10 +10,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from hisparse.connector import HiSparseConnector
 from hisparse.connector.config import HiSparseConfig
 from hisparse.connector.worker import HiSparseConnectorWorker
 from hisparse.vllm.model_check import HiSparseModelError, find_model_layers, model_hisparse_layers
+from tests.helpers import connector_impl, vllm_connector
 from tests.helpers import vllm_new_req as _new
 from tests.helpers import vllm_output as _out
 
@@ -21,7 +21,8 @@ BS = 4
 
 
 def _sched(max_num_seqs=4):
-    return HiSparseConnector.from_extra_config(
+    """hisparse's vLLM connector class, scheduler role: it reads vLLM's SchedulerOutput."""
+    return vllm_connector(
         {"top_k": 2, "device_buffer_size": 4, "max_num_seqs": max_num_seqs, "block_size": BS},
         role="scheduler",
     )
@@ -62,7 +63,7 @@ def test_a_resumed_request_replaces_its_block_list():
 def test_a_failing_step_changes_nothing():
     s = _sched(max_num_seqs=2)
     s.build_connector_meta(_out({"a": 3}, new=[_new("a", 0, [1])]))
-    state = s._scheduler
+    state = s.impl._scheduler
     before = (dict(state.tokens), dict(state.blocks), state.rows.in_use)
     with pytest.raises(RuntimeError, match="max_num_seqs"):
         s.build_connector_meta(
@@ -80,7 +81,7 @@ def test_a_failing_step_changes_nothing():
 
 def test_scheduler_gauges_follow_live_requests_and_read_zero_when_idle():
     s = _sched()
-    s._scheduler.host_rows = 100
+    s.impl._scheduler.host_rows = 100
     s.build_connector_meta(_out({"a": 10}, new=[_new("a", 0, [1, 2, 3])]))
     g = s.get_kv_connector_stats()
     assert g.data["host_pool_usage"] == [0.12] and g.data["hot_rows_in_use"] == []
@@ -241,11 +242,11 @@ def test_invalidate_keys_and_metadata_values_are_checked():
     s.build_connector_meta(_out({"a": 2}, new=[_new("a", 0, [2])]))
     for bad in (2**32 + 1, -5, 10**12):
         with pytest.raises(ValueError, match=r"keys\[0\] = .* lies outside the host pool"):
-            s.invalidate_keys("a", [bad])
+            s.impl.invalidate_keys("a", [bad])
     for bad in (1.5, True):
         with pytest.raises(ValueError, match=r"keys\[0\] must be an integer"):
-            s.invalidate_keys("a", [bad])
-    s.invalidate_keys("a", [3])
+            s.impl.invalidate_keys("a", [bad])
+    s.impl.invalidate_keys("a", [3])
     w = _worker()
     with pytest.raises(ValueError, match=r"state row 7 is not in \[0, max_num_seqs = 2\)"):
         w.start_step(_meta(["a"], [7], [5]))
@@ -270,7 +271,7 @@ def test_requests_sharing_an_anchor_get_distinct_rows_in_turn():
 
 def test_host_rows_in_use_count_shared_prefix_blocks_once():
     s = _sched()
-    s._scheduler.host_rows = 40
+    s.impl._scheduler.host_rows = 40
     m = s.build_connector_meta(
         _out({"a": 8, "b": 1}, new=[_new("a", 0, [3, 4]), _new("b", 7, [3, 4])])
     )
@@ -281,7 +282,7 @@ def test_host_rows_in_use_count_shared_prefix_blocks_once():
     m = s.build_connector_meta(_out({"b": 1}, cached=[("b", 9, None)]))
     assert m.host_rows_in_use == 3 * BS  # b still holds 3, 4 and 9
     s.request_finished(SimpleNamespace(request_id="b"), [])
-    assert s._scheduler.rows_in_use() == 0 and s._scheduler.block_refs == {}
+    assert s.impl._scheduler.rows_in_use() == 0 and s.impl._scheduler.block_refs == {}
     assert s.get_kv_connector_stats().data["host_pool_usage"] == [0.0]
 
 
@@ -290,4 +291,4 @@ def test_non_mapping_extra_config_is_one_named_error(bad):
     from hisparse.connector.config import HiSparseConfigError
 
     with pytest.raises(HiSparseConfigError, match="kv_connector_extra_config must be a mapping"):
-        HiSparseConnector.from_extra_config(bad, role="worker")
+        connector_impl(bad, role="worker")

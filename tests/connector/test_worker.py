@@ -10,6 +10,7 @@ from hisparse.connector.config import HiSparseConfig, HiSparseConfigError
 from hisparse.connector.sampler import DeviceHooks
 from hisparse.connector.worker import HiSparseConnectorMetadata, HiSparseConnectorWorker
 from hisparse.runtime.views import BindingError
+from tests.helpers import connector_impl
 from tests.telemetry_helpers import Workload, make_pair
 
 
@@ -365,7 +366,7 @@ def test_shutdown_before_register_is_harmless():
 def test_follower_gathers_after_its_own_save_in_per_layer_order():
     """Per layer: save this step's row, then resolve and attend. A follower must not gather
     before its own save, or it caches an unwritten host row as a hit (index_share 2)."""
-    from hisparse.connector import HiSparseConnector, StepSchedule
+    from hisparse.connector import StepSchedule
 
     extra = {
         "top_k": 4,
@@ -375,8 +376,8 @@ def test_follower_gathers_after_its_own_save_in_per_layer_order():
         "host_pool_gib": 16 * 64 * 2 / 2**30,
         "index_share": 2,
     }
-    worker = HiSparseConnector.from_extra_config(extra, role="worker")
-    sched = HiSparseConnector.from_extra_config(extra, role="scheduler")
+    worker = connector_impl(extra, role="worker")
+    sched = connector_impl(extra, role="scheduler")
     bufs = {n: torch.zeros(8, 64, dtype=torch.uint8) for n in ("L0", "L1")}
     worker.register_kv_caches(bufs)
     for pos in range(3):
@@ -403,7 +404,6 @@ def test_follower_gathers_after_its_own_save_in_per_layer_order():
 def test_register_refuses_overlapping_caches_and_misfit_pinning():
     import pytest
 
-    from hisparse.connector import HiSparseConnector
     from hisparse.connector.config import HiSparseConfigError
     from hisparse.runtime.views import BindingError
 
@@ -415,10 +415,10 @@ def test_register_refuses_overlapping_caches_and_misfit_pinning():
         "host_pool_gib": 16 * 64 * 2 / 2**30,
     }
     shared = torch.zeros(8, 64, dtype=torch.uint8)
-    w = HiSparseConnector.from_extra_config(extra, role="worker")
+    w = connector_impl(extra, role="worker")
     with pytest.raises(BindingError, match="overlap"):
         w.register_kv_caches({"L0": shared, "L1": shared})
-    w = HiSparseConnector.from_extra_config(dict(extra, pin_host_pool=True), role="worker")
+    w = connector_impl(dict(extra, pin_host_pool=True), role="worker")
     with pytest.raises(HiSparseConfigError, match=r"\['pin_host_pool'\]"):
         w.register_kv_caches({"L0": torch.zeros(8, 64, dtype=torch.uint8)})
 

@@ -43,11 +43,14 @@ def test_the_name_is_ours_only_with_our_module_path(fake_vllm):
         is None
     )
     K = fake_vllm.KVTransferConfig
-    assert not K("HiSparseConnector", "hisparse.connector").has_connector("HiSparseConnector")
+    assert not K("HiSparseConnector", "hisparse.vllm.connector").has_connector("HiSparseConnector")
     assert K("HiSparseConnector", None).has_connector("HiSparseConnector")  # vLLM's in-tree
     assert K("HiSparseConnector", "other.module").has_connector("HiSparseConnector")
     assert K("NixlConnector").has_connector("NixlConnector")  # other names: vLLM's answer
-    ours = {"kv_connector": "HiSparseConnector", "kv_connector_module_path": "hisparse.connector"}
+    ours = {
+        "kv_connector": "HiSparseConnector",
+        "kv_connector_module_path": "hisparse.vllm.connector",
+    }
     theirs = {"kv_connector": "HiSparseConnector"}
     assert not K("MultiConnector", children=[ours]).has_connector("HiSparseConnector")
     assert K("MultiConnector", children=[ours, theirs]).has_connector("HiSparseConnector")
@@ -101,8 +104,36 @@ def test_the_core_planner_sees_no_connector_for_hisparse(monkeypatch):
         kv = FakeKVTransferConfig("HiSparseConnector", path)
         return types.SimpleNamespace(kv_transfer_config=kv, parallel_config="tp2")
 
-    ours, theirs = OMPProcessManager(config("hisparse.connector")), OMPProcessManager(config("x"))
+    ours, theirs = (
+        OMPProcessManager(config("hisparse.vllm.connector")),
+        OMPProcessManager(config("x")),
+    )
     assert (ours.reserve, ours.world) == (1, "tp2")
     assert theirs.reserve == 2
     none = OMPProcessManager(types.SimpleNamespace(kv_transfer_config=None, parallel_config=1))
     assert none.reserve == 1
+
+
+@pytest.mark.parametrize("path", ["hisparse.connector", "hisparse.connector.facade", "hisparse"])
+def test_a_hisparse_module_path_other_than_the_connectors_is_refused_before_start(path):
+    """The connector moved to hisparse.vllm.connector: an old path fails at config time with one
+    line naming the right one, before vLLM builds anything (the wrapped call never runs)."""
+    called = []
+    create = patches._refusal(lambda self: called.append(self))
+    args = types.SimpleNamespace(
+        kv_transfer_config={
+            "kv_connector": "HiSparseOOTConnector",
+            "kv_connector_module_path": path,
+        }
+    )
+    with pytest.raises(patches.HiSparseModelError) as e:
+        create(args)
+    assert "'hisparse.vllm.connector'" in str(e.value) and "\n" not in str(e.value)
+    assert not called
+
+
+def test_the_connectors_module_path_passes_the_path_check():
+    from hisparse.vllm.settings import CONNECTOR_MODULE, moved_connector_line
+
+    assert moved_connector_line(CONNECTOR_MODULE) is None
+    assert moved_connector_line("other.module") is None and moved_connector_line(None) is None

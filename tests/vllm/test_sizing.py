@@ -24,7 +24,7 @@ def _vllm_config(extra=None, *, layers=6, share=3, top_k=256, layout="bf16", max
     hf = NS(hisparse={**cfg.to_dict(), "max_model_len": max_len})
     kv = NS(
         kv_connector="HiSparseConnector",
-        kv_connector_module_path="hisparse.connector",
+        kv_connector_module_path="hisparse.vllm.connector",
         kv_connector_extra_config=dict(extra or {}),
     )
     return (
@@ -128,7 +128,7 @@ def _dsa_config(arch, extra=None, *, fmt=None, dtype="torch.float32", max_len=51
         hf["hisparse_row_format"] = fmt
     kv = NS(
         kv_connector="HiSparseConnector",
-        kv_connector_module_path="hisparse.connector",
+        kv_connector_module_path="hisparse.vllm.connector",
         kv_connector_extra_config=dict(extra or {}),
     )
     return NS(

@@ -41,7 +41,7 @@ ARCHS = {
 }
 KV_CONFIG = {
     "kv_connector": "HiSparseConnector",
-    "kv_connector_module_path": "hisparse.connector",
+    "kv_connector_module_path": "hisparse.vllm.connector",
     "kv_role": "kv_both",
     "kv_connector_extra_config": {"metrics_interval": 1, "device_buffer_size": 2 * INDEX_TOPK},
 }

@@ -36,7 +36,7 @@ TARGETS = {
 }
 KV_CONFIG = {
     "kv_connector": "HiSparseConnector",
-    "kv_connector_module_path": "hisparse.connector",
+    "kv_connector_module_path": "hisparse.vllm.connector",
     "kv_role": "kv_both",
     "kv_connector_extra_config": {"device_buffer_size": 32, "metrics_interval": 1},
 }

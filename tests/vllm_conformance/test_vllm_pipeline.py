@@ -26,6 +26,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1 import (
     KVConnectorRole,
     supports_hma,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorPromMetrics,
     KVConnectorStats,
@@ -36,10 +37,16 @@ from vllm.v1.metrics.stats import SchedulerStats
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 
 import hisparse
-from hisparse.connector import HiSparseConnector, HiSparseOOTConnector, StepSchedule
+from hisparse.connector import StepSchedule
 from hisparse.connector.config import HiSparseConfigError
-from hisparse.connector.stats import HiSparseKVConnectorStats, HiSparsePromMetrics
 from hisparse.vllm import compat as _vllm_compat
+from hisparse.vllm.connector import (
+    HiSparseConnector,
+    HiSparseOOTConnector,
+    VllmConnectorMetadata,
+    VllmConnectorStats,
+    VllmPromMetrics,
+)
 
 EXTRA = {
     "top_k": 4,
@@ -80,7 +87,7 @@ def model_dir(tmp_path_factory) -> Path:
 def _vllm_config(model_dir, name=NAME, extra=None):
     kv = KVTransferConfig(
         kv_connector=name,
-        kv_connector_module_path="hisparse.connector",
+        kv_connector_module_path="hisparse.vllm.connector",
         kv_role="kv_both",
         kv_connector_extra_config=dict(EXTRA if extra is None else extra),
     )
@@ -92,8 +99,9 @@ def test_hisparse_uses_vllms_real_base_classes():
     assert _vllm_compat.HAVE_VLLM, _vllm_compat.VLLM_UNAVAILABLE_REASON
     assert issubclass(HiSparseConnector, KVConnectorBase_V1)
     assert supports_hma(HiSparseConnector)
-    assert issubclass(HiSparseKVConnectorStats, KVConnectorStats)
-    assert issubclass(HiSparsePromMetrics, KVConnectorPromMetrics)
+    assert issubclass(VllmConnectorStats, KVConnectorStats)
+    assert issubclass(VllmPromMetrics, KVConnectorPromMetrics)
+    assert issubclass(VllmConnectorMetadata, KVConnectorMetadata)
     assert hisparse.__version__
 
 

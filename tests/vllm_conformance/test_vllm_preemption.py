@@ -30,7 +30,7 @@ RESIDENT_BUDGET = BLOCKS * BLOCK * (LAYERS * ROW_BYTES + CFG.num_groups * IDX_BY
 HISPARSE_BUDGET = HOT_BYTES + BLOCKS * BLOCK * CFG.num_groups * IDX_BYTES
 KV_CONFIG = {
     "kv_connector": "HiSparseConnector",
-    "kv_connector_module_path": "hisparse.connector",
+    "kv_connector_module_path": "hisparse.vllm.connector",
     "kv_role": "kv_both",
     "kv_connector_extra_config": {"device_buffer_size": HOT},
 }

@@ -208,7 +208,7 @@ def resident(model_dir, logs) -> dict:
 
 KV_CONFIG = {
     "kv_connector": "HiSparseOOTConnector",
-    "kv_connector_module_path": "hisparse.connector",
+    "kv_connector_module_path": "hisparse.vllm.connector",
     "kv_role": "kv_both",
     "kv_connector_extra_config": {"metrics_interval": 1, "device_buffer_size": HOT},
 }

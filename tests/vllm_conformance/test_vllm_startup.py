@@ -69,7 +69,7 @@ class ReadmeServer(Server):
 def _kv(name: str) -> dict:
     return {
         "kv_connector": name,
-        "kv_connector_module_path": "hisparse.connector",
+        "kv_connector_module_path": "hisparse.vllm.connector",
         "kv_role": "kv_both",
     }
 

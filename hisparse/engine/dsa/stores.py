@@ -95,22 +95,19 @@ class HiSparseRows:
         hot_size: int,
         max_requests: int = 1,
     ) -> None:
-        from hisparse.connector import HiSparseConnector
+        from hisparse.connector import HiSparseConfig, HiSparseConnectorImpl
 
         self.cfg, self.device, self.max_context = cfg, device, max_context
         self.names = layer_names(cfg.num_layers)
-        extra = {
+        config = HiSparseConfig(
             # every state row's keys plus a block of slack, for every layer
-            "host_pool_gib": (max_requests * max_context + BLOCK)
-            * row_bytes
-            * cfg.num_layers
-            / 2**30,
-            "top_k": cfg.index_topk,
-            "device_buffer_size": hot_size,
-            "max_num_seqs": max_requests,
-            "block_size": BLOCK,
-        }
-        self.worker = HiSparseConnector.from_extra_config(extra, role="worker")
+            host_pool_gib=(max_requests * max_context + BLOCK) * row_bytes * cfg.num_layers / 2**30,
+            top_k=cfg.index_topk,
+            device_buffer_size=hot_size,
+            max_num_seqs=max_requests,
+            block_size=BLOCK,
+        )
+        self.worker = HiSparseConnectorImpl(config, "worker")
         hot = {
             n: torch.zeros(max_requests * hot_size, row_bytes, dtype=torch.uint8, device=device)
             for n in self.names
@@ -123,9 +120,7 @@ class HiSparseRows:
         ]
         w = self.worker.worker
         w.register_kv_caches(hot, groups=groups, host_rows=max_requests * max_context + BLOCK)
-        self.sched = HiSparseConnector.from_extra_config(
-            extra, role="scheduler", host_rows=w.host_rows
-        )
+        self.sched = HiSparseConnectorImpl(config, "scheduler", host_rows=w.host_rows)
         self.finished: set = set()
         self.stats: List = []
         self.closed = False

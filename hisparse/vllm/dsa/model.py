@@ -5,7 +5,7 @@ vLLM's own layers do everything but attention: embeddings, RMSNorm, the dense ML
 (``DeepseekV2MLP`` / ``DeepseekV2MoE``: grouped sigmoid routing with the correction bias, shared
 experts), the LM head. Attention (``hisparse.vllm.dsa.attention``) is ours, since vLLM's sparse
 MLA refuses the CPU: it runs all-resident on vLLM's KV cache, or through the HiSparse connector
-when ``--kv-transfer-config`` names it (``kv_connector_module_path="hisparse.connector"``).
+when ``--kv-transfer-config`` names it (``kv_connector_module_path="hisparse.vllm.connector"``).
 Index groups: a full indexer layer leads the shared layers after it (GLM-5); the connector
 resolves once per group.
 """

@@ -10,6 +10,7 @@ import pytest
 import yaml
 
 from evals.gsm8k.config import SCHEMA, ConfigError, load_config, read_model_list, validate
+from hisparse.vllm.settings import config_from_extra
 from tests import REPO_ROOT
 from tests.evals.gsm8k.builders import CONFIGS, DSV, GLM, good_dict
 
@@ -32,7 +33,7 @@ def test_glm_config_has_exactly_the_issue_values():
     assert cfg.server_option("--kv-cache-dtype") == "bfloat16"
     assert cfg.kv_transfer_config() == {
         "kv_connector": "HiSparseOOTConnector",
-        "kv_connector_module_path": "hisparse.connector",
+        "kv_connector_module_path": "hisparse.vllm.connector",
         "kv_role": "kv_both",
         "kv_connector_extra_config": {"host_pool_gib": 32},
     }
@@ -45,7 +46,7 @@ def test_deepseek_config_loads_and_uses_the_connector():
     assert cfg.num_questions == 1319 and cfg.num_fewshot == 5
     kv = cfg.kv_transfer_config()
     assert kv["kv_connector"] == "HiSparseOOTConnector"
-    assert kv["kv_connector_module_path"] == "hisparse.connector"
+    assert kv["kv_connector_module_path"] == "hisparse.vllm.connector"
     assert kv["kv_role"] == "kv_both"
 
 
@@ -91,13 +92,12 @@ def test_config_connector_resolves_to_a_class_in_this_repo(path):
 def test_config_extra_config_is_accepted_by_the_connector(path):
     """kv_connector_extra_config goes to HiSparseConfig.from_extra_config on the server; a typo
     there must fail in CI, not 20 minutes into a nightly."""
-    from hisparse.connector.config import HiSparseConfig
 
     extra = load_config(path).kv_transfer_config()["kv_connector_extra_config"]
-    cfg = HiSparseConfig.from_extra_config(extra)
+    cfg = config_from_extra(extra)
     assert cfg.host_pool_gib == 32.0
     with pytest.raises(ValueError, match="host_pool_gb"):
-        HiSparseConfig.from_extra_config({"host_pool_gb": 32})
+        config_from_extra({"host_pool_gb": 32})
 
 
 def test_good_dict_validates():
