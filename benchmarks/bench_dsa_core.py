@@ -42,10 +42,10 @@ from hisparse.models.dsa.config import DSAConfig
 from hisparse.models.dsa.core import SparseMLACore, TokenBatch
 from hisparse.models.dsa.decoder import Rotary, rms_norm
 from hisparse.models.dsa.projections import index_inputs, mla_inputs
-from hisparse.models.rows import ROW_LAYOUTS, encode_rows
+from hisparse.models.rows import ROW_FORMATS, encode_rows
 from hisparse.runtime import HiSparseIndexGroup, HiSparseRuntime
 
-ROW = ROW_LAYOUTS["fp8"].row_bytes
+ROW = ROW_FORMATS["fp8"].row_bytes
 BLOCK, MLP = 64, 18432
 BF = torch.bfloat16
 DSV32 = dict(

@@ -108,9 +108,7 @@ def cpu_registration(
     from hisparse.connector.registration import register
 
     rbs = [row_bytes] * len(layers) if isinstance(row_bytes, int) else list(row_bytes)
-    config = HiSparseConfig(
-        top_k=K, device_buffer_size=H, max_num_seqs=S, **{"block_size": 4, **cfg}
-    )
+    config = HiSparseConfig(top_k=K, hot_size=H, max_num_seqs=S, **{"block_size": 4, **cfg})
     caches = {
         n: torch.zeros(extra_rows + S * H, rb, dtype=torch.uint8) for n, rb in zip(layers, rbs)
     }

@@ -14,7 +14,7 @@ from tests.helpers import connector_impl
 
 BASE_CFG = {
     "top_k": 4,
-    "device_buffer_size": 8,
+    "hot_size": 8,
     "max_num_seqs": 3,
     "metrics_interval": 3,
     "host_pool_gib": 0.0005,
@@ -28,7 +28,7 @@ def make_pair(extra=None, row_bytes=(32, 64, 48), rows=None, device_hooks=None):
     cfg = dict(BASE_CFG, **(extra or {}))
     sched = connector_impl(cfg, role="scheduler")
     work = connector_impl(cfg, role="worker", device_hooks=device_hooks)
-    S, H = cfg["max_num_seqs"], cfg["device_buffer_size"]
+    S, H = cfg["max_num_seqs"], cfg["hot_size"]
     n_rows = rows if rows is not None else S * H
     caches = {
         f"model.layers.{i}.attn": torch.zeros(n_rows, rb, dtype=torch.uint8)

@@ -172,7 +172,7 @@ def cmd_export_model(args: argparse.Namespace) -> int:
             vocab=args.vocab,
             indexer_dim=args.indexer_dim,
             top_k=args.top_k,
-            row_layout=args.row_layout,
+            row_format=args.row_format or "fp8",
             drift=args.drift,
             recent_window=args.recent_window,
             seed=args.seed,

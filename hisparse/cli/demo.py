@@ -139,7 +139,7 @@ def _workload_line(cfg: EngineConfig, device: str) -> str:
         f"workload: {cfg.num_requests} requests (<= {cfg.max_running} running), prompts "
         f"~{cfg.prompt_len}, outputs ~{cfg.output_len} tokens; {cfg.num_layers} layers in "
         f"{cfg.num_groups} index groups; top-k {cfg.top_k}, hot buffer {cfg.hot_size} rows, "
-        f"{cfg.row_bytes}-B rows ({cfg.row_layout}); device {device}"
+        f"{cfg.row_bytes}-B rows ({cfg.row_format}); device {device}"
     )
 
 

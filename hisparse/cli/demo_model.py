@@ -25,12 +25,6 @@ def add_checkpoint_flags(p: argparse.ArgumentParser) -> None:
         "(config.json + safetensors); --device, --hot-size, --threads and --json apply",
     )
     g.add_argument(
-        "--row-format",
-        choices=("f32", "bf16", "fp8"),
-        default="f32",
-        help="latent row bytes: f32 / bf16 unquantized, fp8 the 656-byte row (default: f32)",
-    )
-    g.add_argument(
         "--prompts",
         type=int_range(1, 64),
         default=3,
@@ -77,7 +71,7 @@ def main(args) -> int:
         s = parity(
             args.model,
             torch.device(args.device),
-            args.row_format,
+            args.row_format or "f32",
             num_prompts=args.prompts,
             max_new=args.new_tokens,
             hot_size=args.hot_size,

@@ -3,16 +3,16 @@
 from __future__ import annotations
 
 from hisparse.engine import EngineConfig
-from hisparse.ops.limits import MAX_HOT_SIZE
+from hisparse.ops.limits import default_hot_size
 
 
 def engine_config_from_args(args, **over) -> EngineConfig:
     """The EngineConfig the flags describe; ``over`` replaces fields before validation."""
-    hot_size = getattr(args, "hot_size", None) or min(2 * args.top_k, MAX_HOT_SIZE)
+    hot_size = getattr(args, "hot_size", None) or default_hot_size(args.top_k)
     fields = dict(
         num_layers=args.layers,
         index_share=args.index_share,
-        row_layout=args.row_layout,
+        row_format=args.row_format or "fp8",
         top_k=args.top_k,
         hot_size=hot_size,
         num_requests=args.requests,

@@ -129,7 +129,7 @@ _ENGINE_FLAG = {  # EngineConfig field -> flag, for cross-flag errors
     "recent_window": "--recent-window",
     "seed": "--seed",
     "metrics_interval": "--metrics-interval",
-    "row_layout": "--row-layout",
+    "row_format": "--row-format",
 }
 
 
@@ -166,10 +166,11 @@ def add_model_flags(g, *, layers: int) -> None:
         help="tokens selected per request per step (default: 64)",
     )
     g.add_argument(
+        "--row-format",
         "--row-layout",
-        choices=("fp8", "bf16"),
-        default="fp8",
-        help="KV row layout: fp8 = 656-B rows, bf16 = 1152-B rows (default: fp8)",
+        choices=("fp8", "bf16", "f32"),
+        default=None,
+        help="latent row bytes: fp8 656 B, bf16 1152 B, f32 2304 B (default fp8; f32 with --model)",
     )
     g.add_argument(
         "--drift",

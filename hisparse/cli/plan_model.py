@@ -65,7 +65,7 @@ def model_from_config(hf: dict, flag: str, path: str) -> dict:
     from hisparse.models.dsa import index_keys
     from hisparse.models.dsa.config import DSAConfig
     from hisparse.models.dsa.decoder import DecoderSpec
-    from hisparse.models.rows import ROW_LAYOUTS
+    from hisparse.models.rows import ROW_FORMATS
 
     try:
         cfg = DSAConfig.from_hf(hf)
@@ -83,7 +83,7 @@ def model_from_config(hf: dict, flag: str, path: str) -> dict:
         "source": path,
         "arch": cfg.arch,
         "layers": cfg.num_layers,
-        "row_bytes": ROW_LAYOUTS[fmt].row_bytes if fmt else _FP8_ROW_BYTES,
+        "row_bytes": ROW_FORMATS[fmt].row_bytes if fmt else _FP8_ROW_BYTES,
         "row_format": fmt or "fp8",
         "top_k": cfg.index_topk,
         "index_share": max(groups),

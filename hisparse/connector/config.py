@@ -12,7 +12,7 @@ from typing import Any, Optional
 from hisparse.ops.limits import INT32_MAX, MAX_HOT_SIZE, check_int, default_hot_size
 
 #: Upper bounds of the integer settings. Hot rows are addressed with int32, so
-#: max_num_seqs * device_buffer_size is bounded as well (checked below).
+#: max_num_seqs * hot_size is bounded as well (checked below).
 MAX_INT_SETTING = {
     "top_k": MAX_HOT_SIZE,
     "max_num_seqs": 65536,
@@ -23,6 +23,9 @@ MAX_INT_SETTING = {
 
 #: How errors name a setting (the key users write in vLLM's --kv-transfer-config).
 PREFIX = "kv_connector_extra_config"
+
+#: The host pool of an engine that neither sets host_pool_gib nor sizes the pool itself.
+DEFAULT_HOST_POOL_GIB = 1.0
 
 #: 64 TiB: beyond any one host's RAM, so a larger value is a unit mistake, not a plan.
 MAX_HOST_POOL_GIB = 65536
@@ -36,9 +39,11 @@ class HiSparseConfigError(ValueError):
 class HiSparseConfig:
     """Validated HiSparse settings (see docs/connector.md for their meaning)."""
 
-    host_pool_gib: float = 1.0
+    # None: not set. Under vLLM the pool then backs vLLM's KV blocks (capped by
+    # host_pool_fraction); an engine without vLLM allocates DEFAULT_HOST_POOL_GIB.
+    host_pool_gib: Optional[float] = None
     top_k: int = 2048
-    device_buffer_size: Optional[int] = None  # None -> min(2 * top_k, MAX_HOT_SIZE)
+    hot_size: Optional[int] = None  # None -> default_hot_size(top_k)
     index_share: int = 1
     metrics_interval: int = 2000
     # Also snapshot once this many seconds have passed since the last one (0 = steps only).
@@ -58,41 +63,42 @@ class HiSparseConfig:
     tp_wait_timeout_s: float = 240.0
 
     def __post_init__(self) -> None:
-        if self.device_buffer_size is not None:
-            _check_int(
-                "device_buffer_size", self.device_buffer_size, minimum=1, maximum=MAX_HOT_SIZE
-            )
-        # Before the default device_buffer_size is derived from top_k: a top_k past the
+        if self.hot_size is not None:
+            _check_int("hot_size", self.hot_size, minimum=1, maximum=MAX_HOT_SIZE)
+        # Before the default hot_size is derived from top_k: a top_k past the
         # hot-buffer limit is reported against top_k, not against a size nobody set.
         for key in ("top_k", "index_share", "metrics_interval", "max_num_seqs", "block_size"):
             _check_int(key, getattr(self, key), minimum=1, maximum=MAX_INT_SETTING[key])
-        if self.device_buffer_size is None:
-            object.__setattr__(self, "device_buffer_size", default_hot_size(self.top_k))
-        _check_int("device_buffer_size", self.device_buffer_size, minimum=1)
-        if not self.top_k <= self.device_buffer_size <= MAX_HOT_SIZE:
+        if self.hot_size is None:
+            object.__setattr__(self, "hot_size", default_hot_size(self.top_k))
+        _check_int("hot_size", self.hot_size, minimum=1)
+        if not self.top_k <= self.hot_size <= MAX_HOT_SIZE:
             raise HiSparseConfigError(
-                f"{PREFIX}['device_buffer_size'] must satisfy top_k ({self.top_k}) <= "
-                f"device_buffer_size <= {MAX_HOT_SIZE}, got {self.device_buffer_size}"
+                f"{PREFIX}['hot_size'] must satisfy top_k ({self.top_k}) <= "
+                f"hot_size <= {MAX_HOT_SIZE}, got {self.hot_size}"
             )
-        if self.max_num_seqs * self.device_buffer_size > INT32_MAX:
+        if self.max_num_seqs * self.hot_size > INT32_MAX:
             raise HiSparseConfigError(
-                f"{PREFIX}['max_num_seqs'] * device_buffer_size must be <= {INT32_MAX} "
-                f"(hot rows are int32), got {self.max_num_seqs} * {self.device_buffer_size}"
+                f"{PREFIX}['max_num_seqs'] * hot_size must be <= {INT32_MAX} "
+                f"(hot rows are int32), got {self.max_num_seqs} * {self.hot_size}"
             )
         g = self.host_pool_gib
-        if isinstance(g, bool) or not isinstance(g, (int, float)):
+        if g is None:
+            pass
+        elif isinstance(g, bool) or not isinstance(g, (int, float)):
             raise HiSparseConfigError(
                 f"{PREFIX}['host_pool_gib'] must be a number (GiB), got {type(g).__name__} {g!r}"
             )
-        if not g > 0 or g != g or g == float("inf"):
+        elif not g > 0 or g != g or g == float("inf"):
             raise HiSparseConfigError(
                 f"{PREFIX}['host_pool_gib'] must be a finite number > 0, got {g!r}"
             )
-        if g > MAX_HOST_POOL_GIB:
+        elif g > MAX_HOST_POOL_GIB:
             raise HiSparseConfigError(
                 f"{PREFIX}['host_pool_gib'] must be <= {MAX_HOST_POOL_GIB} (GiB), got {g!r}"
             )
-        object.__setattr__(self, "host_pool_gib", float(g))
+        else:
+            object.__setattr__(self, "host_pool_gib", float(g))
         t = self.metrics_seconds
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 <= t <= 86400:
             raise HiSparseConfigError(
@@ -116,8 +122,15 @@ class HiSparseConfig:
                 )
 
     @property
+    def host_pool_set(self) -> bool:
+        """Whether ``host_pool_gib`` was given (else the engine sizes the pool)."""
+        return self.host_pool_gib is not None
+
+    @property
     def host_pool_bytes(self) -> int:
-        return int(self.host_pool_gib * (1 << 30))
+        """The pool ``host_pool_gib`` asks for, or ``DEFAULT_HOST_POOL_GIB`` when unset."""
+        gib = self.host_pool_gib if self.host_pool_gib is not None else DEFAULT_HOST_POOL_GIB
+        return int(gib * (1 << 30))
 
     @classmethod
     def keys(cls) -> tuple:

@@ -106,7 +106,7 @@ class HiSparseConnectorImpl:
             worker.register_kv_caches(kv_caches)
             return
         lay = self._model_layers
-        S, H = self.config.max_num_seqs, self.config.device_buffer_size
+        S, H = self.config.max_num_seqs, self.config.hot_size
         device = next(iter(kv_caches.values())).device if kv_caches else torch.device("cpu")
         hot = {
             n: torch.zeros(S * H, rb, dtype=torch.uint8, device=device)

@@ -58,7 +58,8 @@ def register(
     # each other's hot rows (the base-offset binding bug).
     check_disjoint(views)
     pin = _pin_host_pool(cfg, device)
-    hot_base = _hot_base(views, cfg.max_num_seqs, cfg.device_buffer_size)
+    sized_by_engine = host_rows is not None
+    hot_base = _hot_base(views, cfg.max_num_seqs, cfg.hot_size)
     row_bytes = {n: int(views[n].shape[1]) for n in names}
     host_rows = _host_pool_rows(cfg, sum(row_bytes.values()), host_rows)
     pool, fence = make_pool(
@@ -69,7 +70,7 @@ def register(
         peers,
         row_bytes=[row_bytes[n] for n in names],
         pin=pin,
-        what="HiSparse host pool (kv_connector_extra_config['host_pool_gib'])",
+        **_pool_names(cfg, sized_by_engine),
     )
     host_views = _bind_host_pool(pool, row_bytes, groups, host_rows)
     group_objs, runtimes = [], {}
@@ -77,7 +78,7 @@ def register(
         g = HiSparseIndexGroup(
             f"group{gi}:{members[0]}",
             num_state_rows=cfg.max_num_seqs,
-            hot_size=cfg.device_buffer_size,
+            hot_size=cfg.hot_size,
             top_k=cfg.top_k,
             max_batch=cfg.max_num_seqs,
             num_keys=host_rows,
@@ -145,12 +146,23 @@ def _hot_base(views: dict, S: int, H: int) -> int:
         if v.shape[0] < S * H:
             raise BindingError(
                 f"kv cache of layer {n!r} has {v.shape[0]} rows but the hot buffers need "
-                f"max_num_seqs * device_buffer_size = {S} * {H} = {S * H}"
+                f"max_num_seqs * hot_size = {S} * {H} = {S * H}"
             )
     rows = {v.shape[0] for v in views.values()}
     if len(rows) != 1:
         raise BindingError(f"kv caches must all have the same number of rows, got {sorted(rows)}")
     return rows.pop() - S * H
+
+
+def _pool_names(cfg: HiSparseConfig, sized_by_engine: bool) -> dict:
+    """How a pool error names the pool and the setting to lower: the one that sized it."""
+    if cfg.host_pool_set or not sized_by_engine:
+        key = "kv_connector_extra_config['host_pool_gib']"
+        return {"what": f"HiSparse host pool ({key})", "remedy": key}
+    return {
+        "what": "HiSparse host pool (backing every KV slot of the engine)",
+        "remedy": "the engine's KV blocks (--gpu-memory-utilization, --num-gpu-blocks-override)",
+    }
 
 
 def _host_pool_rows(cfg: HiSparseConfig, per_row: int, host_rows: Optional[int]) -> int:
@@ -160,8 +172,13 @@ def _host_pool_rows(cfg: HiSparseConfig, per_row: int, host_rows: Optional[int])
     if host_rows is None:
         num_blocks = cfg.host_pool_bytes // (per_row * cfg.block_size)
         if num_blocks < 1:
+            gib = (
+                cfg.host_pool_gib
+                if cfg.host_pool_set
+                else f"{cfg.host_pool_bytes / 2**30:g} (default)"
+            )
             raise HiSparseConfigError(
-                f"kv_connector_extra_config['host_pool_gib'] = {cfg.host_pool_gib} is smaller "
+                f"kv_connector_extra_config['host_pool_gib'] = {gib} is smaller "
                 f"than one block of every layer ({per_row * cfg.block_size} bytes)"
             )
         if num_blocks * cfg.block_size > INT32_MAX:

@@ -49,6 +49,7 @@ def make_pool(
     row_bytes: Sequence[int],
     pin: bool,
     what: str,
+    remedy: str = "host_pool_gib",
 ) -> tuple:
     """``(pool, fence)``: the worker's host pool of ``num_bytes`` and, when it is shared, this
     rank's ``PoolFence`` (None otherwise). ``row_bytes``: each of the ``num_layers`` layers' row
@@ -62,9 +63,9 @@ def make_pool(
                 peers.world_size,
                 why_not,
             )
-        return HostPool(num_bytes, pin=pin, what=what), None
+        return HostPool(num_bytes, pin=pin, what=what, remedy=remedy), None
     pool, fence, reason = _shared(
-        num_bytes, num_layers, peers, what, cfg.tp_wait_timeout_s, row_bytes
+        num_bytes, num_layers, peers, what, cfg.tp_wait_timeout_s, row_bytes, remedy
     )
     if pool is not None:
         if peers.rank == 0:
@@ -78,7 +79,7 @@ def make_pool(
     if cfg.share_host_pool:
         raise HiSparseConfigError(f"{_KEY} = true, but the TP ranks cannot share it: {reason}")
     logger.warning("HiSparse host pool: one per TP rank, not shared: %s", reason)
-    return HostPool(num_bytes, pin=pin, what=what), None
+    return HostPool(num_bytes, pin=pin, what=what, remedy=remedy), None
 
 
 def _why_not_shared(cfg: HiSparseConfig, device: torch.device, peers: Any) -> Optional[str]:
@@ -106,7 +107,7 @@ def _why_not_shared(cfg: HiSparseConfig, device: torch.device, peers: Any) -> Op
 
 
 def _shared(
-    num_bytes: int, num_layers: int, peers: Any, what: str, timeout: float, row_bytes
+    num_bytes: int, num_layers: int, peers: Any, what: str, timeout: float, row_bytes, remedy: str
 ) -> tuple:
     """``(pool, fence, None)`` when every rank mapped rank 0's segment, else
     ``(None, None, why)`` on every rank. A failure to create it is raised on every rank; a rank
@@ -116,7 +117,7 @@ def _shared(
     pool = fence = None
     if peers.rank == 0:
         try:
-            pool = SharedHostPool.create(num_bytes, ctl, what=what)
+            pool = SharedHostPool.create(num_bytes, ctl, what=what, remedy=remedy)
             fence = PoolFence(pool.control, 0, peers.world_size, num_layers, timeout, **sizes)
             sent = peers.broadcast(pool.info)
         except (HostPoolError, OSError) as e:

@@ -10,13 +10,13 @@ from hisparse.engine.config import EngineConfig, request_lengths
 from hisparse.engine.forward import MODES
 from hisparse.engine.results import Parity, RunResult, RunStats, compare_runs
 from hisparse.engine.run import run_workload
-from hisparse.models.rows import ROW_LAYOUTS
+from hisparse.models.rows import ROW_FORMATS
 
 __all__ = [
     "EngineConfig",
     "MODES",
     "Parity",
-    "ROW_LAYOUTS",
+    "ROW_FORMATS",
     "RunResult",
     "RunStats",
     "compare_runs",

@@ -20,7 +20,7 @@ class EngineConfig(ReferenceShape):
     hidden: int = 64  # residual width
     vocab: int = 512
     indexer_dim: int = 32  # indexer key/query width (keys stay on the device)
-    row_layout: str = "fp8"  # "fp8" (656-B rows) or "bf16" (1152-B rows)
+    row_format: str = "fp8"  # "fp8" (656-B rows) or "bf16" (1152-B rows)
     dtype: str = "float64"  # compute dtype (float64: CPU and CUDA agree token for token)
     seed: int = 0
     # sparse attention / HiSparse

@@ -21,7 +21,7 @@ def open_connector(cfg: EngineConfig, state_rows: int, flat: List[torch.Tensor],
         # enough whole blocks for every key, plus one block of slack against rounding
         host_pool_gib=(cfg.num_keys + bs) * rb * L / 2**30,
         top_k=cfg.top_k,
-        device_buffer_size=cfg.hot_size,
+        hot_size=cfg.hot_size,
         index_share=cfg.index_share,
         metrics_interval=cfg.metrics_interval,
         max_num_seqs=state_rows,

@@ -43,7 +43,7 @@ class LayerPass:
     def project(
         self, layer: int, batch: StepBatch, x: Optional[torch.Tensor], xp: List[torch.Tensor]
     ) -> Projection:
-        m, layout = self.model, self.cfg.row_layout
+        m, layout = self.model, self.cfg.row_format
         parts, prompt_h, prompt_q, prompt_rows = [], [], [], []
         h = q = None
         if batch.num_decode:
@@ -67,7 +67,7 @@ class LayerPass:
         slots = batch.slots
         sel_keys = torch.where(sel >= 0, slots.unsqueeze(1) * cfg.max_context + sel, sel)
         rows = self.kv.read(layer, sel_keys, sel, batch.positions, slots, batch.num_prefill)
-        kvs = decode_rows(rows, cfg.row_layout, m.dtype)
+        kvs = decode_rows(rows, cfg.row_format, m.dtype)
         o = m.attend(proj.decode_q, kvs, sel >= 0)
         if self.attention_log is not None:
             self.attention_log[layer].append(o)
@@ -76,7 +76,7 @@ class LayerPass:
     def attend_prompts(
         self, layer: int, xp: List[torch.Tensor], proj: Projection, prompt_sel: List[torch.Tensor]
     ) -> List[torch.Tensor]:
-        m, layout = self.model, self.cfg.row_layout
+        m, layout = self.model, self.cfg.row_format
         out = []
         for x_prompt, q, rows, sel in zip(xp, proj.prompt_q, proj.prompt_rows, prompt_sel):
             vals = decode_rows(rows, layout, m.dtype)

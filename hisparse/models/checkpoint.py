@@ -97,6 +97,8 @@ def config_from_hf(hf: Union[Mapping, object]) -> ReferenceConfig:
             f"config.json has no '{CONFIG_KEY}' section: not a model written by "
             "`hisparse export-model`"
         )
+    # "row_layout": the row format's name in models exported before it was renamed.
+    block = {("row_format" if k == "row_layout" else k): v for k, v in block.items()}
     fields = {k: block[k] for k in MODEL_FIELDS if k in block}
     return model_config(int(block.get("max_model_len", 2048)), **fields)
 

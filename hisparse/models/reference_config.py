@@ -1,7 +1,7 @@
 """The reference sparse-MLA model's shape: its settings, their checks, and the layer/group
 arithmetic that the model, the engine and the vLLM class all use.
 
-``ReferenceShape`` holds the arithmetic over ``num_layers``, ``index_share`` and ``row_layout``;
+``ReferenceShape`` holds the arithmetic over ``num_layers``, ``index_share`` and ``row_format``;
 ``ReferenceConfig`` is the model alone (what an exported checkpoint stores). The engine's own
 config carries the same fields plus a workload and shares both the arithmetic and the checks.
 """
@@ -12,7 +12,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Tuple
 
-from hisparse.models.rows import ROW_LAYOUTS
+from hisparse.models.rows import ROW_FORMATS
 from hisparse.ops.limits import MAX_HOT_SIZE, check_int
 
 DTYPES = ("float64", "float32")
@@ -23,7 +23,7 @@ MODEL_FIELDS = (
     "hidden",
     "vocab",
     "indexer_dim",
-    "row_layout",
+    "row_format",
     "seed",
     "top_k",
     "recent_window",
@@ -33,15 +33,15 @@ MODEL_FIELDS = (
 
 class ReferenceShape:
     """Layer and index-group arithmetic of a config with ``num_layers``, ``index_share`` and
-    ``row_layout``."""
+    ``row_format``."""
 
     num_layers: int
     index_share: int
-    row_layout: str
+    row_format: str
 
     @property
     def row_bytes(self) -> int:
-        return ROW_LAYOUTS[self.row_layout].row_bytes
+        return ROW_FORMATS[self.row_format].row_bytes
 
     @property
     def num_groups(self) -> int:
@@ -73,8 +73,8 @@ def check_model_fields(cfg) -> None:
     check_int("seed", cfg.seed, 0)
     check_int("top_k", cfg.top_k, 1, MAX_HOT_SIZE)
     check_int("recent_window", cfg.recent_window, 0)
-    if cfg.row_layout not in ROW_LAYOUTS:
-        raise ValueError(f"row_layout must be one of {sorted(ROW_LAYOUTS)}, got {cfg.row_layout!r}")
+    if cfg.row_format not in ROW_FORMATS:
+        raise ValueError(f"row_format must be one of {sorted(ROW_FORMATS)}, got {cfg.row_format!r}")
     if cfg.dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES}, got {cfg.dtype!r}")
     if cfg.recent_window > cfg.top_k:
@@ -97,7 +97,7 @@ class ReferenceConfig(ReferenceShape):
     hidden: int = 64
     vocab: int = 512
     indexer_dim: int = 32
-    row_layout: str = "fp8"
+    row_format: str = "fp8"
     seed: int = 0
     top_k: int = 64
     recent_window: int = 8

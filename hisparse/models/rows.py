@@ -28,15 +28,15 @@ FP8_MAX = 448.0
 
 
 @dataclass(frozen=True)
-class RowLayout:
+class RowFormat:
     name: str
     row_bytes: int
 
 
-ROW_LAYOUTS = {
-    "fp8": RowLayout("fp8", LATENT_DIM + 4 * (LATENT_DIM // FP8_TILE) + 2 * ROPE_DIM),  # 656
-    "bf16": RowLayout("bf16", 2 * KV_DIM),  # 1152
-    "f32": RowLayout("f32", 4 * KV_DIM),  # 2304
+ROW_FORMATS = {
+    "fp8": RowFormat("fp8", LATENT_DIM + 4 * (LATENT_DIM // FP8_TILE) + 2 * ROPE_DIM),  # 656
+    "bf16": RowFormat("bf16", 2 * KV_DIM),  # 1152
+    "f32": RowFormat("f32", 4 * KV_DIM),  # 2304
 }
 
 
@@ -57,7 +57,7 @@ def encode_rows(kv: torch.Tensor, layout: str) -> torch.Tensor:
     if layout == "f32":
         return _bytes_of(kv.to(torch.float32))
     if layout != "fp8":
-        raise ValueError(f"unknown row layout {layout!r}; choose from {sorted(ROW_LAYOUTS)}")
+        raise ValueError(f"unknown row layout {layout!r}; choose from {sorted(ROW_FORMATS)}")
     lead = kv.shape[:-1]
     latent = kv[..., :LATENT_DIM].reshape(*lead, LATENT_DIM // FP8_TILE, FP8_TILE)
     amax = latent.abs().amax(dim=-1, keepdim=True)
@@ -84,7 +84,7 @@ def decode_rows(rows: torch.Tensor, layout: str, dtype: torch.dtype) -> torch.Te
     if layout == "f32":
         return rows.view(torch.float32).to(dtype)
     if layout != "fp8":
-        raise ValueError(f"unknown row layout {layout!r}; choose from {sorted(ROW_LAYOUTS)}")
+        raise ValueError(f"unknown row layout {layout!r}; choose from {sorted(ROW_FORMATS)}")
     lead = rows.shape[:-1]
     n_tiles = LATENT_DIM // FP8_TILE
     q = rows[..., :LATENT_DIM].contiguous().view(torch.float8_e4m3fn).to(dtype)

@@ -36,7 +36,11 @@ class HostPool:
     """A raw uint8 allocation (`raw`), page-locked when `pin`; layers are bound into it by
     offset. Views bound into `raw` must not be used after `release()`."""
 
-    def __init__(self, num_bytes: int, *, pin: bool, what: str = "host pool") -> None:
+    def __init__(
+        self, num_bytes: int, *, pin: bool, what: str = "host pool", remedy: str = "host_pool_gib"
+    ) -> None:
+        """``remedy``: what to lower when the RAM cannot hold the pool (the setting that sized
+        it)."""
         if isinstance(num_bytes, bool) or not isinstance(num_bytes, int) or num_bytes <= 0:
             raise HostPoolError(
                 f"{what}: size must be a positive number of bytes, got {num_bytes!r}"
@@ -46,7 +50,7 @@ class HostPool:
             raise HostPoolError(
                 f"{what}: {num_bytes / 2**30:.2f} GiB requested but only "
                 f"{available / 2**30:.2f} GiB of host RAM is available "
-                f"({_RESERVE_BYTES / 2**30:.0f} GiB is kept free); lower host_pool_gib"
+                f"({_RESERVE_BYTES / 2**30:.0f} GiB is kept free); lower {remedy}"
             )
         if pin and not torch.cuda.is_available():
             raise HostPoolError(f"{what}: pinned memory needs a CUDA device; use pin=False on CPU")

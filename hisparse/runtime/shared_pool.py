@@ -79,8 +79,11 @@ class SharedHostPool:
         self.control: Optional[memoryview] = memoryview(mm)[start:].cast("q")
 
     @classmethod
-    def create(cls, pool_bytes: int, control_bytes: int, *, what: str) -> "SharedHostPool":
-        """Rank 0: a zero-filled segment of ``pool_bytes`` + a control block (touched lazily)."""
+    def create(
+        cls, pool_bytes: int, control_bytes: int, *, what: str, remedy: str = "host_pool_gib"
+    ) -> "SharedHostPool":
+        """Rank 0: a zero-filled segment of ``pool_bytes`` + a control block (touched lazily);
+        ``remedy``: what to lower when the RAM cannot hold it."""
         for name, n in (("size", pool_bytes), ("control size", control_bytes)):
             if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
                 raise HostPoolError(f"{what}: {name} must be a positive number of bytes, got {n!r}")
@@ -89,7 +92,7 @@ class SharedHostPool:
             raise HostPoolError(
                 f"{what}: {pool_bytes / 2**30:.2f} GiB requested but only "
                 f"{available / 2**30:.2f} GiB of host RAM is available "
-                f"({_RESERVE_BYTES / 2**30:.0f} GiB is kept free); lower host_pool_gib"
+                f"({_RESERVE_BYTES / 2**30:.0f} GiB is kept free); lower {remedy}"
             )
         total = _page_round(pool_bytes) + _page_round(control_bytes)
         fd = os.memfd_create(SEGMENT_NAME, os.MFD_CLOEXEC)

@@ -151,7 +151,7 @@ class HiSparseMLAForCausalLM(nn.Module):
             h, kv, q = m.project(x, layer, pos)
             if cfg.is_leader(layer):
                 selection = self._select(cfg.group_of(layer), h, pos, batch)
-            rows = encode_rows(kv, cfg.row_layout)
+            rows = encode_rows(kv, cfg.row_format)
             o = self._attend(layer, q, rows, selection, batch, connector, state_rows)
             x = m.finish_layer(x, o, layer)
         return x
@@ -232,7 +232,7 @@ class HiSparseMLAForCausalLM(nn.Module):
         valid = keys >= 0
         # Padding entries read an arbitrary row; zero it so no NaN byte pattern reaches softmax.
         rows = torch.where(valid.unsqueeze(-1), rows, torch.zeros_like(rows))
-        return self.m.attend(q, decode_rows(rows, self.cfg.row_layout, self.m.dtype), valid)
+        return self.m.attend(q, decode_rows(rows, self.cfg.row_format, self.m.dtype), valid)
 
 
 def _ema_weights(qpos: torch.Tensor, n: int, drift: float) -> torch.Tensor:

@@ -124,7 +124,7 @@ def find_model_layers(
     host_rows = num_blocks * config.block_size
     row_bytes = {n: int(lay.row_bytes) for n, lay in layers.items()}
     need = host_rows * sum(row_bytes.values())
-    if "host_pool_gib" in extra and need > config.host_pool_bytes:
+    if config.host_pool_set and need > config.host_pool_bytes:
         raise HiSparseConfigError(
             f"kv_connector_extra_config['host_pool_gib'] = {config.host_pool_gib} is smaller "
             f"than vLLM's {num_blocks} KV blocks need ({need / 2**30:.3f} GiB): raise it, or "

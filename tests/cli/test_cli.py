@@ -20,7 +20,7 @@ from hisparse.vllm.settings import config_from_extra
         (["demo", "--requests", "-1"], "--requests"),
         (["demo", "--concurrency", "0"], "--concurrency"),
         (["demo", "--device", "tpu"], "--device"),
-        (["demo", "--row-layout", "fp4"], "--row-layout"),
+        (["demo", "--row-format", "fp4"], "--row-format"),
         (["demo", "--metrics-port", "70000"], "--metrics-port"),
         (["demo", "--metrics-port", "http"], "--metrics-port"),
         (["demo", "--json", "summary.txt"], "--json"),
@@ -86,9 +86,18 @@ def test_large_top_k_defaults_keep_hot_size_in_range():
     from hisparse.cli.app import build_parser
     from hisparse.cli.flags import check_engine_flags
 
-    assert config_from_extra({"top_k": 20000}).device_buffer_size == 32768
+    assert config_from_extra({"top_k": 20000}).hot_size == 32768
     parser = build_parser()
     args = parser.parse_args(["demo", "--top-k", "20000", "--recent-window", "8"])
     assert check_engine_flags(parser, args).hot_size == 32768
     args = parser.parse_args(["bench", "--top-k", "20000", "--hot-sizes", "20000"])
     assert check_engine_flags(parser, args, hot_size=20000).hot_size == 20000
+
+
+def test_the_row_format_flag_keeps_its_earlier_name():
+    from hisparse.cli.app import build_parser
+
+    p = build_parser()
+    assert p.parse_args(["demo", "--row-layout", "bf16"]).row_format == "bf16"
+    assert p.parse_args(["demo", "--row-format", "f32"]).row_format == "f32"
+    assert p.parse_args(["demo"]).row_format is None  # fp8, or f32 with --model

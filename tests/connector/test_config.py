@@ -27,18 +27,18 @@ def test_integer_settings_have_upper_bounds(key):
 
 
 def test_top_k_above_the_hot_buffer_limit_is_blamed_on_top_k():
-    # device_buffer_size is not set: the message must not name it.
+    # hot_size is not set: the message must not name it.
     with pytest.raises(
         HiSparseConfigError,
         match=rf"^kv_connector_extra_config\['top_k'\] must be <= {MAX_HOT_SIZE},",
     ):
         config_from_extra({"top_k": MAX_HOT_SIZE + 1})
     with pytest.raises(HiSparseConfigError, match=r"\['top_k'\]"):
-        config_from_extra({"top_k": MAX_HOT_SIZE + 1, "device_buffer_size": MAX_HOT_SIZE})
+        config_from_extra({"top_k": MAX_HOT_SIZE + 1, "hot_size": MAX_HOT_SIZE})
 
 
 def test_hot_rows_must_fit_int32():
-    with pytest.raises(HiSparseConfigError, match=r"\['max_num_seqs'\] \* device_buffer_size"):
+    with pytest.raises(HiSparseConfigError, match=r"\['max_num_seqs'\] \* hot_size"):
         config_from_extra({"max_num_seqs": 65536, "top_k": MAX_HOT_SIZE})
 
 
@@ -57,3 +57,15 @@ def test_absurd_host_pool_is_refused_not_clamped(gib):
     assert (
         HiSparseConfig(host_pool_gib=MAX_HOST_POOL_GIB).host_pool_bytes == MAX_HOST_POOL_GIB << 30
     )
+
+
+def test_the_old_name_of_hot_size_is_read_with_one_line(caplog):
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="vllm.hisparse"):
+        cfg = config_from_extra({"top_k": 4, "device_buffer_size": 12})
+    assert cfg.hot_size == 12
+    lines = [r.getMessage() for r in caplog.records if "device_buffer_size" in r.getMessage()]
+    assert len(lines) == 1 and "'hot_size'" in lines[0]
+    with pytest.raises(HiSparseConfigError, match="both 'device_buffer_size' and 'hot_size'"):
+        config_from_extra({"device_buffer_size": 8, "hot_size": 8})

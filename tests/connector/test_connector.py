@@ -27,13 +27,13 @@ def _req(rid):
 # ------------------------------------------------------------------ config
 def test_config_defaults():
     c = config_from_extra(None)
-    assert (c.top_k, c.device_buffer_size, c.index_share, c.metrics_interval) == (
+    assert (c.top_k, c.hot_size, c.index_share, c.metrics_interval) == (
         2048,
         4096,
         1,
         2000,
     )
-    assert config_from_extra({"top_k": 64}).device_buffer_size == 128
+    assert config_from_extra({"top_k": 64}).hot_size == 128
 
 
 @pytest.mark.parametrize(
@@ -43,9 +43,9 @@ def test_config_defaults():
         ({"top_k": "2048"}, "top_k"),
         ({"top_k": True}, "top_k"),
         ({"top_k": 0}, "top_k"),
-        ({"top_k": 64, "device_buffer_size": 32}, "device_buffer_size"),
-        ({"device_buffer_size": 32769}, "device_buffer_size"),
-        ({"top_k": 40000, "device_buffer_size": 40000}, "device_buffer_size"),
+        ({"top_k": 64, "hot_size": 32}, "hot_size"),
+        ({"hot_size": 32769}, "hot_size"),
+        ({"top_k": 40000, "hot_size": 40000}, "hot_size"),
         ({"index_share": 0}, "index_share"),
         ({"metrics_interval": 2.5}, "metrics_interval"),
         ({"max_num_seqs": -1}, "max_num_seqs"),
@@ -92,8 +92,8 @@ def test_every_abstract_method_is_implemented():
 
 
 def test_roles():
-    sched = connector_impl({"top_k": 4, "device_buffer_size": 8}, "scheduler")
-    work = connector_impl({"top_k": 4, "device_buffer_size": 8}, KVConnectorRole.WORKER)
+    sched = connector_impl({"top_k": 4, "hot_size": 8}, "scheduler")
+    work = connector_impl({"top_k": 4, "hot_size": 8}, KVConnectorRole.WORKER)
     assert sched.role == ConnectorRole.SCHEDULER and sched.worker is None
     assert work.role == ConnectorRole.WORKER and work.worker is not None
     assert sched.get_kv_connector_stats() is None  # no worker: None
@@ -121,7 +121,7 @@ def test_hisparse_meaning_of_the_load_api():
 
 # ------------------------------------------------- scheduler-side metadata
 def test_state_rows_assigned_reset_released_and_reused():
-    sched = connector_impl({"top_k": 4, "device_buffer_size": 8, "max_num_seqs": 2}, "scheduler")
+    sched = connector_impl({"top_k": 4, "hot_size": 8, "max_num_seqs": 2}, "scheduler")
     m1 = sched.build_connector_meta(StepSchedule({"a": 5, "b": 3}))
     assert isinstance(m1, HiSparseConnectorMetadata)
     assert m1.req_ids == ("a", "b") and set(m1.state_rows) == {0, 1}

@@ -17,9 +17,7 @@ S, H = 2, 4
 
 
 def _cfg(**over):
-    return HiSparseConfig(
-        top_k=2, device_buffer_size=H, max_num_seqs=S, **{"block_size": 4, **over}
-    )
+    return HiSparseConfig(top_k=2, hot_size=H, max_num_seqs=S, **{"block_size": 4, **over})
 
 
 def _u8(rows, rb=16):
@@ -150,3 +148,18 @@ def test_caches_that_cannot_be_bound_are_refused_by_layer(caches, error, says):
 def test_settings_that_do_not_fit_the_caches_are_refused(cfg, kwargs, error, says):
     with pytest.raises(error, match=says):
         register(cfg, {"l0": _u8(8), "l1": _u8(8)}, **kwargs)
+
+
+def test_a_pool_the_ram_cannot_hold_names_the_setting_that_sized_it():
+    """host_pool_gib unset and the pool sized by the engine's slots (vLLM's KV blocks): the
+    error names those, not a host_pool_gib nobody set; set, it names host_pool_gib."""
+    from hisparse.runtime.host_pool import HostPoolError
+
+    caches = {"l0": _u8(8, rb=1 << 16)}
+    with pytest.raises(HostPoolError) as e:
+        register(_cfg(), caches, host_rows=1 << 30)  # 64 TiB of rows
+    assert "--gpu-memory-utilization" in str(e.value) and "host_pool_gib" not in str(e.value)
+    cfg = _cfg(host_pool_gib=60000.0)
+    with pytest.raises(HostPoolError, match=r"lower kv_connector_extra_config\['host_pool_gib'\]"):
+        register(cfg, caches)
+    assert not _cfg().host_pool_set and cfg.host_pool_set

@@ -19,9 +19,7 @@ BS = 4
 
 
 def _sched(S=3, host_rows=None):
-    s = HiSparseScheduler(
-        HiSparseConfig(top_k=2, device_buffer_size=4, max_num_seqs=S, block_size=BS)
-    )
+    s = HiSparseScheduler(HiSparseConfig(top_k=2, hot_size=4, max_num_seqs=S, block_size=BS))
     if host_rows is not None:
         s.set_host_rows(host_rows)
     return s

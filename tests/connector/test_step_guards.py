@@ -36,9 +36,7 @@ class IntScalar:
 
 
 def _two_group_worker(S=2, H=4, K=2):
-    w = HiSparseConnectorWorker(
-        HiSparseConfig(top_k=K, device_buffer_size=H, max_num_seqs=S, block_size=4)
-    )
+    w = HiSparseConnectorWorker(HiSparseConfig(top_k=K, hot_size=H, max_num_seqs=S, block_size=4))
     w.register_kv_caches(
         {n: torch.zeros(S * H, 16, dtype=torch.uint8) for n in LAYERS},
         host_rows=40,
@@ -88,7 +86,7 @@ def test_skipped_followers_in_two_groups_are_all_reported_and_reset(then):
 
 def test_resolve_after_clear_connector_metadata_names_the_ended_step():
     conn = connector_impl(
-        {"top_k": 2, "device_buffer_size": 4, "max_num_seqs": 2, "index_share": 2}, "worker"
+        {"top_k": 2, "hot_size": 4, "max_num_seqs": 2, "index_share": 2}, "worker"
     )
     conn.register_kv_caches({n: torch.zeros(8, 16, dtype=torch.uint8) for n in ("l0", "l1")})
     conn.bind_connector_metadata(_meta())
@@ -176,7 +174,7 @@ def test_real_numpy_integers_pass_where_plain_ints_do():
 
 
 def test_the_scheduler_knows_the_pool_without_vllm_and_refuses_at_entry():
-    extra = {"top_k": 2, "device_buffer_size": 4, "max_num_seqs": 2, "block_size": 4}
+    extra = {"top_k": 2, "hot_size": 4, "max_num_seqs": 2, "block_size": 4}
     work = connector_impl(extra, "worker")
     work.worker.register_kv_caches({"l0": torch.zeros(8, 16, dtype=torch.uint8)}, host_rows=40)
     sched = connector_impl(extra, "scheduler", host_rows=work.worker.host_rows)

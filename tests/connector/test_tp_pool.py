@@ -70,7 +70,7 @@ def _ranks(fn, world=2) -> list:
 
 
 def _workers(**over) -> list:
-    cfg = HiSparseConfig(top_k=4, device_buffer_size=H, max_num_seqs=S, block_size=4, **over)
+    cfg = HiSparseConfig(top_k=4, hot_size=H, max_num_seqs=S, block_size=4, **over)
 
     def build(rank, peers):
         w = HiSparseConnectorWorker(cfg)
@@ -123,13 +123,13 @@ def test_one_pool_per_rank_when_asked_or_without_a_group(caplog):
     for w in _workers(share_host_pool=False):
         assert isinstance(w.host_pool, HostPool)
     assert "in each of 2 TP ranks (not shared: kv_connector_extra_config" in caplog.text
-    w = HiSparseConnectorWorker(HiSparseConfig(top_k=4, device_buffer_size=H, max_num_seqs=S))
+    w = HiSparseConnectorWorker(HiSparseConfig(top_k=4, hot_size=H, max_num_seqs=S))
     w.register_kv_caches({"l0": torch.zeros(S * H, ROW, dtype=torch.uint8)}, host_rows=8)
     assert isinstance(w.host_pool, HostPool)  # TP 1, as before
 
 
 def test_share_host_pool_true_that_cannot_be_met_is_one_line(monkeypatch):
-    cfg = HiSparseConfig(top_k=4, device_buffer_size=H, share_host_pool=True)
+    cfg = HiSparseConfig(top_k=4, hot_size=H, share_host_pool=True)
     peers = Peers(Group(2), 0)
     with pytest.raises(HiSparseConfigError, match=r"\['share_host_pool'\] = true needs the KV"):
         tp_pool.make_pool(
@@ -158,7 +158,7 @@ def test_a_rank_that_cannot_map_the_segment_falls_back_or_is_refused(monkeypatch
 
 @pytest.mark.parametrize("error", [HostPoolError, OSError])
 def test_a_pool_rank_0_cannot_allocate_fails_every_rank(monkeypatch, error):
-    def refuse(n, c, *, what):
+    def refuse(n, c, *, what, remedy="host_pool_gib"):
         raise error("9.00 GiB requested; lower host_pool_gib")
 
     monkeypatch.setattr(SharedHostPool, "create", refuse)
@@ -178,7 +178,7 @@ def test_a_pool_rank_0_cannot_allocate_fails_every_rank(monkeypatch, error):
 )
 def test_a_rank_that_disagrees_with_rank_0_is_refused_not_given_its_own_pool(rank1, match):
     """Its rows would sit elsewhere than rank 0 writes them: no pool of its own mends that."""
-    cfg = HiSparseConfig(top_k=4, device_buffer_size=H, max_num_seqs=S, block_size=4)
+    cfg = HiSparseConfig(top_k=4, hot_size=H, max_num_seqs=S, block_size=4)
 
     def build(rank, peers):
         mine = rank1 if rank == 1 else {}

@@ -23,7 +23,7 @@ BS = 4
 def _sched(max_num_seqs=4):
     """hisparse's vLLM connector class, scheduler role: it reads vLLM's SchedulerOutput."""
     return vllm_connector(
-        {"top_k": 2, "device_buffer_size": 4, "max_num_seqs": max_num_seqs, "block_size": BS},
+        {"top_k": 2, "hot_size": 4, "max_num_seqs": max_num_seqs, "block_size": BS},
         role="scheduler",
     )
 
@@ -93,7 +93,7 @@ def test_scheduler_gauges_follow_live_requests_and_read_zero_when_idle():
 
 def _worker(S=2, H=4, K=2, rb=16, layers=("l0", "l1")):
     w = HiSparseConnectorWorker(
-        HiSparseConfig(top_k=K, device_buffer_size=H, max_num_seqs=S, block_size=BS, index_share=1)
+        HiSparseConfig(top_k=K, hot_size=H, max_num_seqs=S, block_size=BS, index_share=1)
     )
     hot = {n: torch.zeros(S * H, rb, dtype=torch.uint8) for n in layers}
     w.register_kv_caches(hot, host_rows=40, groups=[list(layers)])
@@ -117,7 +117,7 @@ def test_explicit_groups_and_host_rows():
     assert [m.layer_name for m in w.groups[0].members] == ["l0", "l1"]
     with pytest.raises(ValueError, match="every registered layer exactly once"):
         HiSparseConnectorWorker(
-            HiSparseConfig(top_k=2, device_buffer_size=4, max_num_seqs=2)
+            HiSparseConfig(top_k=2, hot_size=4, max_num_seqs=2)
         ).register_kv_caches(
             {"x": torch.zeros(8, 16, dtype=torch.uint8)}, host_rows=8, groups=[["x", "x"]]
         )
@@ -212,9 +212,7 @@ def test_a_rewritten_position_is_never_served_from_its_stale_hot_copy():
     the key's hot copy, so the next resolve misses and gathers the new bytes. Without the
     invalidation the old bytes would be a hit."""
     sched = _sched()
-    w = HiSparseConnectorWorker(
-        HiSparseConfig(top_k=2, device_buffer_size=4, max_num_seqs=4, block_size=BS)
-    )
+    w = HiSparseConnectorWorker(HiSparseConfig(top_k=2, hot_size=4, max_num_seqs=4, block_size=BS))
     w.register_kv_caches({"l0": torch.zeros(16, 16, dtype=torch.uint8)}, host_rows=40)
     host = w.host_view("l0")
 

@@ -247,7 +247,7 @@ def test_out_of_range_rows_are_not_counted_as_moved():
 
 
 def test_register_checks_name_the_problem():
-    cfg = HiSparseConfig(top_k=4, device_buffer_size=8, max_num_seqs=2, host_pool_gib=0.001)
+    cfg = HiSparseConfig(top_k=4, hot_size=8, max_num_seqs=2, host_pool_gib=0.001)
     w = HiSparseConnectorWorker(cfg)
     with pytest.raises(BindingError, match="hot buffers need"):
         w.register_kv_caches({"l0": torch.zeros(15, 32, dtype=torch.uint8)})
@@ -265,7 +265,7 @@ def test_register_checks_name_the_problem():
     with pytest.raises(ValueError, match="non-empty"):
         w.register_kv_caches({})
     tiny = HiSparseConnectorWorker(
-        HiSparseConfig(top_k=4, device_buffer_size=8, max_num_seqs=2, host_pool_gib=1e-7)
+        HiSparseConfig(top_k=4, hot_size=8, max_num_seqs=2, host_pool_gib=1e-7)
     )
     with pytest.raises(HiSparseConfigError, match=r"\['host_pool_gib'\]"):
         tiny.register_kv_caches({"l0": torch.zeros(16, 32, dtype=torch.uint8)})
@@ -359,7 +359,7 @@ def test_shutdown_drains_pending_releases_and_is_idempotent():
 
 
 def test_shutdown_before_register_is_harmless():
-    w = HiSparseConnectorWorker(HiSparseConfig(top_k=4, device_buffer_size=8))
+    w = HiSparseConnectorWorker(HiSparseConfig(top_k=4, hot_size=8))
     assert w.shutdown() is None and w.shutdown() is None
 
 
@@ -370,7 +370,7 @@ def test_follower_gathers_after_its_own_save_in_per_layer_order():
 
     extra = {
         "top_k": 4,
-        "device_buffer_size": 8,
+        "hot_size": 8,
         "max_num_seqs": 1,
         "block_size": 4,
         "host_pool_gib": 16 * 64 * 2 / 2**30,
@@ -409,7 +409,7 @@ def test_register_refuses_overlapping_caches_and_misfit_pinning():
 
     extra = {
         "top_k": 4,
-        "device_buffer_size": 8,
+        "hot_size": 8,
         "max_num_seqs": 1,
         "block_size": 4,
         "host_pool_gib": 16 * 64 * 2 / 2**30,

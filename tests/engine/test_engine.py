@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hisparse.engine import ROW_LAYOUTS, EngineConfig, compare_runs, run_workload
+from hisparse.engine import ROW_FORMATS, EngineConfig, compare_runs, run_workload
 from hisparse.models.reference import select_top_k
 from hisparse.models.rows import KV_DIM, decode_rows, encode_rows
 from tests.engine_helpers import small_config
@@ -20,11 +20,11 @@ def _one_thread():
     torch.set_num_threads(prev)
 
 
-def test_row_layouts_are_the_mla_sizes_and_round_trip():
-    assert ROW_LAYOUTS["fp8"].row_bytes == 656 and ROW_LAYOUTS["bf16"].row_bytes == 1152
+def test_row_formats_are_the_mla_sizes_and_round_trip():
+    assert ROW_FORMATS["fp8"].row_bytes == 656 and ROW_FORMATS["bf16"].row_bytes == 1152
     x = torch.randn(5, 7, KV_DIM, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
     x[0, 0, :128] = 0.0  # an all-zero FP8 tile must not divide by zero
-    for name, lay in ROW_LAYOUTS.items():
+    for name, lay in ROW_FORMATS.items():
         b = encode_rows(x, name)
         assert (
             b.dtype == torch.uint8 and b.shape == (5, 7, lay.row_bytes) and lay.row_bytes % 16 == 0
@@ -96,7 +96,7 @@ def test_same_config_same_result_and_seed_matters():
     "over",
     [
         {},
-        {"row_layout": "bf16"},
+        {"row_format": "bf16"},
         {"num_layers": 5, "index_share": 2},  # a last group with a single member
         {"index_share": 1, "recent_window": 0},  # every layer its own indexer; no forced window
         {"dtype": "float32", "hot_size": 16},  # hot buffer = top-k: every slot evictable each step
@@ -215,8 +215,8 @@ def test_config_validation_names_the_field():
         EngineConfig(top_k=8, hot_size=16, recent_window=9)
     with pytest.raises(ValueError, match="drift"):
         EngineConfig(drift=1.5)
-    with pytest.raises(ValueError, match="row_layout"):
-        EngineConfig(row_layout="fp4")
+    with pytest.raises(ValueError, match="row_format"):
+        EngineConfig(row_format="fp4")
     with pytest.raises(ValueError, match="mode"):
         run_workload(small_config(), "offload")
 

@@ -53,6 +53,12 @@ def test_export_writes_a_model_vllm_can_load(tmp_path):
     assert hf["architectures"] == [ARCHITECTURE] and hf["vocab_size"] == 300
     assert hf["max_position_embeddings"] == 256 and hf["num_hidden_layers"] == 3
     assert config_from_hf(hf) == cfg
+    # A model exported before the row format's rename stores it as "row_layout".
+    old = dict(
+        hf,
+        hisparse={("row_layout" if k == "row_format" else k): v for k, v in hf["hisparse"].items()},
+    )
+    assert "row_layout" in old["hisparse"] and config_from_hf(old) == cfg
     weights = _read_safetensors(d / "model.safetensors")
     ref = Model(cfg, torch.device("cpu"))
     assert torch.equal(weights["emb"], ref.emb) and torch.equal(weights["head"], ref.head)

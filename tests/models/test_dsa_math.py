@@ -11,7 +11,7 @@ import torch
 from hisparse.models.dsa import attention as mla
 from hisparse.models.dsa import indexer as dsa_index
 from hisparse.models.dsa.config import DSAConfig, DSAConfigError
-from hisparse.models.rows import KV_DIM, LATENT_DIM, ROW_LAYOUTS, decode_rows, encode_rows
+from hisparse.models.rows import KV_DIM, LATENT_DIM, ROW_FORMATS, decode_rows, encode_rows
 
 BASE = {
     "model_type": "deepseek_v32",
@@ -137,7 +137,7 @@ def test_index_scores_equal_a_per_head_loop_and_top_k_is_causal():
 def test_f32_rows_round_trip_exactly():
     kv = torch.randn(4, KV_DIM, dtype=torch.float32)
     rows = encode_rows(kv, "f32")
-    assert rows.shape == (4, ROW_LAYOUTS["f32"].row_bytes) and rows.shape[1] % 16 == 0
+    assert rows.shape == (4, ROW_FORMATS["f32"].row_bytes) and rows.shape[1] % 16 == 0
     assert torch.equal(decode_rows(rows, "f32", torch.float32), kv)
 
 

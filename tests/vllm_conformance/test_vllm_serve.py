@@ -53,7 +53,7 @@ CFG = model_config(
     hidden=64,
     vocab=512,
     indexer_dim=32,
-    row_layout="fp8",
+    row_format="fp8",
     recent_window=4,
 )
 ROW_BYTES = CFG.row_bytes
@@ -210,7 +210,7 @@ KV_CONFIG = {
     "kv_connector": "HiSparseOOTConnector",
     "kv_connector_module_path": "hisparse.vllm.connector",
     "kv_role": "kv_both",
-    "kv_connector_extra_config": {"metrics_interval": 1, "device_buffer_size": HOT},
+    "kv_connector_extra_config": {"metrics_interval": 1, "hot_size": HOT},
 }
 
 

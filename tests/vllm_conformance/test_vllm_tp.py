@@ -31,7 +31,7 @@ from test_vllm_serve import Server
 
 from hisparse.models.dsa.config import DSAConfig
 from hisparse.models.dsa.random_checkpoint import write_random_checkpoint
-from hisparse.models.rows import ROW_LAYOUTS
+from hisparse.models.rows import ROW_FORMATS
 
 ARCH = "glm_moe_dsa"
 SEGMENT = "hisparse-host-pool"
@@ -159,7 +159,7 @@ def test_the_ranks_share_one_pool_held_once_in_host_ram(runs):
     rss = max(m["segments"][seg][0] for m in ranks)
     pss = sum(m["segments"][seg][1] for m in ranks)
     tokens = sum(len(p) + GEN - 1 for p in _prompts())  # the last sampled token is never fed
-    written = tokens * cfg.num_layers * ROW_LAYOUTS["f32"].row_bytes
+    written = tokens * cfg.num_layers * ROW_FORMATS["f32"].row_bytes
     total = {tp: sum(m["pss"] for m in runs[tp]["memory"].values()) for tp in (1, 2)}
     workers = {tp: [m["pss"] >> 20 for m in _workers(runs[tp]).values()] for tp in (1, 2)}
     print(

@@ -24,7 +24,7 @@ from hisparse.models.dsa.weights import (
     checkpoint_config,
     load_checkpoint,
 )
-from hisparse.models.rows import ROW_LAYOUTS
+from hisparse.models.rows import ROW_FORMATS
 from hisparse.ops.limits import default_hot_size
 
 MODES = ("resident", "hisparse")
@@ -48,9 +48,9 @@ class Generation:
 
 def check_options(row_format: str, mode: str = "resident") -> None:
     """One-line errors for the options, before any weights are read."""
-    if row_format not in ROW_LAYOUTS:
+    if row_format not in ROW_FORMATS:
         raise CheckpointError(
-            f"--row-format must be one of {sorted(ROW_LAYOUTS)}, got {row_format!r}"
+            f"--row-format must be one of {sorted(ROW_FORMATS)}, got {row_format!r}"
         )
     if mode not in MODES:
         raise CheckpointError(f"mode must be one of {MODES}, got {mode!r}")
@@ -105,7 +105,7 @@ def generate(
 
 def open_run(ck, mode, row_format, device, ctx, nmax, hot_size, key_format, backend):
     """(row store of ``mode``, forward pass) for ``nmax`` requests of ``ctx`` tokens."""
-    rb = ROW_LAYOUTS[row_format].row_bytes
+    rb = ROW_FORMATS[row_format].row_bytes
     if mode == "resident":
         store = ResidentRows(ck.cfg, rb, ctx, device, nmax)
     else:

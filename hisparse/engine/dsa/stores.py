@@ -103,7 +103,7 @@ class HiSparseRows:
             # every state row's keys plus a block of slack, for every layer
             host_pool_gib=(max_requests * max_context + BLOCK) * row_bytes * cfg.num_layers / 2**30,
             top_k=cfg.index_topk,
-            device_buffer_size=hot_size,
+            hot_size=hot_size,
             max_num_seqs=max_requests,
             block_size=BLOCK,
         )

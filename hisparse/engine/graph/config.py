@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from hisparse.models.rows import KV_DIM, LATENT_DIM, ROPE_DIM, ROW_LAYOUTS
+from hisparse.models.rows import KV_DIM, LATENT_DIM, ROPE_DIM, ROW_FORMATS
 
-ROW_BYTES = ROW_LAYOUTS["fp8"].row_bytes  # 656
+ROW_BYTES = ROW_FORMATS["fp8"].row_bytes  # 656
 # DSA indexer cache per token: 128 fp8 values + one fp32 scale (what DeepSeek-V3.2 stores).
 INDEXER_BYTES_FP8 = 128 + 4
 GIB = 1 << 30

@@ -31,7 +31,7 @@ from hisparse.models.dsa import index_keys
 from hisparse.models.dsa.config import DSAConfig
 from hisparse.models.dsa.indexer import causal_top_k
 from hisparse.models.dsa.kernels import rows as row_kernels
-from hisparse.models.rows import KV_DIM, LATENT_DIM, ROW_LAYOUTS, decode_rows
+from hisparse.models.rows import KV_DIM, LATENT_DIM, ROW_FORMATS, decode_rows
 
 # Bound on one torch-path chunk (index scores [tokens, heads, context] or rows [tokens, K, 576]).
 CHUNK_ELEMS = 1 << 24
@@ -97,8 +97,8 @@ class SparseMLACore:
         backend: str = "auto",
         attention: str = "bmm",
     ) -> None:
-        if row_format not in ROW_LAYOUTS:
-            raise ValueError(f"row_format must be one of {sorted(ROW_LAYOUTS)}, got {row_format!r}")
+        if row_format not in ROW_FORMATS:
+            raise ValueError(f"row_format must be one of {sorted(ROW_FORMATS)}, got {row_format!r}")
         key_format = key_format or index_keys.default_format(row_format)
         self.key_bytes = index_keys.key_bytes(key_format, cfg.index_head_dim)
         if backend not in ("auto", "torch", "triton"):
@@ -112,7 +112,7 @@ class SparseMLACore:
         from hisparse.models.dsa.kernels import indexer as idx_kernel
 
         self.cfg, self.row_format, self.key_format = cfg, row_format, key_format
-        self.row_bytes = ROW_LAYOUTS[row_format].row_bytes
+        self.row_bytes = ROW_FORMATS[row_format].row_bytes
         self.kernel_rows = use and row_format == "fp8"
         self.kernel_index = (
             use and key_format == "fp8" and idx_kernel.fits(cfg.index_n_heads, cfg.index_head_dim)

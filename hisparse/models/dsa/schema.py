@@ -18,7 +18,7 @@ import math
 import numbers
 from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
 
-from hisparse.models.rows import LATENT_DIM, ROPE_DIM, ROW_LAYOUTS
+from hisparse.models.rows import LATENT_DIM, ROPE_DIM, ROW_FORMATS
 from hisparse.ops.limits import INT32_MAX, as_index
 
 #: config.json key (``--hf-overrides``) choosing the latent row format.
@@ -72,7 +72,7 @@ CHOICES: Dict[str, Tuple[str, ...]] = {
     "hidden_act": ("silu",),
     "scoring_func": ("sigmoid",),
     "topk_method": ("noaux_tc",),
-    ROW_FORMAT_KEY: tuple(sorted(ROW_LAYOUTS)),
+    ROW_FORMAT_KEY: tuple(sorted(ROW_FORMATS)),
 }
 # Inside rope_parameters / rope_scaling with rope_type yarn: name -> exclusive lower bound.
 YARN_REALS = {"factor": 0.0, "beta_fast": 0.0, "beta_slow": 0.0, "attention_factor": 0.0}

@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import torch
 
-from hisparse.models.rows import FP8_TILE, KV_DIM, LATENT_DIM, ROPE_DIM, ROW_LAYOUTS
+from hisparse.models.rows import FP8_TILE, KV_DIM, LATENT_DIM, ROPE_DIM, ROW_FORMATS
 
-ROW_BYTES = ROW_LAYOUTS["fp8"].row_bytes
+ROW_BYTES = ROW_FORMATS["fp8"].row_bytes
 SCALE_AT = LATENT_DIM // 4  # first scale, in float32 words of a row
 ROPE_AT = (LATENT_DIM + 4 * (LATENT_DIM // FP8_TILE)) // 2  # first rope value, in bf16 words
 
