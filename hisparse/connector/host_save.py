@@ -33,14 +33,16 @@ def save_kv_rows(
             f"kv_layer of {name!r} has {rows.shape[0]} rows but slot_mapping has "
             f"{slots.numel()} entries"
         )
-    if slots.device.type == "cpu" and slots.numel() and int(slots.max()) >= host_rows:
-        _refuse_slot(name, int(slots.max()), host_rows)
+    if slots.device.type == "cpu" and slots.numel():
+        lo, hi = (int(v) for v in slots.aminmax())  # one pass: the bound check and padding
+        if hi >= host_rows:
+            _refuse_slot(name, hi, host_rows)
     if rows.device.type == "cpu":
-        keep = slots >= 0  # padding slots are skipped
-        if not bool(keep.all()):
+        if slots.numel() and lo < 0:  # padding slots are skipped
+            keep = slots >= 0
             rows, slots = rows[keep], slots[keep]
         if slots.numel():
-            rt.host_view.reshape(-1, rt.row_bytes).index_copy_(0, slots, rows)
+            rt.host_rows_view.index_copy_(0, slots, rows)
         return
     if slots.numel():
         _save_cuda(rt, rows, slots)

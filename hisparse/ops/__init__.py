@@ -8,7 +8,7 @@ The op functions are loaded on first use: ``hisparse.ops.limits`` must import wi
 (the CLI's ``--help`` reads it), so importing this package must not import ``calls``.
 """
 
-__all__ = ["gather", "invalidate", "resolve_residency", "save_rows"]
+__all__ = ["bound_op", "gather", "invalidate", "resolve_residency", "save_rows"]
 
 
 def __getattr__(name: str):

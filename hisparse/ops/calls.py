@@ -36,6 +36,15 @@ def _op(name: str):
     return getattr(torch.ops.hisparse, name)
 
 
+def bound_op(name: str, device_type: str):
+    """The registered op ``name`` (``hisparse_resolve_residency``, ``hisparse_gather``, ...),
+    after checking once that a ``device_type`` kernel was built: for a caller that checks its own
+    fixed arguments once (the runtime) and calls the op every step without the per-call checks
+    of the functions below."""
+    _ext.require(device_type)
+    return _op(name)
+
+
 def resolve_residency(
     top_k: torch.Tensor,
     state_rows: torch.Tensor,

@@ -87,7 +87,7 @@ class HiSparseIndexGroup:
                 f"need top_k <= hot_size <= {MAX_HOT_SIZE}, got top_k={K} hot_size={H}"
             )
         check_int("max_batch", max_batch, 1)
-        check_int("num_keys", num_keys, 0)
+        check_int("num_keys", num_keys, 0, INT32_MAX)
         check_int("hot_base", hot_base, 0)
         if hot_base + S * H > INT32_MAX:
             raise ValueError(
@@ -115,6 +115,11 @@ class HiSparseIndexGroup:
         self.members: list = []
         self.stats_row_bytes = 0
         self.batch = 0
+        # Bound once: every argument the runtime owns was checked above, so each step calls the
+        # ops without the per-call checks of ``hisparse.ops`` (host time on the decode path).
+        self._resolve_op = ops.bound_op("hisparse_resolve_residency", self.device.type)
+        self._gather_op = ops.bound_op("hisparse_gather", self.device.type)
+        self._views: dict = {}  # batch size -> (out_rows, miss_src, miss_dst, miss_count)
 
     @property
     def leader(self) -> Optional["HiSparseRuntime"]:
@@ -135,29 +140,37 @@ class HiSparseIndexGroup:
         if self.copy_stream is not None and not torch.cuda.is_current_stream_capturing():
             # The previous step's gathers read the plan buffers this resolve overwrites.
             torch.cuda.current_stream(self.device).wait_stream(self.copy_stream)
-        ops.resolve_residency(
+        out, src, dst, count = self._batch_views(B)
+        self._resolve_op(
             top_k,
             state_rows,
+            resident_rows,
             self.slot_keys,
             self.lru,
             self.stats,
-            self.out_rows[:B],
-            self.miss_src[:B],
-            self.miss_dst[:B],
-            self.miss_count[:B],
-            num_keys=self.num_keys,
-            hot_base=self.hot_base,
-            resident_rows=resident_rows,
+            out,
+            src,
+            dst,
+            count,
+            self.num_keys,
+            self.hot_base,
         )
         if self._resolved is not None:
             self._resolved.record(torch.cuda.current_stream(self.device))
         self.batch = B
-        return self.out_rows[:B]
+        return out
+
+    def _batch_views(self, B: int) -> tuple:
+        """The plan buffers' first ``B`` rows (made once per batch size)."""
+        views = self._views.get(B)
+        if views is None:
+            bufs = (self.out_rows, self.miss_src, self.miss_dst, self.miss_count)
+            views = self._views[B] = tuple(t[:B] for t in bufs)
+        return views
 
     def plan(self) -> tuple:
         """The last resolve's miss plan: (miss_src, miss_dst, miss_count) for its batch."""
-        B = self.batch
-        return self.miss_src[:B], self.miss_dst[:B], self.miss_count[:B]
+        return self._batch_views(self.batch)[1:]
 
     def reset_hot_state(self) -> None:
         """Empty every state row and reset the LRU order. The counters are kept: they are
@@ -248,6 +261,9 @@ class HiSparseRuntime:
         self.host_view = host_view
         self.hot_view = hot_view
         self.row_bytes = int(host_view.shape[-1])
+        self._host_list, self._hot_list = [host_view], [hot_view]
+        # The host view as [rows, row_bytes], the shape saves index into.
+        self.host_rows_view = host_view.reshape(-1, self.row_bytes)
         self.ready = torch.cuda.Event() if g.copy_stream is not None else None
         g.members.append(self)
         g.stats_row_bytes += self.row_bytes
@@ -270,7 +286,7 @@ class HiSparseRuntime:
 
         def run() -> None:
             if copy is None:
-                ops.gather([self.host_view], [self.hot_view], *plan, g.moved_bytes)
+                g._gather_op(self._host_list, self._hot_list, *plan, g.moved_bytes)
                 return
             copy(self.host_view, self.hot_view, *plan)
             # As the op counts them: the plan's rows times this member's row bytes (the counter
