@@ -446,6 +446,63 @@ def bench_cpu_resolve(reps, batches=(64,), rates=(0.001, 0.20)):
     return rows
 
 
+def bench_connector_host(reps, batches=(1, 8), layers=4, top_k=64, row_bytes=656):
+    """Host time of the connector's per-layer decode calls on the CPU build, one thread: a save of
+    the step's new rows, the leader's resolve (resolve + its gather) and a follower's (gather
+    only), through HiSparseConnectorImpl as an engine calls it. Median of the last 2/3 of
+    ``reps`` steps (the first third warms the hot buffers)."""
+    from hisparse.connector import HiSparseConfig, HiSparseConnectorImpl, StepSchedule
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    rows_out = []
+    try:
+        for B in batches:
+            cfg = HiSparseConfig(
+                top_k=top_k, max_num_seqs=16, block_size=16, index_share=2, host_pool_gib=0.05
+            )
+            work = HiSparseConnectorImpl(cfg, "worker")
+            names = [f"l{i}" for i in range(layers)]
+            hot = cfg.max_num_seqs * cfg.hot_size
+            work.register_kv_caches(
+                {n: torch.zeros(hot, row_bytes, dtype=torch.uint8) for n in names}
+            )
+            sched = HiSparseConnectorImpl(cfg, "scheduler", host_rows=work.worker.host_rows)
+            reqs = {f"r{b}": 1 for b in range(B)}
+            sched.build_connector_meta(StepSchedule({r: 1000 for r in reqs}))
+            g = torch.Generator().manual_seed(0)
+            t = {"save": [], "leader": [], "follower": []}
+            new = torch.zeros(B, row_bytes, dtype=torch.uint8)
+            for step in range(reps):
+                work.bind_connector_metadata(sched.build_connector_meta(StepSchedule(dict(reqs))))
+                work.start_load_kv(None)
+                top = torch.randint(0, 1000 + step, (B, top_k), generator=g, dtype=torch.int32)
+                slots = torch.arange(B, dtype=torch.int64) * 1000 + 1000 + step
+                for i, n in enumerate(names):
+                    t0 = time.perf_counter()
+                    work.save_kv_layer(n, new, None, slot_mapping=slots)
+                    t1 = time.perf_counter()
+                    work.resolve(n, top if i % 2 == 0 else None)
+                    t2 = time.perf_counter()
+                    t["save"].append(t1 - t0)
+                    t["leader" if i % 2 == 0 else "follower"].append(t2 - t1)
+                    work.wait_for_layer_load(n)
+                work.clear_connector_metadata()
+                work.get_kv_connector_stats()
+            row = {"B": B, "top_k": top_k, "row_bytes": row_bytes, "threads": 1}
+            for k, xs in t.items():
+                row[f"{k}_us"] = median(xs[len(xs) // 3 :]) * 1e6
+            rows_out.append(row)
+            print(
+                f"  connector host time B={B}: save {row['save_us']:.1f} us, leader resolve "
+                f"{row['leader_us']:.1f} us, follower {row['follower_us']:.1f} us per layer call",
+                flush=True,
+            )
+    finally:
+        torch.set_num_threads(threads)
+    return rows_out
+
+
 def bench_memcpy(pool, reps, chunk=64 << 20):
     """Bulk pinned host -> device copies of `chunk` bytes at spread offsets of the pool: the
     ceiling."""
@@ -727,6 +784,11 @@ def main(argv=None):
     ap.add_argument("--reps", type=int, default=None, help="timed calls per figure (default 200)")
     ap.add_argument("--json", help="write results here (and a markdown table next to it)")
     ap.add_argument(
+        "--connector-only",
+        action="store_true",
+        help="only the connector's host time per layer call (CPU build, one thread)",
+    )
+    ap.add_argument(
         "--pools-gib",
         default=None,
         help="comma-separated host pool sizes in GiB (cuda default 1,32; cpu 1)",
@@ -768,6 +830,12 @@ def main(argv=None):
             [timer.time_us(lambda: torch.cuda._sleep(1)) for _ in range(reps)]
         )
         print(f"[{name}] timer floor (trivial kernel): {res['timer_floor_us']:.1f} us", flush=True)
+    print(f"[{name}] connector host time per layer call (CPU, one thread)", flush=True)
+    res["connector_host"] = bench_connector_host(max(30, reps))
+    if args.connector_only:
+        if args.json:
+            _write_json(args.json, res)
+        return 0
     print(f"[{name}] resolve", flush=True)
     graph_cfg = {(64, 0.001), (256, 0.20), (1, 1.0)} if dev == "cuda" else None
     res["resolve"] = bench_resolve(dev, batches, reps, timer, graph_cfg=graph_cfg, cold=True)
@@ -812,12 +880,16 @@ def main(argv=None):
     print()
     print(md)
     if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(res, f, indent=1)
+        _write_json(args.json, res)
         with open(os.path.splitext(args.json)[0] + ".md", "w") as f:
             f.write(md)
     return 0
+
+
+def _write_json(path: str, res: dict) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(res, f, indent=1)
 
 
 if __name__ == "__main__":
