@@ -5,12 +5,8 @@ tensor-parallel ranks of one host share (with the flags that order its writes an
 May import: ``hisparse.ops``. Knows nothing of vLLM, the connector or the engine.
 """
 
-from hisparse.runtime.index_group import (
-    HiSparseIndexGroup,
-    HiSparseRuntime,
-    empty_residency,
-    reset_residency,
-)
+from hisparse.runtime.index_group import HiSparseIndexGroup, HiSparseRuntime
+from hisparse.runtime.residency import empty_residency, reset_residency
 from hisparse.runtime.state_rows import StateRowAllocator
 
 __all__ = [

@@ -14,6 +14,7 @@ import torch
 
 from hisparse import ops
 from hisparse.ops.limits import INT32_MAX, MAX_HOT_SIZE, as_index, check_int
+from hisparse.runtime.residency import empty_residency, reset_residency
 from hisparse.runtime.state_rows import StateRowAllocator
 from hisparse.runtime.views import BindingError
 
@@ -26,24 +27,6 @@ __all__ = [
 ]
 
 IntsLike = Union[Sequence[int], torch.Tensor]
-
-
-def empty_residency(
-    num_state_rows: int, hot_size: int, device: Union[str, torch.device] = "cpu"
-) -> tuple:
-    """``(slot_keys, lru)`` of state rows with nothing hot: slot_keys int32 [S, H] all -1, lru
-    int16 [S, H] with every row 0..H-1 (what ``invalidate`` leaves in a row, docs/ops.md)."""
-    slot_keys = torch.empty((num_state_rows, hot_size), dtype=torch.int32, device=device)
-    lru = torch.empty((num_state_rows, hot_size), dtype=torch.int16, device=device)
-    reset_residency(slot_keys, lru)
-    return slot_keys, lru
-
-
-def reset_residency(slot_keys: torch.Tensor, lru: torch.Tensor) -> None:
-    """Empty every state row in place: the tensors may already be bound (a captured CUDA graph
-    reads them by address)."""
-    slot_keys.fill_(-1)
-    lru.copy_(torch.arange(lru.shape[-1], dtype=torch.int16, device=lru.device).expand_as(lru))
 
 
 def _int64_cpu(name: str, values: IntsLike) -> torch.Tensor:
