@@ -1,6 +1,9 @@
-"""Serving benchmark of an exported model, all-resident vs HiSparse, through vLLM's own client.
+"""Serving benchmark, all-resident vs HiSparse, through vLLM's own client.
 
-Serves the same exported model under one device-KV budget (``--kv-cache-memory-bytes``; HiSparse
+``--arch reference`` (default) serves an exported reference model; ``--arch deepseek_v32`` /
+``glm_moe_dsa`` a seeded tiny checkpoint of that architecture (written without transformers)
+through hisparse's DeepSeek-V3.2 / GLM-5 classes, the code vLLM runs for the released
+checkpoints. Serves the same model under one device-KV budget (``--kv-cache-memory-bytes``; HiSparse
 charges its hot buffers to it), all-resident and with the HiSparse connector, one server at a
 time, and drives each with vLLM's benchmark client (``vllm.benchmarks.serve``: ``add_cli_args``
 + ``main``, the logic of ``vllm bench serve``) on the random dataset, at each concurrency,
@@ -44,9 +47,17 @@ METRICS = (
 )
 
 
+DSA_CLASSES = {
+    "deepseek_v32": "HiSparseDeepseekV32ForCausalLM",
+    "glm_moe_dsa": "HiSparseGlmMoeDsaForCausalLM",
+}
+
+
 def _server(args, mode: str, log: Path) -> OpenAIServer:
-    """One server of the exported model; both modes share the KV budget and every flag."""
+    """One server of the model; both modes share the KV budget and every flag."""
     argv = ["--model", str(args.model_dir), "--dtype", "float32", "--enforce-eager"]
+    if args.arch in DSA_CLASSES:
+        argv += ["--hf-overrides", json.dumps({"architectures": [DSA_CLASSES[args.arch]]})]
     argv += ["--max-model-len", str(args.max_model_len), "--max-num-seqs", str(args.max_seqs)]
     argv += ["--gpu-memory-utilization", "0.1"]
     argv += ["--kv-cache-memory-bytes", str(args.kv_bytes), "--no-enable-prefix-caching"]
@@ -121,8 +132,9 @@ def _loads(results: list) -> str:
 
 def _parse(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model-dir", type=Path, default=Path("/tmp/hisparse-bench-model"))
-    p.add_argument("--layers", type=int, default=4, help="export shape if --model-dir is empty")
+    p.add_argument("--arch", choices=("reference", *DSA_CLASSES), default="reference")
+    p.add_argument("--model-dir", type=Path, default=None, help="default: /tmp/hisparse-bench-ARCH")
+    p.add_argument("--layers", type=int, default=4, help="model shape if --model-dir is empty")
     p.add_argument("--top-k", type=int, default=64)
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--max-seqs", type=int, default=16)
@@ -135,11 +147,25 @@ def _parse(argv=None) -> argparse.Namespace:
     p.add_argument("--max-load", type=float, default=1.5, help="1-min load to wait for")
     p.add_argument("--max-wait", type=float, default=600, help="longest wait for it, s")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/serve_vllm_cpu"))
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.model_dir is None:
+        args.model_dir = Path(f"/tmp/hisparse-bench-{args.arch}")
+    return args
 
 
 def _export(args) -> None:
     if (args.model_dir / "config.json").is_file():
+        return
+    if args.arch in DSA_CLASSES:
+        from hisparse.models.dsa.random_checkpoint import write_random_checkpoint
+
+        write_random_checkpoint(
+            args.model_dir,
+            args.arch,
+            num_hidden_layers=args.layers,
+            index_topk=args.top_k,
+            max_position_embeddings=args.max_model_len,
+        )
         return
     from hisparse.models.checkpoint import export_model, model_config
 
