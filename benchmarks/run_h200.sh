@@ -59,7 +59,7 @@ if has engine; then
   tail -20 "$OUT/engine.txt"
 fi
 if has core; then
-  timeout 200 python3 -m pytest -q -p no:cacheprovider -m cuda tests/models/test_dsa_core_cuda.py tests/engine/test_dsa_cuda.py > "$OUT/pytest_core.txt" 2>&1 || status=1
+  timeout 200 python3 -m pytest -q -p no:cacheprovider -m cuda tests/models/dsa/test_core_cuda.py tests/engine/dsa/test_cuda.py > "$OUT/pytest_core.txt" 2>&1 || status=1
   tail -2 "$OUT/pytest_core.txt"
   timeout 150 python3 benchmarks/bench_dsa_core.py --capacity --out "$OUT/dsa_core_h200.json" || status=1
   for ctx in 65536 131072; do

@@ -4,7 +4,7 @@ test_triton_interpreter.py, with TRITON_INTERPRET=1 set before Triton is importe
 What the interpreter can check is where rows go: which entries a kernel writes, which it leaves,
 which bytes land in which hot row, and the decode step's parity between resident and every miss
 path. Its float8 arithmetic differs from the GPU's, so bit-exactness against ``decode_rows`` is
-left to the CUDA tests (test_graph_kernels.py); here every comparison is between two runs under
+left to the CUDA tests (graph/test_kernels.py); here every comparison is between two runs under
 the interpreter. Three shims stand in for what only a GPU has: pinned memory (``is_pinned``),
 a host pointer the device reads (``_HostRows``: here the tensor itself) and ``available``; the
 fused attention runs its float32-operand variant (the interpreter's bf16 products are wrong).
@@ -30,7 +30,7 @@ from hisparse.engine.graph import (
 from hisparse.engine.graph import miss_kernels as mk
 from hisparse.models.dsa.kernels import mla as mla_kernel
 from hisparse.models.rows import encode_rows
-from tests.engine.test_graph_step import _eager, _same
+from tests.engine.graph.test_step import _eager, _same
 
 _sparse_mla = mla_kernel.sparse_mla
 # The interpreter's bf16 products are wrong; the kernel's float32-operand variant is the same

@@ -1,4 +1,4 @@
-"""Config cases of test_dsa_config_schema.py: released DeepSeek-V3.2 / GLM-5 configs, the table
+"""Config cases of test_config_schema.py: released DeepSeek-V3.2 / GLM-5 configs, the table
 of invalid fields, a config-object stand-in, and the hypothesis strategy of random valid tiny
 configs with their single-field invalid variants."""
 

@@ -15,7 +15,7 @@ ARCHS = ("deepseek_v32", "glm_moe_dsa")
 #: Below this top-1 / top-2 logit gap a greedy step is a near tie: float32 rounding (another
 #: summation order, another device) may pick the other token, so comparisons stop there.
 NEAR_TIE = 0.05
-#: First-step logits of the engine vs transformers, both float32 (see test_dsa_transformers.py).
+#: First-step logits of the engine vs transformers, both float32 (see test_transformers.py).
 LOGIT_TOL = 1e-3
 PROMPTS, NEW = 8, 16
 

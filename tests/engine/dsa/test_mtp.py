@@ -18,7 +18,7 @@ from hisparse.engine.dsa.mtp_generate import generate_mtp
 from hisparse.models.dsa.mtp_checkpoint import write_mtp_checkpoint
 from hisparse.models.dsa.random_checkpoint import write_random_checkpoint
 from hisparse.models.dsa.weights import CheckpointError, load_checkpoint
-from tests.engine.dsa_helpers import ARCHS, one_thread, tie_aware_mismatch
+from tests.engine.dsa.helpers import ARCHS, one_thread, tie_aware_mismatch
 
 CPU = torch.device("cpu")
 PROMPTS, NEW = 3, 16

@@ -2,7 +2,7 @@
 classes are absent): on tiny checkpoints made by transformers itself
 (``hisparse.models.dsa.make_checkpoint``), unquantized (f32) rows give transformers' greedy
 tokens (eager attention, float32) for 8 prompts x 16 new tokens per architecture, compared up
-to the first near-tie step, and first-step logits within ``dsa_helpers.LOGIT_TOL``.
+to the first near-tie step, and first-step logits within ``helpers.LOGIT_TOL``.
 
 Why the tolerance: both run float32 but sum differently (the engine attends over latent rows
 with the absorbed query, transformers expands keys and values per head), so logits differ by
@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.engine.dsa_helpers import ARCHS, compare_with_transformers
+from tests.engine.dsa.helpers import ARCHS, compare_with_transformers
 
 transformers = pytest.importorskip("transformers")
 if not hasattr(transformers, "GlmMoeDsaConfig") or not hasattr(transformers, "DeepseekV32Config"):

@@ -21,7 +21,7 @@ from hisparse.models.dsa.random_checkpoint import (
     write_random_checkpoint,
 )
 from hisparse.models.dsa.weights import CheckpointError, load_checkpoint
-from tests.engine.dsa_helpers import ARCHS, one_thread, tie_aware_mismatch
+from tests.engine.dsa.helpers import ARCHS, one_thread, tie_aware_mismatch
 
 CPU = torch.device("cpu")
 

@@ -24,8 +24,8 @@ from hisparse.models.dsa.config import DSAConfig, DSAConfigError
 from hisparse.models.dsa.decoder import DecoderSpec
 from hisparse.models.dsa.random_checkpoint import random_config, random_weights
 from hisparse.models.dsa.weights import CheckpointError, load_checkpoint
-from tests.engine.dsa_helpers import one_thread
-from tests.models.dsa_config_cases import (
+from tests.engine.dsa.helpers import one_thread
+from tests.models.dsa.config_cases import (
     DEEPSEEK_V32,
     GLM5,
     GLM_INVALID,

@@ -9,7 +9,7 @@ CUDA slots), prefill reads gathered from the pinned host pool, decode reads reso
 hot buffers.
 
 CPU and CUDA float32 differ in rounding, so tokens are compared up to the first near-tie step
-(``dsa_helpers.NEAR_TIE``) and first-step logits within a tolerance; resident vs HiSparse on one
+(``helpers.NEAR_TIE``) and first-step logits within a tolerance; resident vs HiSparse on one
 device read the same bytes in the same order and must match exactly.
 """
 
@@ -24,7 +24,7 @@ from hisparse.engine.dsa.stores import HiSparseRows
 from hisparse.models.dsa.random_checkpoint import write_random_checkpoint
 from hisparse.models.dsa.weights import load_checkpoint
 from tests.devices import needs_cuda
-from tests.engine.dsa_helpers import (
+from tests.engine.dsa.helpers import (
     ARCHS,
     compare_with_transformers,
     one_thread,
@@ -118,7 +118,7 @@ def test_cuda_tokens_equal_cpu_tokens_and_hisparse_equals_resident(
     res = generate(ck_gpu, "resident", row_format, GPU, prompts, NEW, max_batch=BATCH)
     his = generate(ck_gpu, "hisparse", row_format, GPU, prompts, NEW, max_batch=BATCH)
     # fp8 rows and keys run the Triton kernels on CUDA (bf16 products, tested against the torch
-    # path in tests/models/test_dsa_core_cuda.py); CPU tokens compare with the same float32
+    # path in tests/models/dsa/test_core_cuda.py); CPU tokens compare with the same float32
     # math on the GPU, which the unquantized formats run anyway. The index keys stay unquantized
     # there: a key computed a rounding apart on two devices may land on two fp8 steps, which
     # moves its score enough to swap a selected position (seen on the H200: a token 13 steps
