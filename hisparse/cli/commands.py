@@ -159,7 +159,47 @@ def _flag_error(flag: str, rule: str, value) -> None:
     raise CommandError(f"argument {flag}: {rule}, got {value}", 2)
 
 
+#: export-model flags that shape only the reference model.
+_REFERENCE_ONLY = ("hidden", "vocab", "indexer_dim", "index_share", "row_format", "drift")
+
+
+def _export_dsa(args: argparse.Namespace) -> int:
+    """export-model --arch deepseek_v32 / glm_moe_dsa: a seeded tiny checkpoint."""
+    for dest in _REFERENCE_ONLY + ("recent_window",):
+        value = getattr(args, dest)
+        if value != args._parser.get_default(dest):
+            rule = f"applies to --arch reference only, not {args.arch}"
+            _flag_error("--" + dest.replace("_", "-"), rule, value)
+    if args.top_k > args.max_model_len:
+        _flag_error("--top-k", f"must be <= --max-model-len ({args.max_model_len})", args.top_k)
+    from hisparse.models.dsa.random_checkpoint import ARCH_NAMES, export_random_checkpoint
+    from hisparse.models.export_dir import ExportError
+
+    try:
+        out = export_random_checkpoint(
+            args.dir,
+            args.arch,
+            seed=args.seed,
+            force=args.force,
+            num_hidden_layers=args.layers,
+            index_topk=args.top_k,
+            max_position_embeddings=args.max_model_len,
+        )
+    except (ExportError, OSError) as e:
+        args._parser.error(str(e))
+        return 2
+    cls = "HiSparse" + ARCH_NAMES[args.arch]
+    print(
+        f"wrote {out}: {ARCH_NAMES[args.arch]}, {args.layers} layers, index top-k {args.top_k}, "
+        f"context {args.max_model_len}; serve it with --hf-overrides "
+        f'\'{{"architectures": ["{cls}"]}}\''
+    )
+    return 0
+
+
 def cmd_export_model(args: argparse.Namespace) -> int:
+    if args.arch != "reference":
+        return _export_dsa(args)
     check_export_flags(args)
     from hisparse.models.checkpoint import ExportError, export_model, model_config
 

@@ -11,14 +11,13 @@ from __future__ import annotations
 import ctypes
 import json
 import os
-import shutil
 import struct
 from pathlib import Path
 from typing import Dict, Mapping, Union
 
 import torch
 
-from hisparse.models.export_dir import foreign_entry, fresh_dir, swap_in
+from hisparse.models.export_dir import ExportError, write_export
 from hisparse.models.reference import Model
 from hisparse.models.reference_config import MODEL_FIELDS, ReferenceConfig
 from hisparse.models.rows import LATENT_DIM, ROPE_DIM
@@ -37,10 +36,6 @@ _ST_DTYPES = {
     torch.bfloat16: "BF16",
     torch.float8_e4m3fn: "F8_E4M3",
 }
-
-
-class ExportError(ValueError):
-    """An export argument is out of range (the message names it)."""
 
 
 def model_config(max_model_len: int = 2048, **model_fields) -> ReferenceConfig:
@@ -230,30 +225,11 @@ def tokenizer_files(max_model_len: int) -> Dict[str, dict]:
 def export_model(
     out_dir: Union[str, os.PathLike], cfg: ReferenceConfig, *, force: bool = False
 ) -> Path:
-    """Write config.json, model.safetensors and the tokenizer files as the directory ``out_dir``.
+    """Write config.json, model.safetensors and the tokenizer files as the directory ``out_dir``,
+    swapped in whole (``hisparse.models.export_dir.write_export``; a non-empty ``out_dir`` that is
+    not an earlier export is refused unless ``force``)."""
 
-    Everything is written into a fresh directory beside ``out_dir``, which then replaces
-    ``out_dir`` whole (``hisparse.models.export_dir``): an export that fails (a full disk, an
-    interrupt) changes nothing, and one that succeeds leaves no file of what was there before.
-    A non-empty ``out_dir`` that is not an earlier export is refused unless ``force``."""
-    out = Path(os.path.abspath(out_dir))
-    if out.is_symlink():  # replace what the link points to, not the link
-        out = Path(os.path.realpath(out))
-    if out.exists() and not out.is_dir():
-        raise ExportError(f"DIR {str(out)!r} exists and is not a directory")
-    anchor = next(p for p in (out, *out.parents) if p.exists())  # nearest existing folder
-    if anchor == out:
-        anchor = out.parent
-    if not os.access(anchor, os.W_OK) or (out.exists() and not os.access(out, os.W_OK)):
-        raise ExportError(f"DIR {str(out)!r} is not writable")
-    foreign = foreign_entry(out, is_export_config)
-    if foreign is not None and not force:
-        raise ExportError(
-            f"DIR {str(out)!r} is not empty and is not an earlier export ({foreign}); "
-            "pass --force to replace it whole"
-        )
-    tmp = fresh_dir(anchor, out.name)
-    try:
+    def write(tmp: Path) -> None:
         files = {
             "config.json": hf_config(cfg),
             "generation_config.json": {"eos_token_id": NUM_BYTE_TOKENS},
@@ -262,11 +238,8 @@ def export_model(
         for name, payload in files.items():
             (tmp / name).write_text(json.dumps(payload, indent=1) + "\n")
         write_safetensors(tmp / "model.safetensors", model_weights(cfg))
-        swap_in(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return out
+
+    return write_export(out_dir, write, is_export_config, force)
 
 
 def is_export_config(config: Mapping) -> bool:

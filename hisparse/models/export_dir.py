@@ -35,6 +35,44 @@ _RENAME_EXCHANGE = 2  # linux/fs.h
 _AT_FDCWD = -100
 
 
+class ExportError(ValueError):
+    """An export's argument is out of range, or its directory cannot take it (the message names
+    which)."""
+
+
+def write_export(
+    out_dir, write: Callable[[Path], None], is_export_config: Callable[[dict], bool], force: bool
+) -> Path:
+    """``write(tmp)`` fills a fresh directory beside ``out_dir``, which then replaces ``out_dir``
+    whole: an export that fails (a full disk, an interrupt) changes nothing, and one that
+    succeeds leaves no file of what was there before. A non-empty ``out_dir`` that is not an
+    earlier export (``is_export_config`` of its config.json) is refused unless ``force``."""
+    out = Path(os.path.abspath(out_dir))
+    if out.is_symlink():  # replace what the link points to, not the link
+        out = Path(os.path.realpath(out))
+    if out.exists() and not out.is_dir():
+        raise ExportError(f"DIR {str(out)!r} exists and is not a directory")
+    anchor = next(p for p in (out, *out.parents) if p.exists())  # nearest existing folder
+    if anchor == out:
+        anchor = out.parent
+    if not os.access(anchor, os.W_OK) or (out.exists() and not os.access(out, os.W_OK)):
+        raise ExportError(f"DIR {str(out)!r} is not writable")
+    foreign = foreign_entry(out, is_export_config)
+    if foreign is not None and not force:
+        raise ExportError(
+            f"DIR {str(out)!r} is not empty and is not an earlier export ({foreign}); "
+            "pass --force to replace it whole"
+        )
+    tmp = fresh_dir(anchor, out.name)
+    try:
+        write(tmp)
+        swap_in(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
 def foreign_entry(out: Path, is_export_config: Callable[[dict], bool]) -> Optional[str]:
     """None when ``out`` may be replaced without asking (missing, empty, or an earlier export);
     else why it is someone else's directory."""

@@ -28,8 +28,8 @@ from pathlib import Path
 import pytest
 from test_vllm_serve import CFG, MAX_LEN, Server, _http, sizing_line
 
+from hisparse.cli.app import main as cli_main
 from hisparse.models.checkpoint import export_model, model_config
-from hisparse.models.dsa.random_checkpoint import write_random_checkpoint
 from hisparse.vllm.server import OpenAIServer
 
 GIB = 1 << 30
@@ -195,7 +195,13 @@ def test_sleep_mode_is_refused_on_the_last_line(tmp_path, logs):
 
 @pytest.fixture(scope="module")
 def dsa_dirs(tmp_path_factory) -> dict:
-    return {a: write_random_checkpoint(tmp_path_factory.mktemp(a), a) for a in DSA_CLASSES}
+    """The README's `hisparse export-model DIR --arch ...` (the tiny checkpoints' own shape)."""
+    dirs = {}
+    for a in DSA_CLASSES:
+        dirs[a] = tmp_path_factory.mktemp(a) / "model"
+        argv = ["export-model", str(dirs[a]), "--arch", a, "--layers", "4", "--top-k", "16"]
+        assert cli_main(argv + ["--max-model-len", "512"]) == 0
+    return dirs
 
 
 def _dsa_server(model: Path, arch: str, log: Path, util: str, extra=()) -> ReadmeServer:

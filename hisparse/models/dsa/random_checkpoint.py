@@ -4,6 +4,9 @@ full/shared indexer pattern), random weights under the tensor names transformers
 tokenizer. For tests and demos on machines without transformers; transformers reads it too.
 
     write_random_checkpoint(out_dir, "glm_moe_dsa", seed=0)
+
+``export_random_checkpoint`` (``hisparse export-model --arch``) writes the same as a directory
+swapped in whole, as the reference model's export is.
 """
 
 from __future__ import annotations
@@ -16,6 +19,9 @@ import torch
 
 from hisparse.models.checkpoint import tokenizer_files, write_safetensors
 from hisparse.models.dsa import make_checkpoint as tiny
+from hisparse.models.dsa.config import DSAConfig
+from hisparse.models.dsa.schema import DSAConfigError
+from hisparse.models.export_dir import ExportError, write_export
 from hisparse.models.rows import KV_DIM, LATENT_DIM
 
 ARCH_NAMES = {"deepseek_v32": "DeepseekV32ForCausalLM", "glm_moe_dsa": "GlmMoeDsaForCausalLM"}
@@ -27,6 +33,8 @@ def random_config(arch: str, **overrides) -> dict:
         raise ValueError(f"arch must be one of {sorted(ARCH_NAMES)}, got {arch!r}")
     hf = {**tiny._COMMON, **tiny._ARCH[arch], **overrides}
     n = hf["num_hidden_layers"]
+    if "indexer_types" in hf and "indexer_types" not in overrides:  # GLM-5's full / shared pairs
+        hf["indexer_types"] = ["full" if i % 2 == 0 else "shared" for i in range(n)]
     k = min(hf["first_k_dense_replace"], n)
     hf.setdefault("mlp_layer_types", ["dense"] * k + ["sparse"] * (n - k))
     hf.update(architectures=[ARCH_NAMES[arch]], model_type=arch, torch_dtype="float32")
@@ -102,14 +110,44 @@ def random_weights(hf: dict, seed: int = 0) -> Dict[str, torch.Tensor]:
     return w
 
 
+#: config.json key that marks a checkpoint ``export_random_checkpoint`` wrote (its seed).
+EXPORT_MARK = "hisparse_random_seed"
+
+
 def write_random_checkpoint(out_dir: Union[str, Path], arch: str, seed: int = 0, **overrides):
     """Write config.json, model.safetensors and the byte tokenizer of a tiny ``arch`` model."""
     hf = random_config(arch, **overrides)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    _write(out, hf, seed)
+    return out
+
+
+def export_random_checkpoint(
+    out_dir: Union[str, Path], arch: str, *, seed: int = 0, force: bool = False, **overrides
+) -> Path:
+    """``write_random_checkpoint`` into a fresh directory that replaces ``out_dir`` whole; a
+    non-empty ``out_dir`` that is no earlier export is refused unless ``force``."""
+    hf = {**random_config(arch, **overrides), EXPORT_MARK: seed}
+    try:
+        DSAConfig.from_hf(hf)
+    except DSAConfigError as e:
+        raise ExportError(str(e)) from None
+    return write_export(out_dir, lambda tmp: _write(tmp, hf, seed), _is_export, force)
+
+
+def _is_export(config: dict) -> bool:
+    archs = config.get("architectures")
+    return (
+        isinstance(archs, list)
+        and archs[:1] in ([a] for a in ARCH_NAMES.values())
+        and (EXPORT_MARK in config)
+    )
+
+
+def _write(out: Path, hf: dict, seed: int) -> None:
     write_safetensors(out / "model.safetensors", random_weights(hf, seed))
     files = {"config.json": hf, "generation_config.json": {"eos_token_id": hf["eos_token_id"]}}
     files.update(tokenizer_files(hf["max_position_embeddings"]))
     for name, payload in files.items():
         (out / name).write_text(json.dumps(payload, indent=1) + "\n")
-    return out

@@ -1,0 +1,58 @@
+"""`hisparse export-model --arch deepseek_v32 / glm_moe_dsa`: a seeded tiny checkpoint of a real
+architecture, written without transformers, that hisparse's DSA config reader and weight loader
+take; replaced whole on a second export; flags of the reference model refused by name."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from hisparse.cli.app import main
+from hisparse.models.dsa.config import DSAConfig
+from hisparse.models.dsa.random_checkpoint import EXPORT_MARK
+from hisparse.models.dsa.weights import load_checkpoint
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v32", "glm_moe_dsa"])
+def test_writes_a_checkpoint_the_dsa_classes_read(arch, tmp_path, capsys):
+    out = tmp_path / arch
+    argv = ["export-model", str(out), "--arch", arch, "--layers", "3", "--top-k", "32"]
+    assert main(argv + ["--max-model-len", "1024", "--seed", "5"]) == 0
+    assert "--hf-overrides" in capsys.readouterr().out
+    hf = json.loads((out / "config.json").read_text())
+    cfg = DSAConfig.from_hf(hf)
+    assert (cfg.arch, cfg.num_layers, cfg.index_topk) == (arch, 3, 32)
+    assert hf[EXPORT_MARK] == 5 and hf["max_position_embeddings"] == 1024
+    if arch == "glm_moe_dsa":
+        assert hf["indexer_types"] == ["full", "shared", "full"]
+    first = load_checkpoint(out, torch.device("cpu"))
+    assert first.cfg == cfg and len(first.attn) == 3
+    assert main(argv + ["--max-model-len", "1024", "--seed", "5"]) == 0  # an earlier export
+    again = load_checkpoint(out, torch.device("cpu"))  # replaced whole: the same seeded draw
+    assert torch.equal(first.embed, again.embed) and torch.equal(first.lm_head, again.lm_head)
+
+
+@pytest.mark.parametrize(
+    "extra,says",
+    [
+        (["--hidden", "128"], "argument --hidden: applies to --arch reference only"),
+        (["--row-format", "bf16"], "argument --row-format: applies to --arch reference only"),
+        (["--top-k", "4096", "--max-model-len", "1024"], "argument --top-k: must be <="),
+    ],
+)
+def test_reference_flags_and_bad_sizes_are_refused_by_name(extra, says, tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["export-model", str(tmp_path / "m"), "--arch", "deepseek_v32", *extra])
+    assert e.value.code == 2 and says in capsys.readouterr().err
+    assert not (tmp_path / "m").exists()
+
+
+def test_a_foreign_directory_is_kept_unless_forced(tmp_path, capsys):
+    d = tmp_path / "mine"
+    d.mkdir()
+    (d / "notes.txt").write_text("keep")
+    with pytest.raises(SystemExit):
+        main(["export-model", str(d), "--arch", "glm_moe_dsa"])
+    assert "pass --force" in capsys.readouterr().err and (d / "notes.txt").exists()
