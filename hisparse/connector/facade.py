@@ -45,7 +45,9 @@ class HiSparseConnectorImpl:
     for tests. ``host_rows`` (scheduler role): the worker's host-pool rows, so that keys and
     token counts past the pool are refused where they enter. ``model_layers``: the served
     model's HiSparse layers (``hisparse.connector.registration.ModelLayers``), when the engine
-    keeps its own paged caches and the connector allocates the hot buffers and the pool."""
+    keeps its own paged caches and the connector allocates the hot buffers and the pool.
+    ``metadata_class``: the step metadata's class (a subclass where the engine needs its own
+    base, as vLLM does)."""
 
     def __init__(
         self,
@@ -55,6 +57,7 @@ class HiSparseConnectorImpl:
         device_hooks=None,
         host_rows: Optional[int] = None,
         model_layers: Any = None,
+        metadata_class: type = HiSparseConnectorMetadata,
     ) -> None:
         if not isinstance(config, HiSparseConfig):
             raise TypeError(
@@ -70,7 +73,7 @@ class HiSparseConnectorImpl:
         if self.role == ConnectorRole.WORKER:
             self.worker = HiSparseConnectorWorker(config, hooks=device_hooks)
         else:
-            self._scheduler = HiSparseScheduler(config)
+            self._scheduler = HiSparseScheduler(config, metadata_class)
             self._preemptions = Preemptions()
         if host_rows is not None:
             self._need_scheduler("host_rows=...").set_host_rows(host_rows)

@@ -34,7 +34,8 @@ def save_kv_rows(
             f"{slots.numel()} entries"
         )
     if slots.device.type == "cpu" and slots.numel():
-        lo, hi = (int(v) for v in slots.aminmax())  # one pass: the bound check and padding
+        lo, hi = slots.aminmax()  # one pass: the bound check and padding
+        lo, hi = int(lo), int(hi)
         if hi >= host_rows:
             _refuse_slot(name, hi, host_rows)
     if rows.device.type == "cpu":

@@ -49,7 +49,12 @@ class HiSparseScheduler:
     request's last scheduled token (``anchors``: the model's layers see batch rows, not request
     ids) and to invalidate hot copies of positions that are written a second time."""
 
-    def __init__(self, config: HiSparseConfig) -> None:
+    def __init__(
+        self, config: HiSparseConfig, metadata_class: type = HiSparseConnectorMetadata
+    ) -> None:
+        """``metadata_class``: what ``build`` returns, ``HiSparseConnectorMetadata`` or a
+        subclass (the one vLLM ships between its processes)."""
+        self.metadata_class = metadata_class
         self.rows = StateRowAllocator(config.max_num_seqs)
         self.max_num_seqs = config.max_num_seqs
         self.block_size = config.block_size
@@ -157,7 +162,7 @@ class HiSparseScheduler:
         self.blocks.update(blocks)
         invalidate = list(self.pending_invalidate)
         invalidate.extend((self.rows.row_of(rid), key) for rid, key in rewrites)
-        meta = HiSparseConnectorMetadata(
+        meta = self.metadata_class(
             req_ids=tuple(scheduled),
             state_rows=tuple(self.rows.row_of(rid) for rid in scheduled),
             reset_rows=tuple(dict.fromkeys(resets)),

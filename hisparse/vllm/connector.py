@@ -85,6 +85,7 @@ class HiSparseConnector(KVConnectorBase_V1, SupportsHMA):
             "worker" if worker else "scheduler",
             host_rows=host_rows,
             model_layers=layers,
+            metadata_class=VllmConnectorMetadata,
         )
         self.config = config
 
@@ -176,7 +177,7 @@ class HiSparseConnector(KVConnectorBase_V1, SupportsHMA):
             # State rows must be bound before the forward, not after it (vLLM's default for
             # connectors without synchronous loads).
             scheduler_output.has_sync_kv_loads = True
-        return VllmConnectorMetadata(**meta.__dict__)
+        return meta
 
     def request_finished(self, request: Any, block_ids: Any) -> tuple:
         return self.impl.request_finished(request, block_ids)

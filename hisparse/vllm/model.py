@@ -202,7 +202,7 @@ class HiSparseMLAForCausalLM(nn.Module):
         name = self.layer_names[layer]
         if connector is not None:
             connector.save_kv_layer(name, rows, meta)
-            store = connector.host_rows(name)
+            store = connector.host_rows(name) if batch.prefill else None
         else:
             store = self.kv_layers[layer].rows()
             store[meta.slot_mapping] = rows
