@@ -56,3 +56,25 @@ def test_a_foreign_directory_is_kept_unless_forced(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["export-model", str(d), "--arch", "glm_moe_dsa"])
     assert "pass --force" in capsys.readouterr().err and (d / "notes.txt").exists()
+
+
+def test_a_longer_context_stretches_the_yarn_rope_so_vllm_can_serve_it(tmp_path):
+    """vLLM tabulates DeepSeek's YaRN rope for original_max_position_embeddings x factor positions;
+    an export with a longer context stretches the factor to cover it, and a config that does not
+    is refused for a longer context by name."""
+    out = tmp_path / "dsv"
+    assert (
+        main(["export-model", str(out), "--arch", "deepseek_v32", "--max-model-len", "2048"]) == 0
+    )
+    cfg = DSAConfig.from_hf(json.loads((out / "config.json").read_text()))
+    assert cfg.rope_positions() == 2048
+    cfg.check_context(2048, "--max-model-len")
+    with pytest.raises(
+        ValueError,
+        match=r"--max-model-len 4096 exceeds the 2048 positions .*"
+        r"use --max-model-len 2048 or less",
+    ):
+        cfg.check_context(4096, "--max-model-len")
+    glm = tmp_path / "glm"
+    assert main(["export-model", str(glm), "--arch", "glm_moe_dsa"]) == 0
+    assert DSAConfig.from_hf(json.loads((glm / "config.json").read_text())).rope_positions() is None

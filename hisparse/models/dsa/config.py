@@ -136,6 +136,27 @@ class DSAConfig:
     def rope_parameters(self) -> dict:
         return dict(self.rope)
 
+    def rope_positions(self) -> Optional[int]:
+        """Positions a YaRN rope covers as vLLM tabulates it (original_max_position_embeddings
+        x factor); None for a plain rope, which vLLM tabulates to max_position_embeddings."""
+        rope = self.rope_parameters()
+        if rope.get("rope_type") != "yarn":
+            return None
+        return int(rope["original_max_position_embeddings"] * rope["factor"])
+
+    def check_context(self, max_len: int, flag: str) -> None:
+        """A context of ``max_len`` (set by ``flag``) must fit the rope's table: vLLM's YaRN
+        rope would otherwise index past it mid-request and bring the engine down."""
+        limit = self.rope_positions()
+        if limit is not None and max_len > limit:
+            rope = self.rope_parameters()
+            raise schema.DSAConfigError(
+                f"{flag} {max_len} exceeds the {limit} positions of this checkpoint's YaRN rope "
+                f"(config.json rope_parameters: original_max_position_embeddings "
+                f"{rope['original_max_position_embeddings']} x factor {rope['factor']:g}): use "
+                f"{flag} {limit} or less"
+            )
+
     def row_format_for(self, dtype_name: str) -> str:
         """The row format: the configured one, else the unquantized one of the serving dtype."""
         if self.row_format is not None:

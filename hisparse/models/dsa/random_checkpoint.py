@@ -32,6 +32,13 @@ def random_config(arch: str, **overrides) -> dict:
     if arch not in ARCH_NAMES:
         raise ValueError(f"arch must be one of {sorted(ARCH_NAMES)}, got {arch!r}")
     hf = {**tiny._COMMON, **tiny._ARCH[arch], **overrides}
+    rope = dict(hf["rope_parameters"])
+    if rope["rope_type"] == "yarn" and "rope_parameters" not in overrides:
+        # A YaRN rope covers original x factor positions: stretch it to the context asked for.
+        rope["factor"] = max(
+            rope["factor"], hf["max_position_embeddings"] / rope["original_max_position_embeddings"]
+        )
+        hf["rope_parameters"] = rope
     n = hf["num_hidden_layers"]
     if "indexer_types" in hf and "indexer_types" not in overrides:  # GLM-5's full / shared pairs
         hf["indexer_types"] = ["full" if i % 2 == 0 else "shared" for i in range(n)]

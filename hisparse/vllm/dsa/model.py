@@ -127,6 +127,7 @@ class _DSAForCausalLM(nn.Module):
         super().__init__()
         hf = vllm_config.model_config.hf_config
         cfg = DSAConfig.from_hf(hf)
+        cfg.check_context(vllm_config.model_config.max_model_len, "--max-model-len")
         _routing_config(hf)
         self.cfg = cfg
         self.hisparse = uses_hisparse_connector(vllm_config)
