@@ -159,10 +159,14 @@ class SparseMLACore:
     def _scores(self, q, head_w, cache, batch: TokenBatch) -> torch.Tensor:
         """float32 [T, max_context] over each token's request's keys (any position)."""
         ctx = torch.arange(batch.max_context, device=q.device)
-        slots = batch.slots(ctx.expand(batch.num_tokens, -1))
-        keys = index_keys.load_keys(
-            cache, slots, self.key_format, self.cfg.index_head_dim, batch.block_size
+        bs = batch.block_size
+        # Each request's keys are read once (a prefill's tokens share them), then handed to its
+        # tokens: the same slots as batch.slots gives per token, so the same values.
+        blk = batch.block_table[:, torch.div(ctx, bs, rounding_mode="floor")]
+        per_req = index_keys.load_keys(
+            cache, blk.long() * bs + ctx % bs, self.key_format, self.cfg.index_head_dim, bs
         )
+        keys = per_req[batch.req]
         logits = torch.einsum("thd,tnd->thn", q.float(), keys) * self.cfg.index_head_dim**-0.5
         weights = head_w.float() * self.cfg.index_n_heads**-0.5
         return torch.einsum("th,thn->tn", weights, torch.relu(logits))
