@@ -87,7 +87,10 @@ class HiSparseConnector(KVConnectorBase_V1, SupportsHMA):
             model_layers=layers,
             metadata_class=VllmConnectorMetadata,
         )
-        self.config = config
+
+    @property
+    def config(self):
+        return self.impl.config
 
     @property
     def worker(self):

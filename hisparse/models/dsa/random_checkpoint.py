@@ -144,11 +144,8 @@ def export_random_checkpoint(
 
 
 def _is_export(config: dict) -> bool:
-    archs = config.get("architectures")
-    return (
-        isinstance(archs, list)
-        and archs[:1] in ([a] for a in ARCH_NAMES.values())
-        and (EXPORT_MARK in config)
+    return EXPORT_MARK in config and config.get("architectures") in (
+        [a] for a in ARCH_NAMES.values()
     )
 
 
