@@ -30,7 +30,10 @@ from hisparse.models.dsa import attention as mla
 from hisparse.models.dsa import index_keys
 from hisparse.models.dsa.config import DSAConfig
 from hisparse.models.dsa.indexer import causal_top_k
+from hisparse.models.dsa.kernels import indexer as idx_kernel
+from hisparse.models.dsa.kernels import mla as mla_kernel
 from hisparse.models.dsa.kernels import rows as row_kernels
+from hisparse.models.dsa.kernels import select as select_kernel
 from hisparse.models.rows import KV_DIM, LATENT_DIM, ROW_FORMATS, decode_rows
 
 # Bound on one torch-path chunk (index scores [tokens, heads, context] or rows [tokens, K, 576]).
@@ -109,14 +112,14 @@ class SparseMLACore:
         if backend == "triton" and not can:
             raise ValueError(f"backend='triton' needs Triton and a CUDA device, not {device}")
         use = can and backend != "torch"
-        from hisparse.models.dsa.kernels import indexer as idx_kernel
-
         self.cfg, self.row_format, self.key_format = cfg, row_format, key_format
         self.row_bytes = ROW_FORMATS[row_format].row_bytes
         self.kernel_rows = use and row_format == "fp8"
         self.kernel_index = (
             use and key_format == "fp8" and idx_kernel.fits(cfg.index_n_heads, cfg.index_head_dim)
         )
+        d = cfg.index_head_dim
+        self.kernel_keys = use and key_format == "fp8" and d & (d - 1) == 0
         self.attention = attention
         self._splits: dict = {}  # kv_b_proj weight -> (W_uk, W_uv), kernel path
 
@@ -127,7 +130,10 @@ class SparseMLACore:
 
     def store_keys(self, cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, bs: int):
         """This step's keys ``k`` [T, D] at their ``slots`` of the paged ``cache``."""
-        index_keys.store_keys(cache, slots, k, self.key_format, bs)
+        if self.kernel_keys and bs % 4 == 0:
+            idx_kernel.store_fp8_keys(cache, slots, k, bs)
+        else:
+            index_keys.store_keys(cache, slots, k, self.key_format, bs)
 
     def select(
         self, q: torch.Tensor, head_w: torch.Tensor, cache: torch.Tensor, batch: TokenBatch
@@ -137,15 +143,17 @@ class SparseMLACore:
         keys (paged, uint8 [blocks, block_size * key_bytes]), this step's keys already stored."""
         cfg = self.cfg
         if self.kernel_index:
-            from hisparse.models.dsa.kernels import indexer as idx_kernel
-
             hw = head_w.float() * (cfg.index_n_heads**-0.5 * cfg.index_head_dim**-0.5)
             b = batch
             q16 = q.to(torch.bfloat16)  # read once per tile of keys: half the bytes of float32
             scores = idx_kernel.paged_scores(
                 q16, hw, cache, b.block_table, b.block_size, b.req, b.positions
             )
-            pos = _sorted(self._top_k(scores, batch), cfg.index_topk)
+            # unsorted: the positions are sorted next; ranking the values too cost a sort
+            best, idx = scores.topk(min(cfg.index_topk, scores.shape[1]), dim=-1, sorted=False)
+            return select_kernel.selection_slots(
+                best, idx, b.req, b.block_table, b.block_size, cfg.index_topk
+            )
         else:
             step = max(1, CHUNK_ELEMS // (cfg.index_n_heads * batch.max_context))
             parts = []
@@ -175,10 +183,6 @@ class SparseMLACore:
         """Positions int64 [T, <= top_k] of the best visible keys (-1 where too few)."""
         top_k = self.cfg.index_topk
         if scores.device.type != "cpu":  # one ranking over the padded rows, no host sync
-            if self.kernel_index:  # the kernel already gave -inf past each token's position
-                # unsorted: the positions are sorted next; ranking the values too cost a sort
-                best, idx = scores.topk(min(top_k, scores.shape[1]), dim=-1, sorted=False)
-                return torch.where(torch.isfinite(best), idx, torch.full_like(idx, -1))
             return _masked_top_k(scores, batch.positions, top_k)
         # The CPU: rank each token's own context (the request's seq_len keys), as transformers.
         lens = batch.seq_lens[batch.req]
@@ -241,8 +245,6 @@ class SparseMLACore:
         return mla.attend_rows(q_lat, q_pe, values, valid, self.cfg.softmax_scale)
 
     def _attend_kernels(self, q_lat, q_pe, src, ids) -> torch.Tensor:
-        from hisparse.models.dsa.kernels import mla as mla_kernel
-
         q = torch.cat([q_lat, q_pe], dim=-1).to(torch.bfloat16)
         scale = self.cfg.softmax_scale
         if self.attention == "fused":
@@ -256,8 +258,7 @@ class SparseMLACore:
             beta=0.0,
             alpha=scale,
         )
-        s = s.masked_fill_((ids < 0).unsqueeze(1), float("-inf"))
-        return torch.bmm(torch.softmax(s, dim=-1), kv[..., :LATENT_DIM])
+        return torch.bmm(mla_kernel.masked_softmax(s, ids), kv[..., :LATENT_DIM])
 
 
 def _masked_top_k(scores: torch.Tensor, positions: torch.Tensor, top_k: int) -> torch.Tensor:

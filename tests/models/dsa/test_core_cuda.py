@@ -134,3 +134,68 @@ def test_the_same_rows_elsewhere_give_the_same_bits(attention):
     a = core.attend(q_nope, q_pe, kv_b, store, ids)
     b = core.attend(q_nope, q_pe, kv_b, hot, hot_ids)
     assert torch.equal(a, b)
+
+
+def test_fp8_key_store_writes_the_bytes_of_the_torch_path():
+    from hisparse.models.dsa import index_keys
+    from hisparse.models.dsa.kernels.indexer import store_fp8_keys
+
+    g = torch.Generator(device=GPU).manual_seed(6)
+    D, blocks = 128, 12
+    k = torch.randn(40, D, device=GPU, generator=g) * torch.rand(40, 1, device=GPU, generator=g)
+    k[3] = 0  # an all-zero key keeps scale 1
+    slots = torch.randperm(blocks * BS, device=GPU, generator=g)[:40]
+    slots[7] = -1  # a padding token of a captured batch: nothing written
+    for dtype in (torch.float32, torch.bfloat16):
+        got = torch.zeros(blocks, BS * (D + 4), dtype=torch.uint8, device=GPU)
+        want = got.clone()
+        store_fp8_keys(got, slots, k.to(dtype), BS)
+        keep = slots >= 0
+        index_keys.store_keys(want, slots[keep], k.to(dtype)[keep], "fp8", BS)
+        assert torch.equal(got, want), dtype
+
+
+@pytest.mark.parametrize("block_size", [16, 64])
+def test_paged_indexer_reads_whole_blocks_and_single_keys_alike(block_size):
+    """block_t 64 over blocks of 64 keys reads each tile as one run of bytes; over blocks of 16
+    key by key. Both score the same keys the same way."""
+    from hisparse.models.dsa import index_keys
+    from hisparse.models.dsa.kernels.indexer import paged_scores
+
+    g = torch.Generator(device=GPU).manual_seed(7)
+    H, D, R, n_blocks = 16, 128, 3, 320 // block_size
+    bt = torch.randperm(R * n_blocks, device=GPU, generator=g).view(R, n_blocks).int()
+    keys = torch.randn(R * n_blocks * block_size, D, device=GPU, generator=g)
+    cache = torch.zeros(R * n_blocks, block_size * (D + 4), dtype=torch.uint8, device=GPU)
+    index_keys.store_keys(cache, torch.arange(keys.shape[0], device=GPU), keys, "fp8", block_size)
+    req = torch.tensor([0, 1, 2, 2], device=GPU)
+    pos = torch.tensor([319, 5, 100, 257], device=GPU)
+    q = torch.randn(4, H, D, device=GPU, generator=g).to(torch.bfloat16)
+    hw = torch.rand(4, H, device=GPU, generator=g)
+    got = paged_scores(q, hw, cache, bt, block_size, req, pos, block_t=64)
+    slots = bt[req][:, torch.arange(320, device=GPU) // block_size].long() * block_size
+    slots = slots + torch.arange(320, device=GPU) % block_size
+    k = index_keys.load_keys(cache, slots, "fp8", D, block_size)  # [4, 320, D]
+    logits = torch.relu(torch.einsum("thd,tnd->thn", q.float(), k))
+    want = torch.einsum("th,thn->tn", hw, logits)
+    visible = torch.arange(320, device=GPU)[None, :] <= pos[:, None]
+    assert torch.isinf(got[~visible]).all()
+    err = (got[visible] - want[visible]).abs().max().item()
+    assert err <= 2e-2 * want[visible].abs().max().item(), err
+
+
+def test_selection_slots_are_the_sorted_positions_slots():
+    from hisparse.models.dsa.core import _sorted
+    from hisparse.models.dsa.kernels.select import selection_slots
+
+    b = _batch([200, 37, 256, 90], [1, 1, 4, 2], seed=8)
+    g = torch.Generator(device=GPU).manual_seed(8)
+    L, top_k = b.max_context, 64
+    scores = torch.randn(b.num_tokens, L, device=GPU, generator=g)
+    visible = torch.arange(L, device=GPU)[None, :] <= b.positions[:, None]
+    scores = scores.masked_fill(~visible, float("-inf"))
+    for k in (top_k, 40):  # k < top_k: fewer columns than the top-k (a short cache)
+        best, idx = scores.topk(k, dim=-1, sorted=False)
+        got = selection_slots(best, idx, b.req, b.block_table, BS, top_k)
+        pos = torch.where(torch.isfinite(best), idx, torch.full_like(idx, -1))
+        assert torch.equal(got, b.slots(_sorted(pos, top_k)))

@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from hisparse.models.dsa.kernels.rows import triton
+from hisparse.models.rows import FP8_MAX
 
 if triton is not None:
     import triton.language as tl
@@ -26,7 +27,7 @@ if triton is not None:
     def _paged_scores(
         q, hw, cache_u8, cache_f32, block_table, req, pos, out, L, bt_stride,
         H: tl.constexpr, D: tl.constexpr, KB: tl.constexpr, BS: tl.constexpr,
-        BLOCK_T: tl.constexpr, TILES: tl.constexpr,
+        BLOCK_T: tl.constexpr, TILES: tl.constexpr, TILE_IN_BLOCK: tl.constexpr,
     ):  # fmt: skip
         t = tl.program_id(0).to(tl.int64)
         r = tl.load(req + t).to(tl.int64)
@@ -36,12 +37,19 @@ if triton is not None:
         qb = tl.load(q + t * H * D + h[:, None] * D + d[None, :]).to(tl.bfloat16)
         w = tl.load(hw + t * H + h).to(tl.float32)
         for i in tl.range(0, TILES):
-            j = (tl.program_id(1) * TILES + i) * BLOCK_T + tl.arange(0, BLOCK_T)
+            j0 = (tl.program_id(1) * TILES + i) * BLOCK_T
+            j = j0 + tl.arange(0, BLOCK_T)
             ok = j <= p
-            blk = tl.load(block_table + r * bt_stride + j // BS, mask=ok, other=0).to(tl.int64)
-            base = blk * (BS * KB)  # the block's first byte: a multiple of 16
-            off = j % BS
-            key = cache_u8 + base[:, None] + off[:, None] * D + d[None, :]
+            if TILE_IN_BLOCK:  # one block per tile: its keys are one contiguous run of bytes
+                blk = tl.load(block_table + r * bt_stride + j0 // BS, mask=j0 <= p, other=0)
+                base = blk.to(tl.int64) * (BS * KB)
+                off = j0 % BS + tl.arange(0, BLOCK_T)
+                key = cache_u8 + base + off[:, None] * D + d[None, :]
+            else:
+                blk = tl.load(block_table + r * bt_stride + j // BS, mask=ok, other=0)
+                base = blk.to(tl.int64) * (BS * KB)  # the block's first byte: a multiple of 16
+                off = j % BS
+                key = cache_u8 + base[:, None] + off[:, None] * D + d[None, :]
             k8 = tl.load(key, mask=ok[:, None], other=0)
             k = k8.to(tl.float8e4nv, bitcast=True).to(tl.bfloat16)
             logits = tl.maximum(tl.dot(k, tl.trans(qb)), 0.0)  # [BLOCK_T, H]
@@ -89,6 +97,52 @@ def paged_scores(
     _paged_scores[grid](
         q.contiguous(), hw.to(torch.float32).contiguous(), cache, cache.view(torch.float32),
         bt, req.contiguous(), positions.contiguous(), out, L, bt.stride(0),
-        H, D, D + 4, block_size, block_t, tiles, num_warps=warps,
+        H, D, D + 4, block_size, block_t, tiles, block_size % block_t == 0, num_warps=warps,
     )  # fmt: skip
     return out
+
+
+if triton is not None:
+
+    @triton.jit
+    def _store_fp8_keys(
+        k, k_stride, slots, cache_u8, cache_f32, D: tl.constexpr, BS: tl.constexpr,
+        FP8_MAX: tl.constexpr,
+    ):  # fmt: skip
+        t = tl.program_id(0).to(tl.int64)
+        slot = tl.load(slots + t).to(tl.int64)
+        if slot >= 0:  # -1: a padding token (vLLM pads a captured batch), nothing to store
+            d = tl.arange(0, D)
+            x = tl.load(k + t * k_stride + d).to(tl.float32)
+            amax = tl.max(tl.abs(x), axis=0)
+            # Correctly rounded divisions (Triton's "/" is approximate): the bytes of
+            # index_keys.encode_keys, on every device.
+            scale = tl.where(amax > 0, tl.math.div_rn(amax, FP8_MAX), 1.0)
+            v = tl.math.div_rn(x, scale + tl.zeros([D], tl.float32))
+            v = tl.minimum(tl.maximum(v, -FP8_MAX), FP8_MAX).to(tl.float8e4nv)
+            base = (slot // BS) * (BS * (D + 4))
+            off = slot % BS
+            tl.store(cache_u8 + base + off * D + d, v.to(tl.uint8, bitcast=True))
+            tl.store(cache_f32 + (base + BS * D) // 4 + off, scale)
+
+
+def store_fp8_keys(cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, block_size: int):
+    """``index_keys.store_keys(cache, slots, k, "fp8", block_size)`` in one launch: keys ``k``
+    [T, D] (float) quantized at ``slots`` [T] of the paged ``cache``; a slot of -1 is skipped."""
+    T, D = k.shape
+    if cache.dtype != torch.uint8 or cache.dim() != 2 or cache.shape[1] != block_size * (D + 4):
+        raise ValueError(
+            f"cache must be uint8 [blocks, {block_size * (D + 4)}] (fp8 keys), got {cache.shape}"
+        )
+    if block_size % 4 or D & (D - 1) or slots.shape != (T,):
+        raise ValueError(f"fp8 keys need a block of 4n keys, D a power of two, slots [{T}]")
+    if T == 0:
+        return
+    if not cache.is_contiguous():
+        raise ValueError("an index key cache must be contiguous (it is written in place)")
+    if k.stride(1) != 1:
+        k = k.contiguous()
+    _store_fp8_keys[(T,)](
+        k, k.stride(0), slots.contiguous(), cache, cache.view(torch.float32), D, block_size,
+        FP8_MAX, num_warps=1,
+    )  # fmt: skip

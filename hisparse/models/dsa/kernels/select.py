@@ -1,0 +1,74 @@
+"""From the indexer's top-k to the slots attention reads, on the device in three launches: the
+chosen positions as int32 sort keys (padding past every position), one int32 sort, then each
+sorted position's slot through the token's block table (padding back to -1).
+
+Why: the torch form (a pad, two ``where``, an int64 sort, then ``TokenBatch.slots``' seven
+elementwise passes) took about 60 us per layer at batch 30 on an H200, most of it in launches of
+small kernels and in the int64 radix sort's eight byte passes (an int32 sort takes four). The
+result is the same: ascending positions, -1 padding last, the same slots.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hisparse.models.dsa.kernels.rows import triton
+
+PAD = torch.iinfo(torch.int32).max  # sorts after every position
+
+if triton is not None:
+    import triton.language as tl
+
+    @triton.jit
+    def _sort_keys(best, idx, out, k, TOP_K: tl.constexpr, BLOCK: tl.constexpr):
+        t = tl.program_id(0).to(tl.int64)
+        j = tl.arange(0, BLOCK)
+        ok = j < k
+        v = tl.load(best + t * k + j, mask=ok, other=float("-inf"))
+        i = tl.load(idx + t * k + j, mask=ok, other=0)
+        # -inf: a position past the token's own, or a column past those topk returned.
+        key = tl.where(v > float("-inf"), i.to(tl.int32), 2147483647)
+        tl.store(out + t * TOP_K + j, key, mask=j < TOP_K)
+
+    @triton.jit
+    def _slots(
+        pos, req, block_table, out, bt_stride, BS: tl.constexpr, TOP_K: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):  # fmt: skip
+        t = tl.program_id(0).to(tl.int64)
+        j = tl.arange(0, BLOCK)
+        p = tl.load(pos + t * TOP_K + j, mask=j < TOP_K, other=2147483647)
+        ok = p != 2147483647
+        r = tl.load(req + t).to(tl.int64)
+        blk = tl.load(block_table + r * bt_stride + p // BS, mask=ok, other=0).to(tl.int64)
+        slot = tl.where(ok, blk * BS + p % BS, -1)
+        tl.store(out + t * TOP_K + j, slot, mask=j < TOP_K)
+
+
+def selection_slots(
+    best: torch.Tensor,
+    idx: torch.Tensor,
+    req: torch.Tensor,
+    block_table: torch.Tensor,
+    block_size: int,
+    top_k: int,
+) -> torch.Tensor:
+    """``topk``'s values ``best`` (float32 [T, k], -inf where nothing visible) and positions
+    ``idx`` (int64 [T, k], k <= top_k) -> slots int64 [T, top_k]: ascending position order, -1
+    padding last; position j of token t's request ``req[t]`` is slot ``block_table[req[t], j //
+    block_size] * block_size + j % block_size``."""
+    T, k = best.shape
+    if idx.shape != best.shape or k > top_k:
+        raise ValueError(f"best and idx must be [T, <= {top_k}], got {best.shape} {idx.shape}")
+    out = torch.empty(T, top_k, dtype=torch.int64, device=best.device)
+    if T == 0:
+        return out
+    block = triton.next_power_of_2(top_k)
+    keys = torch.empty(T, top_k, dtype=torch.int32, device=best.device)
+    _sort_keys[(T,)](best.contiguous(), idx.contiguous(), keys, k, top_k, block, num_warps=4)
+    keys = keys.sort(dim=-1).values
+    bt = block_table.contiguous()
+    _slots[(T,)](
+        keys, req.contiguous(), bt, out, bt.stride(0), block_size, top_k, block, num_warps=4
+    )
+    return out
