@@ -262,6 +262,13 @@ def profile_kernels(args, batch: int, top: int) -> None:
         print(f"\n{mode} batch {batch}: {sum(us.values()):.1f} us of kernels per layer")
         for name, t in us.most_common(top):
             print(f"{t:9.1f} us  {name}")
+        ops = collections.Counter()  # the same time by the torch op that launched it
+        for e in prof.key_averages():
+            if e.self_device_time_total > 0:
+                ops[e.key[:80]] += e.self_device_time_total / args.steps / args.layers
+        print(f"\n{mode} batch {batch} by op:")
+        for name, t in ops.most_common(top):
+            print(f"{t:9.1f} us  {name}")
 
 
 def main(argv=None) -> int:
