@@ -1,6 +1,6 @@
 """The fused sparse-MLA decode kernel alone (hisparse.models.dsa.kernels.mla.sparse_mla) per
 launch shape, against the path it replaces: the Triton row read (gather_decode) then the two
-batched products and the bf16 softmax of model.attend, timed the same way.
+batched products and the masked softmax of the core's "bmm" attention, timed the same way.
 
     python benchmarks/bench_mla.py --json benchmarks/results/mla_h200.json
 
@@ -17,11 +17,10 @@ import sys
 import torch
 from cuda_timing import median_us, write_rows
 
-from hisparse.engine.graph import GraphConfig, kernels
-from hisparse.engine.graph import model as M
-from hisparse.engine.graph.config import ROW_BYTES
-from hisparse.engine.graph.kernels import ROPE_AT, SCALE_AT
+from hisparse.engine.graph import GraphConfig
+from hisparse.models.dsa.core import SparseMLACore
 from hisparse.models.dsa.kernels.mla import sparse_mla, splits_for
+from hisparse.models.dsa.kernels.rows import ROPE_AT, ROW_BYTES, SCALE_AT
 
 SHAPES = (  # (heads per program, rows per block, warps, pipeline stages)
     (64, 16, 8, 2),
@@ -41,6 +40,7 @@ def main(argv=None) -> int:
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     cfg = GraphConfig.deepseek_v32()
+    core = SparseMLACore(cfg.dsa_config(), "fp8", "cuda", attention="bmm")
     g = torch.Generator(device="cuda").manual_seed(0)
     R, K = args.rows_per_request, cfg.top_k
     rows = []
@@ -53,7 +53,8 @@ def main(argv=None) -> int:
             [torch.randperm(R, generator=g, device="cuda")[:K] + b * R for b in range(n)]
         )
         q = torch.randn(n, cfg.heads, 576, generator=g, device="cuda").bfloat16()
-        base = median_us(lambda: M.attend(cfg, q, kernels.gather_decode(src, ids)), args.reps)
+        q_lat, q_pe = q[..., :512], q[..., 512:]
+        base = median_us(lambda: core.attend_latent(q_lat, q_pe, src, ids), args.reps)
         splits = splits_for(n, cfg.heads, "cuda")  # for the default heads per program
         row = dict(batch=n, bmm_path_us=base, splits=splits, shapes={})
         for hb, bn, w, st in SHAPES:

@@ -8,14 +8,7 @@ from __future__ import annotations
 import json
 import sys
 
-MODES = (
-    ("resident", "resident"),
-    ("hisparse", "HiSparse (copy overlapped)"),
-    ("hisparse_serial", "HiSparse, no overlap"),
-    ("hisparse_split", "HiSparse, batch split in two"),
-    ("hisparse_in_read", "HiSparse, misses read inside the row read"),
-    ("hisparse_beside", "HiSparse, misses copied beside the hits' read"),
-)
+MODES = (("resident", "resident"), ("hisparse", "HiSparse"))
 
 
 def main(argv=None):
@@ -28,22 +21,16 @@ def main(argv=None):
     res = json.load(open(path))
     rows = res["batches"]
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
-    for (key, label), color in zip(MODES, tuple(f"C{i}" for i in range(len(MODES)))):
-        pts = [(r["batch"], r["modes"][key]) for r in rows if key in r["modes"]]
-        if not pts:
-            continue  # a miss path this run did not time
-        a.plot(
-            [p[0] for p in pts], [m["ms_per_token"] for _, m in pts], "o-", color=color, label=label
-        )
-        if key != "resident":
-            b.plot(
-                [p[0] for p in pts], [m["ratio"] for _, m in pts], "o-", color=color, label=label
-            )
-    cap = res["capacity"]["resident_max_batch"]
+    batch = [r["batch"] for r in rows]
+    for (key, label), color in zip(MODES, ("C0", "C1")):
+        per_token = [r[f"{key}_ms_per_step"] / r["batch"] for r in rows]
+        a.plot(batch, per_token, "o-", color=color, label=label)
+    b.plot(batch, [r["ratio"] for r in rows], "o-", color="C1", label="HiSparse / resident")
+    cap = max(r["batch"] for r in rows if r["fits_resident_budget"])
     for ax in (a, b):
         ax.axvline(cap, color="grey", ls=":", label=f"resident fits {cap}")
         ax.set_xscale("log", base=2)
-        ax.set_xlabel("batch (requests, 32k context each)")
+        ax.set_xlabel(f"batch (requests, {res['config']['context']} tokens each)")
     a.set_yscale("log")
     a.set_ylabel("ms per output token")
     b.axhline(1.10, color="red", ls="--", label="goal 1.10x")

@@ -3,12 +3,10 @@
 # compute-sanitizer over the op workload, then the benchmarks. Logs and results go to $OUT.
 #   STAGES="build tests sanitizer bench engine demo" bash benchmarks/run_h200.sh
 # STAGES may also name "cudatests" (only the CUDA tests, the oracle property tests and the
-# save_rows tests: the quick gate after a kernel change), "bench2" (a second bench_ops run,
-# for the spread between runs), "core" (the DSA attention core vLLM runs: its CUDA tests, then
-# bench_dsa_core at 32k with capacity, and capacity at 64k and 128k), "misspaths" (the graph
-# engine's miss paths: the per-kernel profile, the TPOT comparison at 32k) and "contexts" (the
-# graph engine's capacity at 64k and 128k); each fits one 10-minute device call. "fusedattn": the
-# fused sparse-MLA kernel's profile and TPOT comparison (its own call).
+# save_rows tests: the quick gate after a kernel change), "bench2" (a second bench_ops run, for
+# the spread between runs), "core" (the DSA core vLLM runs: its CUDA tests, then
+# bench_decode_tpot at 32k with capacity, and capacity at 64k and 128k) and "fusedattn" (the
+# fused sparse-MLA kernel alone, then the step with it); each fits one 10-minute device call.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/hisparse-out}
@@ -59,32 +57,18 @@ if has engine; then
   tail -20 "$OUT/engine.txt"
 fi
 if has core; then
-  timeout 200 python3 -m pytest -q -p no:cacheprovider -m cuda tests/models/dsa/test_core_cuda.py tests/engine/dsa/test_cuda.py > "$OUT/pytest_core.txt" 2>&1 || status=1
+  timeout 200 python3 -m pytest -q -p no:cacheprovider -m cuda tests/models/dsa tests/engine/dsa/test_cuda.py tests/engine/graph > "$OUT/pytest_core.txt" 2>&1 || status=1
   tail -2 "$OUT/pytest_core.txt"
-  timeout 150 python3 benchmarks/bench_dsa_core.py --capacity --out "$OUT/dsa_core_h200.json" || status=1
+  timeout 300 python3 benchmarks/bench_decode_tpot.py --capacity --json "$OUT/engine_tpot_h200.json" || status=1
   for ctx in 65536 131072; do
-    timeout 90 python3 benchmarks/bench_dsa_core.py --batches "" --capacity --context $ctx --out "$OUT/dsa_core_h200_ctx$ctx.json" || status=1
+    timeout 120 python3 benchmarks/bench_decode_tpot.py --batches "" --capacity --context $ctx --json "$OUT/engine_tpot_h200_ctx$ctx.json" || status=1
   done
-fi
-if has misspaths; then
-  timeout 150 python3 benchmarks/profile_step_kernels.py --layers 4 --batches 64 --modes resident,hisparse,hisparse_in_read,hisparse_beside --out "$OUT/step_kernels_miss_paths_h200.md" > /dev/null 2>&1 || status=1
-  grep "minus resident" "$OUT/step_kernels_miss_paths_h200.md"
-  timeout 420 python3 benchmarks/bench_decode_tpot.py --layers 8 --batches 1,16,64 --in-read --beside --json "$OUT/engine_tpot_h200.json" > "$OUT/tpot.txt" 2>&1 || status=1
-  grep -E "^B=|^Capacity" "$OUT/tpot.txt"
-fi
-if has contexts; then
-  for ctx in 65536 131072; do
-    timeout 300 python3 benchmarks/bench_decode_tpot.py --layers 8 --ctx $ctx --batches 1 --in-read --runs 3 --steps 10 --json "$OUT/engine_tpot_h200_ctx$ctx.json" > "$OUT/tpot_$ctx.txt" 2>&1 || status=1
-    grep -E "^B=|^Capacity" "$OUT/tpot_$ctx.txt"
-  done
-  python3 benchmarks/capacity_report.py benchmarks/results/engine_tpot_h200.json "$OUT"/engine_tpot_h200_ctx*.json --out "$OUT/capacity_by_context_h200.md" || status=1
+  python3 benchmarks/tpot_report.py "$OUT/engine_tpot_h200.json" > "$OUT/engine_tpot_h200.md" || status=1
+  python3 benchmarks/capacity_report.py "$OUT"/engine_tpot_h200*.json --out "$OUT/capacity_by_context_h200.md" || status=1
 fi
 if has fusedattn; then
   timeout 120 python3 benchmarks/bench_mla.py --json "$OUT/mla_h200.json" 2>&1 | tail -3 || status=1
-  timeout 150 python3 benchmarks/profile_step_kernels.py --layers 4 --batches 30,112 --attention fused --out "$OUT/step_kernels_fused_attention_h200.md" > /dev/null 2>&1 || status=1
-  grep "^## batch" "$OUT/step_kernels_fused_attention_h200.md"
-  timeout 420 python3 benchmarks/bench_decode_tpot.py --layers 8 --batches 1,16,64 --attention fused --beside --json "$OUT/engine_tpot_fused_attention_h200.json" > "$OUT/tpot_fused.txt" 2>&1 || status=1
-  grep -E "^B=|^Capacity" "$OUT/tpot_fused.txt"
+  timeout 300 python3 benchmarks/bench_decode_tpot.py --batches 1,16,30,64 --attention fused --json "$OUT/engine_tpot_fused_attention_h200.json" || status=1
 fi
 if has demo; then
   python3 -m hisparse demo --device cuda --no-progress --json "$OUT/demo_cuda.json" > "$OUT/demo.txt" 2>&1 || status=1

@@ -61,7 +61,8 @@ def encode_rows(kv: torch.Tensor, layout: str) -> torch.Tensor:
     lead = kv.shape[:-1]
     latent = kv[..., :LATENT_DIM].reshape(*lead, LATENT_DIM // FP8_TILE, FP8_TILE)
     amax = latent.abs().amax(dim=-1, keepdim=True)
-    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax)).to(torch.float32)
+    # Times the reciprocal: torch divides by a Python number that way on CUDA, exactly on the CPU.
+    scale = torch.where(amax > 0, amax * (1.0 / FP8_MAX), torch.ones_like(amax)).to(torch.float32)
     q = (
         (latent / scale.to(latent.dtype))
         .clamp(-FP8_MAX, FP8_MAX)

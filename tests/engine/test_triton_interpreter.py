@@ -1,4 +1,4 @@
-"""The graph engine's Triton kernels and miss paths under Triton's interpreter on the CPU
+"""The DSA core's Triton kernels under Triton's interpreter on the CPU
 (tests/engine/triton_interpreted.py says what that can and cannot check). Triton comes with the
 test extra; without it this skips."""
 
@@ -22,7 +22,7 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def test_miss_paths_under_the_triton_interpreter():
+def test_core_kernels_under_the_triton_interpreter():
     # A process of its own: the interpreter must be chosen before any kernel is defined.
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO_ROOT))
     script = REPO_ROOT / "tests" / "engine" / "triton_interpreted.py"

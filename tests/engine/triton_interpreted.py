@@ -1,13 +1,13 @@
-"""The graph engine's Triton kernels run by Triton's interpreter on the CPU (run as a script by
+"""The DSA core's Triton kernels run by Triton's interpreter on the CPU (run as a script by
 test_triton_interpreter.py, with TRITON_INTERPRET=1 set before Triton is imported).
 
-What the interpreter can check is where rows go: which entries a kernel writes, which it leaves,
-which bytes land in which hot row, and the decode step's parity between resident and every miss
-path. Its float8 arithmetic differs from the GPU's, so bit-exactness against ``decode_rows`` is
-left to the CUDA tests (graph/test_kernels.py); here every comparison is between two runs under
-the interpreter. Three shims stand in for what only a GPU has: pinned memory (``is_pinned``),
-a host pointer the device reads (``_HostRows``: here the tensor itself) and ``available``; the
-fused attention runs its float32-operand variant (the interpreter's bf16 products are wrong).
+What the interpreter can check is where values go: which entries a kernel writes and which it
+leaves, the selection's slots, the masked softmax, the two ways the paged indexer reads its
+keys, and attention's parity between rows read in place and the same bytes elsewhere. Its
+float8 arithmetic differs from the GPU's, so bit-exactness against the torch encoders is left to
+the CUDA tests (tests/models/dsa/test_core_cuda.py). Two shims stand in for what only a GPU has:
+``available`` and pinned memory; the fused attention runs its float32-operand variant (the
+interpreter's bf16 products are wrong).
 """
 
 from __future__ import annotations
@@ -20,23 +20,20 @@ assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
 
 import torch
 
-from hisparse.engine.graph import (
-    GraphConfig,
-    KVStore,
-    Weights,
-    counters,
-    kernels,
-)
-from hisparse.engine.graph import miss_kernels as mk
+from hisparse.models.dsa import index_keys
+from hisparse.models.dsa.config import DSAConfig
+from hisparse.models.dsa.core import SparseMLACore, TokenBatch, _sorted
+from hisparse.models.dsa.kernels import indexer as idx_kernel
 from hisparse.models.dsa.kernels import mla as mla_kernel
+from hisparse.models.dsa.kernels import rows as kernels
+from hisparse.models.dsa.kernels import select as select_kernel
+from hisparse.models.dsa.random_checkpoint import random_config
 from hisparse.models.rows import encode_rows
-from tests.engine.graph.test_step import _eager, _same
 
 _sparse_mla = mla_kernel.sparse_mla
 # The interpreter's bf16 products are wrong; the kernel's float32-operand variant is the same
 # algorithm over the same (widened) values.
 mla_kernel.sparse_mla = functools.partial(_sparse_mla, products="fp32")
-mk._HostRows = lambda t, dtype: t.view(dtype)
 torch.Tensor.is_pinned = lambda self: True
 kernels.available = lambda device: True
 
@@ -53,50 +50,56 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def check_kernels() -> None:
     g = torch.Generator().manual_seed(3)
-    B, H, K, n_miss, keys = 3, 64, 40, 7, 900
-    hot, host = _rows(B * H, 11), _rows(keys, 12)
-    ids = torch.stack([torch.randperm(H, generator=g)[:K] + b * H for b in range(B)])
-    dst = torch.zeros(B, K, dtype=torch.int32)
-    src = torch.zeros_like(dst)
-    for b in range(B):
-        dst[b, :n_miss] = ids[b, torch.randperm(K, generator=g)[:n_miss]].int()
-        src[b, :n_miss] = torch.randperm(keys, generator=g)[:n_miss].int()
-    count = torch.tensor([n_miss, 0, n_miss], dtype=torch.int32)  # a request with no miss
-    plan = (src, dst, count)
-    want_hot, want_pending = hot.clone(), torch.full((B * H,), -1, dtype=torch.int32)
-    for b in range(B):
-        n = int(count[b])
-        want_hot[dst[b, :n].long()] = host[src[b, :n].long()]
-        want_pending[dst[b, :n].long()] = src[b, :n]
-    whole = kernels.gather_decode(want_hot, ids)  # the interpreter's own full read
-
-    pending = torch.full((B * H,), -1, dtype=torch.int32)
-    mk.stage_misses(pending, *plan)
-    assert torch.equal(pending, want_pending), "stage_misses"
-
-    beside = hot.clone()
-    out = torch.full((B, K, 576), float("nan"), dtype=torch.bfloat16)
-    kernels.gather_decode(beside, ids, pending=pending, part="hits", out=out)
-    left = out.isnan().all(-1)
-    assert int(left.sum()) == int(count.sum()), "part='hits' must leave exactly the misses"
-    assert bool((pending[ids[left]] >= 0).all()), "part='hits' left a hit"
-    mk.copy_misses(host, beside, *plan, block=2, programs=2)  # loops over requests and rows
-    assert torch.equal(beside, want_hot), "copy_misses wrote other rows than the plan's"
-    odd = hot.clone()
-    mk.copy_misses(host, odd, *plan, block=4, programs=3)  # any program count
-    assert torch.equal(odd, want_hot), "copy_misses with 3 programs"
-    kernels.gather_decode(beside, ids, pending=pending, part="misses", out=out)
-    assert _same_bits(out, whole), "hits then misses != the whole read"
-
-    in_read = hot.clone()
-    got = mk.read_rows_from_host(in_read, host, pending, ids, block=8, warps=2)
-    assert _same_bits(got, whole), "read_rows_from_host != the whole read"
-    assert torch.equal(in_read, want_hot), "read_rows_from_host filled other hot rows"
-
-    moved = torch.zeros(1, dtype=torch.uint64)
-    mk.stage_misses(pending, *plan, clear=True, moved=moved)
-    assert bool((pending == -1).all()), "stage_misses(clear=True)"
-    assert int(moved.view(torch.int64)) == int(count.sum()) * 656, "stage_misses(moved=)"
+    # the selection: sort keys, one sort, slots through the block table (-1 padding last)
+    bs, top_k = 16, 32
+    bt = torch.randperm(18, generator=g).view(3, 6).int()
+    b = TokenBatch(torch.tensor([95, 10, 40, 3]), torch.tensor([0, 1, 1, 2]),
+                   torch.tensor([96, 41, 4]), bt, bs)  # fmt: skip
+    scores = torch.randn(4, 96, generator=g)
+    scores[torch.arange(96)[None, :] > b.positions[:, None]] = float("-inf")
+    for k in (top_k, 20):
+        best, idx = scores.topk(k, dim=-1, sorted=False)
+        got = select_kernel.selection_slots(best, idx, b.req, bt, bs, top_k)
+        pos = torch.where(torch.isfinite(best), idx, torch.full_like(idx, -1))
+        assert torch.equal(got, b.slots(_sorted(pos, top_k))), f"selection_slots k={k}"
+    # the masked softmax: padding (-1) takes no weight
+    s = torch.randn(3, 6, 40, generator=g)
+    ids = torch.randint(0, 99, (3, 40), generator=g)
+    ids[1, 30:] = -1
+    got = mla_kernel.masked_softmax(s, ids)
+    want = s.masked_fill((ids < 0).unsqueeze(1), float("-inf")).softmax(-1)
+    assert float((got - want).abs().max()) < 1e-6, "masked_softmax"
+    # the fp8 key store: only the slots given, a slot of -1 skipped, keys decode close
+    D = 64
+    cache = torch.full((10, bs * (D + 4)), 7, dtype=torch.uint8)
+    slots = torch.tensor([3, 17, -1, 100])
+    k = torch.randn(4, D, generator=g)
+    idx_kernel.store_fp8_keys(cache, slots, k, bs)
+    keep = slots >= 0
+    want = cache.clone().fill_(7)
+    index_keys.store_keys(want, slots[keep], k[keep], "fp8", bs)
+    at = index_keys._byte_index(cache, slots[keep], "fp8", D, bs)
+    got_b, want_b = cache.view(-1)[at], want.view(-1)[at]
+    assert torch.equal(got_b[:, D:], want_b[:, D:]), "store_fp8_keys: the scales"
+    # the interpreter rounds a few values to float8 differently from torch (the GPU does not)
+    assert float((got_b[:, :D] != want_b[:, :D]).float().mean()) < 0.05, "store_fp8_keys: values"
+    untouched = torch.ones(10 * bs, dtype=torch.bool)
+    untouched[slots[keep]] = False
+    rest = index_keys._byte_index(cache, torch.nonzero(untouched).squeeze(1), "fp8", D, bs)
+    assert bool((cache.view(-1)[rest.reshape(-1)] == 7).all()), "store_fp8_keys wrote elsewhere"
+    # the paged indexer: a tile inside one block (one run of bytes) and key by key agree
+    H, bs = 16, 64
+    cache = torch.zeros(6, bs * (D + 4), dtype=torch.uint8)
+    index_keys.store_keys(cache, torch.arange(6 * bs), torch.randn(6 * bs, D, generator=g),
+                          "fp8", bs)  # fmt: skip
+    bt = torch.randperm(6, generator=g).view(2, 3).int()
+    q, hw = torch.randn(3, H, D, generator=g), torch.rand(3, H, generator=g)
+    req, pos = torch.tensor([0, 1, 1]), torch.tensor([150, 5, 191])
+    whole = idx_kernel.paged_scores(q, hw, cache, bt, bs, req, pos, block_t=64, tiles=1)
+    keyed = idx_kernel.paged_scores(q, hw, cache, bt, bs, req, pos, block_t=16, tiles=2)
+    assert torch.equal(torch.isinf(whole), torch.isinf(keyed)), "paged_scores masks"
+    fin = torch.isfinite(whole)
+    assert torch.allclose(whole[fin], keyed[fin], rtol=1e-4, atol=1e-4), "paged_scores paths"
     print("kernels ok")
 
 
@@ -123,50 +126,31 @@ def check_attention() -> None:
 
 
 def check_step() -> None:
-    # The interpreter's cost is per program: a step smaller than GraphConfig.tiny's (top-k 16,
-    # 4 requests, 3 steps) still takes every path with misses and mostly hits, and the fused
-    # attention cuts rows into 2 runs instead of the 16 that splits_for gives the CPU (it sizes
-    # for 132 SMs), so the runs are still merged; check_attention covers other counts.
+    """The core's kernel attention ("bmm" and "fused") over rows read in place and over the
+    same bytes at other rows (as HiSparse's hot buffers hold them): the same bits."""
+    cfg = DSAConfig.from_hf(random_config("deepseek_v32", index_topk=24, num_attention_heads=4))
+    g = torch.Generator().manual_seed(5)
+    N, T, K = 120, 3, cfg.index_topk
+    store = _rows(N, 31)
+    ids = torch.stack([torch.randperm(N, generator=g)[:K] for _ in range(T)])
+    ids[1, 10:] = -1
+    perm = torch.randperm(N, generator=g)
+    hot = torch.empty_like(store)
+    hot[perm] = store
+    hot_ids = torch.where(ids >= 0, perm[ids.clamp(min=0)], ids)
+    q_nope = torch.randn(T, cfg.num_heads, cfg.qk_nope_head_dim, generator=g)
+    q_pe = torch.randn(T, cfg.num_heads, 64, generator=g)
+    kv_b = 0.05 * torch.randn(cfg.num_heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), 512,
+                              generator=g)  # fmt: skip
     mla_kernel.splits_for = lambda *args, **kwargs: 2
-    torch.manual_seed(0)
-    cfg = GraphConfig.tiny(top_k=16, hot_size=24, ctx_len=128)
-    w, kv = Weights(cfg, "cpu"), KVStore(cfg, 4, "cpu")
-    _, ref = _eager(cfg, w, kv, "resident", 4, 3, fused=True)
-    cases = [
-        ("hisparse", dict(misses="in_read")),
-        ("hisparse", dict(misses="beside")),
-        ("hisparse", dict(misses="in_read", split=2)),
-        ("hisparse", dict(misses="beside", split=2)),
-        ("hybrid", dict(misses="beside", resident=2)),
-        ("hybrid", dict(misses="in_read", resident=2)),
-    ]
-    _, fused_ref = _eager(cfg, w, kv, "resident", 4, 3, fused=True, attention="fused")
-    assert not _same(ref, fused_ref)  # another summation: close, not the same bits
-    cases_fused = [
-        ("hisparse", dict(misses="op")),
-        ("hisparse", dict(misses="beside", split=2)),
-        ("hybrid", dict(misses="beside", resident=2)),
-    ]
-    for mode, kw in cases_fused:
-        _, out = _eager(cfg, w, kv, mode, 4, 3, fused=True, attention="fused", **kw)
-        assert _same(fused_ref, out), f"fused attention {mode} {kw}: not bit-identical"
-    for mode, kw in cases:
-        step, out = _eager(cfg, w, kv, mode, 4, 3, fused=True, **kw)
-        hits, misses, moved = counters(step)
-        assert misses > 0 and hits > misses, (mode, kw, hits, misses)
-        assert moved == misses * 656, (mode, kw, moved, misses)  # beside and in-read alike
-        assert _same(ref, out), f"{mode} {kw}: not bit-identical to resident"
-        assert bool((step.pending == -1).all()), f"{mode} {kw}: pending entries left"
-    # The control: the same step with the misses' read skipped must break parity.
-    whole = kernels.gather_decode
-
-    def skip_misses(src, ids, *, pending=None, part="all", out=None):
-        return out if part == "misses" else whole(src, ids, pending=pending, part=part, out=out)
-
-    kernels.gather_decode = skip_misses
-    _, out = _eager(cfg, w, kv, "hisparse", 4, 3, fused=True, misses="beside")
-    kernels.gather_decode = whole
-    assert not _same(ref, out), "the negative control kept parity: the check has no teeth"
+    for attention in ("bmm", "fused"):
+        core = SparseMLACore(cfg, "fp8", "cpu", attention=attention)
+        assert core.kernel_rows, "the shim did not enable the kernels"
+        a = core.attend(q_nope, q_pe, kv_b, store, ids)
+        b = core.attend(q_nope, q_pe, kv_b, hot, hot_ids)
+        assert torch.equal(a, b), f"{attention}: the same rows elsewhere gave other bits"
+        c = core.attend(q_nope, q_pe, kv_b, hot, ids)  # the control: other rows
+        assert not torch.equal(a, c), f"{attention}: the control kept parity"
     print("step ok")
 
 

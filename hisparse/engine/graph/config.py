@@ -1,17 +1,20 @@
-"""Shapes of the GPU-bound decode step and the device-memory arithmetic behind its capacity figures.
+"""Shapes of the graph step (layers of the DSA attention core with random weights) and the
+device-memory arithmetic behind its capacity figures.
 
 `GraphConfig.deepseek_v32()` is DeepSeek-V3.2's attention (MLA, 128 heads, a 512-wide latent plus
 64 rope values stored as the 656-byte FP8 row; the DSA indexer, 64 heads x 128; top-k 2048). The
 MoE is replaced by a dense SwiGLU MLP whose width is the MoE's active width per token (8 routed +
 1 shared expert x 2048 = 18432), so each layer does the same matrix work per token as the real
 one. `GraphConfig.tiny()` keeps the row layout (it is fixed by the bytes) and shrinks everything
-else so the step runs on the CPU in a unit test.
+else so the step runs on the CPU in a unit test. `dsa_config()` is the same shapes as the
+`DSAConfig` the core takes.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from hisparse.models.dsa.config import DSAConfig
 from hisparse.models.rows import KV_DIM, LATENT_DIM, ROPE_DIM, ROW_FORMATS
 
 ROW_BYTES = ROW_FORMATS["fp8"].row_bytes  # 656
@@ -50,7 +53,7 @@ class GraphConfig:
             nope=16,
             v_head=16,
             idx_heads=4,
-            idx_dim=16,
+            idx_dim=64,  # at least the 64 rope values
             top_k=32,
             hot_size=48,
             ctx_len=256,
@@ -71,6 +74,27 @@ class GraphConfig:
     @property
     def kv_dim(self) -> int:
         return KV_DIM
+
+    def dsa_config(self) -> DSAConfig:
+        """The attention's shapes as a DeepSeek-V3.2 config.json reads them."""
+        return DSAConfig.from_hf(
+            dict(
+                model_type="deepseek_v32",
+                num_hidden_layers=self.layers,
+                hidden_size=self.hidden,
+                num_attention_heads=self.heads,
+                q_lora_rank=self.q_lora,
+                kv_lora_rank=self.latent,
+                qk_rope_head_dim=self.rope,
+                qk_nope_head_dim=self.nope,
+                v_head_dim=self.v_head,
+                index_topk=self.top_k,
+                index_n_heads=self.idx_heads,
+                index_head_dim=self.idx_dim,
+                max_position_embeddings=max(163840, self.ctx_len + 1),
+                rope_theta=10000.0,
+            )
+        )
 
     def check(self) -> None:
         if not self.top_k <= self.hot_size:
@@ -97,10 +121,3 @@ class MemoryBudget:
 
     def max_batch(self, cfg: GraphConfig, resident: bool) -> int:
         return int(self.kv_gib * GIB // self.per_request_bytes(cfg, resident))
-
-    def hybrid_resident(self, cfg: GraphConfig, batch: int) -> int:
-        """Most requests of `batch` that can stay resident when the rest use hot buffers."""
-        res = self.per_request_bytes(cfg, True)
-        hot = self.per_request_bytes(cfg, False)
-        free = self.kv_gib * GIB - batch * hot
-        return max(0, min(batch, int(free // (res - hot))))

@@ -209,7 +209,7 @@ class SparseMLACore:
         if self.kernel_rows and ids.shape[0]:
             w_uk, w_uv = self._split(kv_b_weight)
             q_lat = torch.bmm(q_nope.to(w_uk.dtype).transpose(0, 1), w_uk).transpose(0, 1)
-            o = self._attend_kernels(q_lat, q_pe, src, ids).to(w_uv.dtype)
+            o = self.attend_latent(q_lat, q_pe, src, ids).to(w_uv.dtype)
             v = torch.bmm(o.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
             return v.reshape(o.shape[0], -1)
         q_lat = mla.absorb_query(q_nope, kv_b_weight, cfg)
@@ -244,7 +244,9 @@ class SparseMLACore:
         values = decode_rows(rows, self.row_format, q_lat.dtype)
         return mla.attend_rows(q_lat, q_pe, values, valid, self.cfg.softmax_scale)
 
-    def _attend_kernels(self, q_lat, q_pe, src, ids) -> torch.Tensor:
+    def attend_latent(self, q_lat, q_pe, src, ids) -> torch.Tensor:
+        """The kernels' attention in the latent: absorbed queries q_lat [T, H, 512] and q_pe [T,
+        H, 64] over rows ``ids`` [T, K] of the fp8 ``src`` -> latent mix [T, H, 512] bf16."""
         q = torch.cat([q_lat, q_pe], dim=-1).to(torch.bfloat16)
         scale = self.cfg.softmax_scale
         if self.attention == "fused":

@@ -47,7 +47,9 @@ def encode_keys(k: torch.Tensor, fmt: str) -> torch.Tensor:
     if fmt == "f32":
         return k.contiguous().view(torch.uint8)
     amax = k.abs().amax(dim=-1, keepdim=True)
-    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    # Times the reciprocal, not divided: torch divides by a Python number that way on CUDA and
+    # exactly on the CPU, so a division would store other bytes on each (and the kernel's).
+    scale = torch.where(amax > 0, amax * (1.0 / FP8_MAX), torch.ones_like(amax))
     q = (k / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     return torch.cat([q.view(torch.uint8), scale.contiguous().view(torch.uint8)], dim=-1)
 

@@ -107,7 +107,7 @@ if triton is not None:
     @triton.jit
     def _store_fp8_keys(
         k, k_stride, slots, cache_u8, cache_f32, D: tl.constexpr, BS: tl.constexpr,
-        FP8_MAX: tl.constexpr,
+        FP8_MAX: tl.constexpr, RCP: tl.constexpr,
     ):  # fmt: skip
         t = tl.program_id(0).to(tl.int64)
         slot = tl.load(slots + t).to(tl.int64)
@@ -115,9 +115,9 @@ if triton is not None:
             d = tl.arange(0, D)
             x = tl.load(k + t * k_stride + d).to(tl.float32)
             amax = tl.max(tl.abs(x), axis=0)
-            # Correctly rounded divisions (Triton's "/" is approximate): the bytes of
-            # index_keys.encode_keys, on every device.
-            scale = tl.where(amax > 0, tl.math.div_rn(amax, FP8_MAX), 1.0)
+            # index_keys.encode_keys' arithmetic: times the reciprocal, then a correctly rounded
+            # division (Triton's "/" is approximate), so the same bytes on every device.
+            scale = tl.where(amax > 0, amax * RCP, 1.0)
             v = tl.math.div_rn(x, scale + tl.zeros([D], tl.float32))
             v = tl.minimum(tl.maximum(v, -FP8_MAX), FP8_MAX).to(tl.float8e4nv)
             base = (slot // BS) * (BS * (D + 4))
@@ -144,5 +144,5 @@ def store_fp8_keys(cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, bl
         k = k.contiguous()
     _store_fp8_keys[(T,)](
         k, k.stride(0), slots.contiguous(), cache, cache.view(torch.float32), D, block_size,
-        FP8_MAX, num_warps=1,
+        FP8_MAX, 1.0 / FP8_MAX, num_warps=1,
     )  # fmt: skip
