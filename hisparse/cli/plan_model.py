@@ -162,14 +162,15 @@ GBPS_ONE_LAYER = (14.2, 17.8)  # 32 GiB pool: one request's 2048 misses; batch 2
 GBPS_COLOCATED = (46.3, 49.4)  # same pool, index groups of 4 co-located, same two plans
 COLOCATED_MEASURED = 4  # groups of 2-3 were not measured: they get the one-layer rate
 
-# Decode step of the project's engine on one H200 (bench_decode_tpot.py: 8 layers of DeepSeek-
-# V3.2 attention, dense 18432 MLP, hot buffer 4096, all KV resident; engine_tpot_h200*.md):
-# context -> ((batch, ms/step), (batch, ms/step)), batch 1 and the largest batch measured.
+# Decode step of the DSA core on one H200 (bench_decode_tpot.py: 8 layers of DeepSeek-V3.2
+# attention through hisparse.engine.graph, dense 18432 MLP, LM head, hot buffer 4096, resident
+# rows; engine_tpot_h200.json, step_cost_h200_ctx*.json): context -> ((batch, ms/step), (batch,
+# ms/step)), batch 1 and the largest batch measured.
 PROXY_LAYERS = 8
 STEP_MS = {
-    32768: ((1, 4.431), (112, 10.857)),
-    65536: ((1, 4.479), (69, 9.960)),
-    131072: ((1, 4.564), (39, 9.112)),
+    32768: ((1, 5.308), (112, 12.159)),
+    65536: ((1, 5.273), (69, 11.371)),
+    131072: ((1, 5.370), (39, 10.632)),
 }
 
 
@@ -287,7 +288,7 @@ def _regime(p: PlanInputs, gpus: int, tp: int, rate, b8: float, c_us: float) -> 
         "time per token",
         f"tokens/s: n / (b + n*c + copy) per rank; b = {b8:.2f} ms x {p.layers}/{PROXY_LAYERS} "
         f"layers / TP {tp}, c = {c_us:.2f} us per request-layer at {p.context:,} tokens, "
-        "measured on one H200 for the project's engine (8 layers of DeepSeek-V3.2 attention, "
+        "measured on one H200 for the DSA core (8 layers of DeepSeek-V3.2 attention, "
         "dense MLP); an estimate: MoE expert reads, collectives and prefill not modelled",
     ]
     lo_t, hi_t = min(STEP_MS), max(STEP_MS)
