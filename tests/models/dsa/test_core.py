@@ -142,3 +142,11 @@ def test_attend_equals_attend_rows_per_token(row_format):
         o = mla.attend_rows(q_lat, q_pe[t : t + 1], rows[None], ones, cfg.softmax_scale)
         want = mla.expand_values(o, kv_b * 0.05, cfg)
         assert torch.allclose(got[t], want[0], atol=1e-5, rtol=1e-5), t
+
+
+def test_paged_indexer_tiles_keep_about_eight_programs_per_sm():
+    from hisparse.models.dsa.kernels.indexer import tiles_for
+
+    # the H200 sweep's winners: 8 tiles at 30 x 32k, 16 at 39 x 128k, 4 for one request
+    assert (tiles_for(30, 32832), tiles_for(39, 131136), tiles_for(1, 32832)) == (8, 16, 4)
+    assert tiles_for(112, 32832) == 16 and tiles_for(0, 32832) == 4
