@@ -29,8 +29,9 @@ from pathlib import Path
 import torch
 
 from hisparse.engine.graph import MODES, CoreStep, GraphConfig, MemoryBudget, measure
+from hisparse.models.dsa.core import SparseMLACore
 
-CORE = "hisparse.models.dsa.core"
+CORE = SparseMLACore.__module__  # what CoreStep's layers run (checked in run())
 
 
 def _config(args) -> GraphConfig:
@@ -41,6 +42,7 @@ def _config(args) -> GraphConfig:
 
 def run(args, batch: int, modes, resident_limit: int) -> dict:
     step = CoreStep(_config(args), batch, modes, "cuda", attention=args.attention, miss=args.miss)
+    assert type(step.core) is SparseMLACore and step.core.kernel_rows and step.core.kernel_index
     row = measure(step, args.rounds, args.steps)
     row["fits_resident_budget"] = batch <= resident_limit
     del step
