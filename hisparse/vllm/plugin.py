@@ -39,9 +39,28 @@ def register() -> None:
         logging.getLogger("vllm.hisparse").warning(
             "hisparse: FP8 config hook not installed: %s", why
         )
+    # The DSA classes' attention op splits vLLM's compiled graphs as vLLM's own attention does.
+    why = _add_splitting_op("hisparse::dsa_attention")
+    if why is not None:
+        logging.getLogger("vllm.hisparse").warning("hisparse: %s", why)
     # --speculative-config method=mtp: the checkpoints' MTP layer through our draft class.
     from hisparse.vllm.dsa.mtp_config import install_draft_override
 
     why = install_draft_override()
     if why is not None:
         logging.getLogger("vllm.hisparse").warning("hisparse: MTP draft not installed: %s", why)
+
+
+def _add_splitting_op(name: str):
+    """Append ``name`` to the ops vLLM's piecewise compilation splits at (its attention ops);
+    None, or why it could not."""
+    try:
+        from vllm.config.compilation import CompilationConfig
+    except ImportError as e:  # pragma: no cover - depends on the vLLM version
+        return f"attention op not added to vLLM's splitting ops: {e}"
+    ops = getattr(CompilationConfig, "_attention_ops", None)
+    if not isinstance(ops, list):
+        return "attention op not added to vLLM's splitting ops: no _attention_ops list"
+    if name not in ops:
+        ops.append(name)
+    return None

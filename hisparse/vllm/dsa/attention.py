@@ -170,6 +170,28 @@ class DSAAttention(nn.Module):
         self.indexer = (
             DSAIndexer(cfg, index_cache, max_pos, self.core) if cfg.is_full(layer) else None
         )
+        # The name the attention op finds this layer by (``attention_op``); ``step_of`` gives
+        # a forward's Step (set by the model that owns the layer).
+        self.op_name = f"model.layers.{layer}.self_attn"
+        self.step_of = None
+        ctx = get_current_vllm_config().compilation_config.static_forward_context
+        if self.op_name in ctx:
+            raise ValueError(f"duplicate layer name {self.op_name!r}")
+        ctx[self.op_name] = self
+
+    def attend_into(self, h, positions, out, selection) -> None:
+        """The attention op's body: this layer's output into ``out`` [T, hidden] (rows past the
+        step's tokens, vLLM's padding, zero) and, on a layer with an indexer, its top-k slots
+        into ``selection`` (when the model keeps them for layers that share them); a layer
+        without one reads them there."""
+        step = self.step_of(positions)
+        n = h.shape[0] if step is None else step.tokens.num_tokens
+        shared = selection[:n] if self.indexer is None and step is not None else None
+        o, sel = self.forward(h[:n], step, shared)
+        out[:n].copy_(o)
+        out[n:].zero_()
+        if self.indexer is not None and step is not None and selection.shape[0]:
+            selection[:n].copy_(sel)
 
     def forward(self, h: torch.Tensor, step: Optional[Step], selection):
         """(output [T, hidden], the top-k slots this layer used). ``step`` None: a dummy run."""

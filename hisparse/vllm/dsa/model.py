@@ -16,6 +16,7 @@ from typing import Iterable, Optional, Set, Tuple
 
 import torch
 from torch import nn
+from vllm.compilation.decorators import support_torch_compile
 from vllm.config import VllmConfig
 from vllm.forward_context import get_forward_context
 from vllm.model_executor.layers.layernorm import RMSNorm
@@ -29,6 +30,7 @@ from vllm.model_executor.models.deepseek_v2 import DeepseekV2MLP, DeepseekV2MoE
 from hisparse.models.dsa.config import DSAConfig
 from hisparse.models.dsa.core import TokenBatch, token_rows
 from hisparse.models.rows import ROW_FORMATS
+from hisparse.vllm.dsa import attention_op  # noqa: F401  (registers hisparse::dsa_attention)
 from hisparse.vllm.dsa.attention import DSAAttention, Step
 from hisparse.vllm.dsa.weights import load_dsa_weights
 from hisparse.vllm.layers import SparseMLACache
@@ -102,9 +104,18 @@ class DSADecoderLayer(nn.Module):
             )
 
     def forward(self, x: torch.Tensor, step: Optional[Step], selection):
+        """The eager form (the MTP draft's): attention called directly with the step."""
         o, selection = self.self_attn(self.input_layernorm(x), step, selection)
         x = x + o
         return x + self.mlp(self.post_attention_layernorm(x)), selection
+
+    def forward_op(self, x: torch.Tensor, positions: torch.Tensor, selection: torch.Tensor):
+        """The compilable form: attention through the opaque op, which reads the step itself."""
+        h = self.input_layernorm(x)
+        o = torch.empty_like(h)
+        torch.ops.hisparse.dsa_attention(h, positions, o, selection, self.self_attn.op_name)
+        x = x + o
+        return x + self.mlp(self.post_attention_layernorm(x))
 
 
 class _Names:
@@ -122,6 +133,57 @@ class _Names:
         self.first_index = self.index[0]
 
 
+_NO_STEP = object()
+
+
+@support_torch_compile
+class DSAModel(nn.Module):
+    """Embeddings, the decoder layers and the final norm: what vLLM compiles (unless
+    ``--enforce-eager``), each layer's attention an opaque op (``attention_op``) it traces
+    around. ``selection`` keeps a full indexer layer's top-k slots for the layers that share
+    them (GLM-5's index groups); a model without shared layers keeps none."""
+
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = "", cfg=None, names=None):
+        super().__init__()
+        hf = vllm_config.model_config.hf_config
+        self.names, self.hisparse = names, uses_hisparse_connector(vllm_config)
+        self.embed_tokens = VocabParallelEmbedding(hf.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(
+            DSADecoderLayer(vllm_config, cfg, i, names) for i in range(cfg.num_layers)
+        )
+        self.norm = RMSNorm(cfg.hidden_size, eps=hf.rms_norm_eps)
+        shared = any(not cfg.is_full(i) for i in range(cfg.num_layers))
+        rows = vllm_config.scheduler_config.max_num_batched_tokens if shared else 0
+        self.register_buffer(
+            "selection", torch.full((rows, cfg.index_topk), -1, dtype=torch.int64), False
+        )
+        for layer in self.layers:
+            layer.self_attn.step_of = self.step_of
+
+    def step_of(self, positions: torch.Tensor) -> Optional[Step]:
+        """This forward's Step, built by the first layer that asks (kept on vLLM's forward
+        context, which is new every forward)."""
+        ctx = get_forward_context()
+        step = getattr(ctx, "_hisparse_dsa_step", _NO_STEP)
+        if step is _NO_STEP:
+            step = forward_step(self.names.first_index, positions, self.hisparse)
+            ctx._hisparse_dsa_step = step
+        return step
+
+    def forward(
+        self,
+        input_ids: Optional[torch.Tensor],
+        positions: torch.Tensor,
+        intermediate_tensors=None,
+        inputs_embeds: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
+        x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        selection = self.selection[: x.shape[0]] if self.selection.shape[0] else self.selection
+        for layer in self.layers:
+            x = layer.forward_op(x, positions, selection)
+        return self.norm(x)
+
+
 class _DSAForCausalLM(nn.Module):
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
         super().__init__()
@@ -136,12 +198,7 @@ class _DSAForCausalLM(nn.Module):
         # (default: fp8 beside fp8 rows, else f32).
         key_fmt = getattr(hf, KEY_FORMAT_KEY, None)
         self.names = _Names(cfg, cfg.row_format_for(dtype), key_fmt, self.hisparse)
-        self.model = nn.Module()
-        self.model.embed_tokens = VocabParallelEmbedding(hf.vocab_size, cfg.hidden_size)
-        self.model.layers = nn.ModuleList(
-            DSADecoderLayer(vllm_config, cfg, i, self.names) for i in range(cfg.num_layers)
-        )
-        self.model.norm = RMSNorm(cfg.hidden_size, eps=hf.rms_norm_eps)
+        self.model = DSAModel(vllm_config=vllm_config, prefix="model", cfg=cfg, names=self.names)
         self.lm_head = ParallelLMHead(hf.vocab_size, cfg.hidden_size, prefix="lm_head")
         self.logits_processor = LogitsProcessor(hf.vocab_size)
         self.n_routed_experts = hf.n_routed_experts
@@ -160,14 +217,7 @@ class _DSAForCausalLM(nn.Module):
         inputs_embeds: Optional[torch.Tensor] = None,
         **kwargs,
     ) -> torch.Tensor:
-        x = self.embed_input_ids(input_ids) if inputs_embeds is None else inputs_embeds
-        step = forward_step(self.names.first_index, positions, self.hisparse)
-        if step is not None:
-            x = x[: step.tokens.num_tokens]
-        selection = None
-        for layer in self.model.layers:
-            x, selection = layer(x, step, selection)
-        return self.model.norm(x)
+        return self.model(input_ids, positions, intermediate_tensors, inputs_embeds)
 
     def load_weights(self, weights: Iterable[Tuple[str, torch.Tensor]]) -> Set[str]:
         return load_dsa_weights(self, weights, self.cfg, self.n_routed_experts)
