@@ -8,6 +8,10 @@ MLA refuses the CPU: it runs all-resident on vLLM's KV cache, or through the HiS
 when ``--kv-transfer-config`` names it (``kv_connector_module_path="hisparse.vllm.connector"``).
 Index groups: a full indexer layer leads the shared layers after it (GLM-5); the connector
 resolves once per group.
+
+vLLM compiles ``DSAModel`` unless ``--enforce-eager``: each layer's attention is one opaque op
+(``attention_op``) that reads the step's metadata itself, so the traced graph holds no per-step
+host decision; the MTP draft calls the layers' eager form.
 """
 
 from __future__ import annotations
@@ -136,7 +140,7 @@ class _Names:
 _NO_STEP = object()
 
 
-@support_torch_compile
+@support_torch_compile(dynamic_arg_dims={"input_ids": 0, "positions": -1, "inputs_embeds": 0})
 class DSAModel(nn.Module):
     """Embeddings, the decoder layers and the final norm: what vLLM compiles (unless
     ``--enforce-eager``), each layer's attention an opaque op (``attention_op``) it traces
