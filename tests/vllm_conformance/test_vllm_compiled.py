@@ -11,16 +11,15 @@ Collected only with HISPARSE_VLLM_CONFORMANCE=1.
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 if os.environ.get("HISPARSE_VLLM_CONFORMANCE", "") in ("", "0"):
     pytest.skip("vLLM conformance stage only", allow_module_level=True)
+
+from test_vllm_mtp import run_llm  # noqa: E402
 
 from hisparse.models.dsa.random_checkpoint import export_random_checkpoint  # noqa: E402
 
@@ -48,7 +47,7 @@ if __name__ == "__main__":
               hf_overrides={"architectures": [cls]}, kv_transfer_config=kv)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         SamplingParams(temperature=0.0, max_tokens=gen, ignore_eos=True))
-    print("TOKENS " + json.dumps([list(o.outputs[0].token_ids) for o in outs]))
+    print("RESULT " + json.dumps([list(o.outputs[0].token_ids) for o in outs]))
 """
 
 
@@ -58,25 +57,9 @@ def _prompts():
 
 
 def _run(tmp: Path, model: Path, arch: str, eager: bool, hisparse: bool) -> tuple:
-    script = tmp / "run_llm.py"
-    script.write_text(RUNNER)
-    arg = json.dumps(
-        [str(model), CLASSES[arch], eager, KV_CONFIG if hisparse else None, _prompts(), GEN]
-    )
-    cache = tmp / f"cache-{eager}-{hisparse}"
-    env = {**os.environ, "VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1",
-           "VLLM_CACHE_ROOT": str(cache)}  # fmt: skip
-    p = subprocess.run(
-        [sys.executable, str(script), arg],
-        capture_output=True,
-        text=True,
-        timeout=900,
-        env=env,
-        cwd=tmp,
-    )
-    line = next((s for s in p.stdout.splitlines() if s.startswith("TOKENS ")), None)
-    assert p.returncode == 0 and line, f"vLLM run failed (rc {p.returncode}):\n{p.stderr[-4000:]}"
-    return json.loads(line[len("TOKENS ") :]), p.stdout + p.stderr
+    """(tokens, the run's output): a compile cache of its own, so a compiled run traces."""
+    arg = [str(model), CLASSES[arch], eager, KV_CONFIG if hisparse else None, _prompts(), GEN]
+    return run_llm(tmp, RUNNER, arg, {"VLLM_CACHE_ROOT": str(tmp / f"cache-{eager}-{hisparse}")})
 
 
 @pytest.mark.parametrize("arch", sorted(CLASSES))

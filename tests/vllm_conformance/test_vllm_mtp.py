@@ -73,15 +73,14 @@ def _prompts():
     return [list(text[i : i + 64 + 7 * i]) for i in range(PROMPTS)]
 
 
-def _run(tmp: Path, model: Path, spec: bool, hisparse: bool, cli=None) -> dict:
-    """One LLM run; ``cli``: the target class as a dict override (as ``vllm serve
-    --hf-overrides`` passes it) instead of the callable."""
+def run_llm(tmp: Path, runner: str, arg, env=None) -> tuple:
+    """``runner`` (a script printing one ``RESULT <json>`` line) run on ``arg`` (JSON) in a
+    process of its own: (the parsed result, its stdout and stderr)."""
     script = tmp / "run_llm.py"
-    script.write_text(RUNNER)
-    arg = json.dumps([str(model), spec, KV_CONFIG if hisparse else None, _prompts(), GEN, cli])
-    env = {**os.environ, "VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1"}
+    script.write_text(runner)
+    env = {**os.environ, "VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1", **(env or {})}
     p = subprocess.run(
-        [sys.executable, str(script), arg],
+        [sys.executable, str(script), json.dumps(arg)],
         capture_output=True,
         text=True,
         timeout=900,
@@ -90,7 +89,14 @@ def _run(tmp: Path, model: Path, spec: bool, hisparse: bool, cli=None) -> dict:
     )
     line = next((s for s in p.stdout.splitlines() if s.startswith("RESULT ")), None)
     assert p.returncode == 0 and line, f"vLLM run failed (rc {p.returncode}):\n{p.stderr[-4000:]}"
-    return json.loads(line[len("RESULT ") :])
+    return json.loads(line[len("RESULT ") :]), p.stdout + p.stderr
+
+
+def _run(tmp: Path, model: Path, spec: bool, hisparse: bool, cli=None) -> dict:
+    """One LLM run; ``cli``: the target class as a dict override (as ``vllm serve
+    --hf-overrides`` passes it) instead of the callable."""
+    arg = [str(model), spec, KV_CONFIG if hisparse else None, _prompts(), GEN, cli]
+    return run_llm(tmp, RUNNER, arg)[0]
 
 
 def _acceptance(r: dict) -> tuple:

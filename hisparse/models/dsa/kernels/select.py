@@ -14,8 +14,6 @@ import torch
 
 from hisparse.models.dsa.kernels.rows import triton
 
-PAD = torch.iinfo(torch.int32).max  # sorts after every position
-
 if triton is not None:
     import triton.language as tl
 
@@ -26,7 +24,8 @@ if triton is not None:
         ok = j < k
         v = tl.load(best + t * k + j, mask=ok, other=float("-inf"))
         i = tl.load(idx + t * k + j, mask=ok, other=0)
-        # -inf: a position past the token's own, or a column past those topk returned.
+        # -inf: a position past the token's own, or a column past those topk returned; its key
+        # is int32's largest (2147483647), which sorts after every position.
         key = tl.where(v > float("-inf"), i.to(tl.int32), 2147483647)
         tl.store(out + t * TOP_K + j, key, mask=j < TOP_K)
 
