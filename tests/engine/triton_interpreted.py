@@ -23,6 +23,8 @@ import torch
 from hisparse.models.dsa import index_keys
 from hisparse.models.dsa.config import DSAConfig
 from hisparse.models.dsa.core import SparseMLACore, TokenBatch, _sorted
+from hisparse.models.dsa.decoder import rms_norm, rope_half, rope_interleaved
+from hisparse.models.dsa.kernels import elementwise as ew
 from hisparse.models.dsa.kernels import indexer as idx_kernel
 from hisparse.models.dsa.kernels import mla as mla_kernel
 from hisparse.models.dsa.kernels import rows as kernels
@@ -154,7 +156,31 @@ def check_step() -> None:
     print("step ok")
 
 
+def check_elementwise() -> None:
+    """float32 only: the interpreter's bf16 and fp8 conversions truncate where the GPU rounds."""
+    g = torch.Generator().manual_seed(8)
+    T = 6
+    cos, sin = torch.randn(T, 64, generator=g), torch.randn(T, 64, generator=g)
+    x = torch.randn(T, 3, 200, generator=g)[..., :192]
+    for start, inter, turn in ((128, True, rope_interleaved), (0, False, rope_half)):
+        want = torch.cat([x[..., :start], turn(x[..., start : start + 64], cos, sin),
+                          x[..., start + 64 :]], dim=-1)  # fmt: skip
+        assert torch.equal(ew.rope(x, cos, sin, start=start, interleaved=inter), want), start
+    kv = torch.randn(T, 576, generator=g) * torch.logspace(-4, 4, T)[:, None]
+    w = 1 + 0.1 * torch.randn(512, generator=g)
+    row = ew.latent_row(kv, w, 1e-6, cos, sin)
+    assert torch.equal(row[:, 512:], rope_interleaved(kv[:, 512:], cos, sin)), "latent_row rope"
+    assert torch.allclose(row[:, :512], rms_norm(kv[:, :512], w, 1e-6), rtol=1e-5), "latent norm"
+    assert torch.allclose(ew.rms_norm(kv[:, :100], w[:100], 1e-6),
+                          rms_norm(kv[:, :100], w[:100], 1e-6), rtol=1e-5), "rms_norm"  # fmt: skip
+    got, want = ew.encode_fp8_rows(kv), encode_rows(kv, "fp8")
+    assert torch.equal(got[:, 512:528], want[:, 512:528]), "encode_fp8_rows: the scales"
+    assert float((got[:, :512] != want[:, :512]).float().mean()) < 0.05, "encode: values"
+    print("elementwise ok")
+
+
 if __name__ == "__main__":
+    check_elementwise()
     check_kernels()
     check_attention()
     check_step()

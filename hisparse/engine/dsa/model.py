@@ -20,7 +20,7 @@ from hisparse.models.dsa.core import CHUNK_ELEMS, SparseMLACore, TokenBatch
 from hisparse.models.dsa.decoder import Rotary, linear, mlp, moe, rms_norm
 from hisparse.models.dsa.projections import index_inputs, mla_inputs
 from hisparse.models.dsa.weights import Checkpoint
-from hisparse.models.rows import KV_DIM, encode_rows
+from hisparse.models.rows import KV_DIM
 
 
 class DSAForward:
@@ -85,10 +85,11 @@ class DSAForward:
 
     def _attention(self, i: int, h, rope, store, batch: TokenBatch, slots, nd: int, sel):
         cfg, w, core = self.cfg, self.ck.attn[i], self.core
-        q_resid, q_nope, q_pe, row = mla_inputs(h, w, cfg, rope)
-        store.save(i, encode_rows(row, self.row_format), slots)
+        fused = core.kernel_rows
+        q_resid, q_nope, q_pe, row = mla_inputs(h, w, cfg, rope, kernels=fused)
+        store.save(i, core.encode_rows(row), slots)
         if cfg.is_full(i):
-            q, k, head_w = index_inputs(h, q_resid, w, cfg, rope)
+            q, k, head_w = index_inputs(h, q_resid, w, cfg, rope, kernels=fused)
             core.store_keys(self.index_keys[i], slots, k, batch.block_size)
             sel = core.select(q, head_w, self.index_keys[i], batch)
         kv_b = w["kv_b_proj.weight"]

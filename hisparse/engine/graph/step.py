@@ -156,9 +156,10 @@ class CoreStep:
         for lay in self.layers:
             w = lay.w
             h = rms_norm(x, w["norm"], 1e-6)
-            q_resid, q_nope, q_pe, row = mla_inputs(h, w, dsa, self.rope)
-            rows = encode_rows(row, "fp8")
-            q, k, head_w = index_inputs(h, q_resid, w, dsa, self.rope)
+            fused = core.kernel_rows
+            q_resid, q_nope, q_pe, row = mla_inputs(h, w, dsa, self.rope, kernels=fused)
+            rows = core.encode_rows(row)
+            q, k, head_w = index_inputs(h, q_resid, w, dsa, self.rope, kernels=fused)
             core.store_keys(lay.cache, self.new_slots, k, BLOCK)
             ranked = core.select(q, head_w, lay.cache, tok)
             if mode == "resident":

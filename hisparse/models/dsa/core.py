@@ -10,7 +10,9 @@ step has no Python loop over requests and reads nothing back to the host. Two ba
   (ReLU zeros are common) depends on the length of the row it ranks.
 * ``triton`` (CUDA): the production formats' kernels (``hisparse.models.dsa.kernels``): the
   paged FP8 indexer where keys are fp8, the one-pass FP8 row read with batched products
-  (``attention="bmm"``) or the fused sparse MLA kernel (``"fused"``) where rows are fp8.
+  (``attention="bmm"``) or the fused sparse MLA kernel (``"fused"``) where rows are fp8, and
+  there the row encoding and (``kernel_rows`` passed to the projections) the norms and rotary
+  embeddings in one launch each.
   Unquantized formats keep the torch math on CUDA too: they exist to compare with references.
 
 Resident and HiSparse attend through the same call on the same row bytes in the same order (the
@@ -30,11 +32,12 @@ from hisparse.models.dsa import attention as mla
 from hisparse.models.dsa import index_keys
 from hisparse.models.dsa.config import DSAConfig
 from hisparse.models.dsa.indexer import causal_top_k
+from hisparse.models.dsa.kernels import elementwise as ew
 from hisparse.models.dsa.kernels import indexer as idx_kernel
 from hisparse.models.dsa.kernels import mla as mla_kernel
 from hisparse.models.dsa.kernels import rows as row_kernels
 from hisparse.models.dsa.kernels import select as select_kernel
-from hisparse.models.rows import KV_DIM, LATENT_DIM, ROW_FORMATS, decode_rows
+from hisparse.models.rows import KV_DIM, LATENT_DIM, ROW_FORMATS, decode_rows, encode_rows
 
 # Bound on one torch-path chunk (index scores [tokens, heads, context] or rows [tokens, K, 576]).
 CHUNK_ELEMS = 1 << 24
@@ -122,6 +125,13 @@ class SparseMLACore:
         self.kernel_keys = use and key_format == "fp8" and d & (d - 1) == 0
         self.attention = attention
         self._splits: dict = {}  # kv_b_proj weight -> (W_uk, W_uv), kernel path
+
+    def encode_rows(self, values: torch.Tensor) -> torch.Tensor:
+        """Row values [T, 576] -> [T, row_bytes] in the row format (``rows.encode_rows``; one
+        launch, the same bytes, for fp8 rows on the kernel path)."""
+        if self.kernel_rows and ew.supported(values):
+            return ew.encode_fp8_rows(values)
+        return encode_rows(values, self.row_format)
 
     # ------------------------------------------------------------------ indexer
     def key_cache(self, blocks: int, block_size: int, device) -> torch.Tensor:

@@ -1,6 +1,8 @@
 """The projections around one DSA layer's sparse attention, in pure torch (float32, any device):
 the MLA query and latent row of each token, the indexer's query / key / head weights, the sorted
-top-k a query attends to, and the attention output over the rows it read.
+top-k a query attends to, and the attention output over the rows it read. With ``kernels=True``
+on CUDA the norms and rotary embeddings run as ``hisparse.models.dsa.kernels.elementwise`` (one
+launch each, the same values up to a norm's sum order).
 
 Weights are the layer's ``self_attn.*`` tensors keyed by their suffix (``q_a_proj.weight``,
 ``indexer.wq_b.weight``...), as transformers names them. The row math itself is
@@ -23,6 +25,7 @@ from hisparse.models.dsa.decoder import (
     rope_half,
     rope_interleaved,
 )
+from hisparse.models.dsa.kernels import elementwise as ew
 from hisparse.models.rows import LATENT_DIM, ROPE_DIM
 
 Weights = Mapping[str, torch.Tensor]
@@ -31,28 +34,43 @@ CosSin = Tuple[torch.Tensor, torch.Tensor]
 _PAD_SORT = torch.iinfo(torch.int64).max
 
 
-def mla_inputs(h: torch.Tensor, w: Weights, cfg: DSAConfig, rope: CosSin):
+def mla_inputs(h: torch.Tensor, w: Weights, cfg: DSAConfig, rope: CosSin, *, kernels=False):
     """(q_resid [T, q_lora_rank], q_nope [T, H, nope], q_pe [T, H, 64], row values [T, 576])."""
-    t = h.shape[0]
+    t, nope = h.shape[0], cfg.qk_nope_head_dim
+    cos, sin = rope
+    norms = w["q_a_layernorm.weight"], w["kv_a_layernorm.weight"]
+    if kernels and ew.supported(h, cos, sin, *norms):
+        q_resid = ew.rms_norm(linear(h, w["q_a_proj.weight"]), norms[0], LATENT_NORM_EPS)
+        q = linear(q_resid, w["q_b_proj.weight"]).view(t, cfg.num_heads, -1)
+        q = ew.rope(q, cos, sin, start=nope, interleaved=True)
+        kv = linear(h, w["kv_a_proj_with_mqa.weight"])
+        row = ew.latent_row(kv, norms[1], LATENT_NORM_EPS, cos, sin)
+        return q_resid, q[..., :nope], q[..., nope:], row
     q_resid = rms_norm(linear(h, w["q_a_proj.weight"]), w["q_a_layernorm.weight"], LATENT_NORM_EPS)
     q = linear(q_resid, w["q_b_proj.weight"]).view(t, cfg.num_heads, -1)
-    q_nope, q_pe = q[..., : cfg.qk_nope_head_dim], q[..., cfg.qk_nope_head_dim :]
+    q_nope, q_pe = q[..., :nope], q[..., nope:]
     kv = linear(h, w["kv_a_proj_with_mqa.weight"])
     latent = rms_norm(kv[:, :LATENT_DIM], w["kv_a_layernorm.weight"], LATENT_NORM_EPS)
-    cos, sin = rope
     q_pe = rope_interleaved(q_pe, cos, sin)
     k_pe = rope_interleaved(kv[:, LATENT_DIM:], cos, sin)
     return q_resid, q_nope, q_pe, mla.latent_row(latent, k_pe)
 
 
-def index_inputs(h: torch.Tensor, q_resid: torch.Tensor, w: Weights, cfg: DSAConfig, rope: CosSin):
+def index_inputs(
+    h: torch.Tensor, q_resid: torch.Tensor, w: Weights, cfg: DSAConfig, rope: CosSin, *,
+    kernels=False,
+):  # fmt: skip
     """The indexer's (queries [T, Hi, D], keys [T, D], head weights [T, Hi]) of new tokens."""
     t, d = h.shape[0], cfg.index_head_dim
     q = linear(q_resid, w["indexer.wq_b.weight"]).view(t, cfg.index_n_heads, d)
     k = linear(h, w["indexer.wk.weight"])
     k = dsa_index.normalise_key(k, w["indexer.k_norm.weight"], w["indexer.k_norm.bias"])
-    turn = rope_interleaved if cfg.indexer_rope_interleave else rope_half
     cos, sin = rope
+    if kernels and ew.supported(q, k, cos, sin):
+        turn = dict(cos=cos, sin=sin, start=0, interleaved=cfg.indexer_rope_interleave)
+        q, k = ew.rope(q, **turn), ew.rope(k.view(t, 1, d), **turn).view(t, d)
+        return q, k, linear(h, w["indexer.weights_proj.weight"])
+    turn = rope_interleaved if cfg.indexer_rope_interleave else rope_half
     q = torch.cat([turn(q[..., :ROPE_DIM], cos, sin), q[..., ROPE_DIM:]], dim=-1)
     k = torch.cat([turn(k[:, :ROPE_DIM], cos, sin), k[:, ROPE_DIM:]], dim=-1)
     return q, k, linear(h, w["indexer.weights_proj.weight"])

@@ -29,7 +29,7 @@ from hisparse.models.dsa import attention as mla
 from hisparse.models.dsa import indexer as dsa_index
 from hisparse.models.dsa.config import DSAConfig
 from hisparse.models.dsa.core import CHUNK_ELEMS, SparseMLACore, TokenBatch
-from hisparse.models.rows import KV_DIM, LATENT_DIM, ROPE_DIM, encode_rows
+from hisparse.models.rows import KV_DIM, LATENT_DIM, ROPE_DIM
 from hisparse.vllm.compat import tensor_parallel_peers
 from hisparse.vllm.layers import _CacheLayer
 
@@ -207,7 +207,7 @@ class DSAAttention(nn.Module):
         q_pe, k_pe = self.rotary_emb.forward_native(
             step.positions, q_pe.contiguous(), kv_a[:, None, LATENT_DIM:].contiguous()
         )
-        rows = encode_rows(mla.latent_row(latent, k_pe.view(t, ROPE_DIM)), self.row_format)
+        rows = self.core.encode_rows(mla.latent_row(latent, k_pe.view(t, ROPE_DIM)))
         if self.indexer is not None:
             selection = self.indexer.select(h, q_resid, step)
         values = self._attend(q_nope, q_pe.view(t, cfg.num_heads, ROPE_DIM), rows, selection, step)
