@@ -16,6 +16,7 @@ from typing import List, Optional, Sequence
 
 import torch
 
+from hisparse.engine.dsa.graphs import DecodeGraphs
 from hisparse.engine.dsa.model import DSAForward
 from hisparse.engine.dsa.stores import BLOCK, HiSparseRows, ResidentRows
 from hisparse.models.dsa.weights import (
@@ -44,6 +45,7 @@ class Generation:
     first_logits: List[torch.Tensor] = field(default_factory=list)  # CPU float32 [vocab]
     seconds: float = 0.0
     counters: dict = field(default_factory=dict)  # the connector's totals (hisparse mode)
+    graph_replays: int = 0  # decode steps replayed from a CUDA graph
 
 
 def check_options(row_format: str, mode: str = "resident") -> None:
@@ -84,19 +86,26 @@ def generate(
     key_format: Optional[str] = None,
     backend: str = "auto",
     step_hook=None,
+    graphs: Optional[bool] = None,
 ) -> Generation:
     """Greedy tokens of every prompt (no stop token: every prompt gets ``max_new``).
-    ``step_hook(fn)``: runs each forward (a test wraps it, e.g. in a sync check)."""
+    ``step_hook(fn)``: runs each forward (a test wraps it, e.g. in a sync check). ``graphs``:
+    replay decode steps from CUDA graphs (``hisparse.engine.dsa.graphs``; default on CUDA)."""
     check_options(row_format, mode)
     nmax = max(1, min(max_batch or len(prompts), len(prompts)))
     ctx = _context(prompts, max_new)
     store, fwd = open_run(ck, mode, row_format, device, ctx, nmax, hot_size, key_format, backend)
     out = new_generation(Generation(mode), len(prompts))
+    if graphs is None:
+        graphs = device.type == "cuda"
+    runner = DecodeGraphs(fwd, store) if graphs else None
+    forward = runner.step if runner else (lambda *a: fwd.step(store, *a))
     t0 = time.perf_counter()
     try:
-        _run(fwd, store, prompts, max_new, nmax, out, step_hook or (lambda fn: fn()))
+        _run(fwd, store, forward, prompts, max_new, nmax, out, step_hook or (lambda fn: fn()))
     finally:
         out.counters = store.close()
+        out.graph_replays = runner.replays if runner else 0
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     out.seconds = time.perf_counter() - t0
@@ -132,7 +141,7 @@ def _upload(values, dtype, device) -> torch.Tensor:
     return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
 
 
-def _run(fwd: DSAForward, store, prompts, max_new: int, nmax: int, out: Generation, hook):
+def _run(fwd: DSAForward, store, forward, prompts, max_new: int, nmax: int, out, hook):
     waiting = list(range(len(prompts)))
     running: List[int] = []  # requests that decode next step, in admission order
     lengths = {}  # request -> tokens in its context so far
@@ -165,7 +174,7 @@ def _run(fwd: DSAForward, store, prompts, max_new: int, nmax: int, out: Generati
             _upload(blocks, torch.int64, dev),
         )
         args = (_upload(toks, torch.int64, dev), batch, _upload(last, torch.int64, dev), nd)
-        logits = hook(lambda: fwd.step(store, *args))
+        logits = hook(lambda: forward(*args))
         store.end()
         top = logits.topk(2, dim=-1).values
         gaps = (top[:, 0] - top[:, 1]).tolist()

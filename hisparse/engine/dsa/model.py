@@ -17,8 +17,8 @@ from typing import List, Optional
 import torch
 
 from hisparse.models.dsa.core import CHUNK_ELEMS, SparseMLACore, TokenBatch
-from hisparse.models.dsa.decoder import Rotary, linear, mlp, moe, rms_norm
-from hisparse.models.dsa.projections import index_inputs, mla_inputs
+from hisparse.models.dsa.decoder import Rotary, linear, mlp, moe
+from hisparse.models.dsa.projections import index_inputs, mla_inputs, norm
 from hisparse.models.dsa.weights import Checkpoint
 from hisparse.models.rows import KV_DIM
 
@@ -72,15 +72,16 @@ class DSAForward:
         rope = self.rotary(batch.positions)
         x = self.ck.embed[tokens]
         sel = None
+        eps, fused = self.spec.rms_norm_eps, self.core.kernel_rows
         for i in range(self.cfg.num_layers):
-            h = rms_norm(x, self.ck.norms[i]["input_layernorm.weight"], self.spec.rms_norm_eps)
+            h = norm(x, self.ck.norms[i]["input_layernorm.weight"], eps, kernels=fused)
             o, sel = self._attention(i, h, rope, store, batch, slots, num_decodes, sel)
             x = x + o
-            norm = self.ck.norms[i]["post_attention_layernorm.weight"]
-            h = rms_norm(x, norm, self.spec.rms_norm_eps)
+            post = self.ck.norms[i]["post_attention_layernorm.weight"]
+            h = norm(x, post, eps, kernels=fused)
             w = self.ck.ffn[i]
             x = x + (mlp(h, w) if self.spec.dense[i] else moe(h, w, self.spec))
-        out = rms_norm(x[last], self.ck.norm, self.spec.rms_norm_eps)
+        out = norm(x[last], self.ck.norm, eps, kernels=fused)
         return linear(out, self.ck.lm_head)
 
     def _attention(self, i: int, h, rope, store, batch: TokenBatch, slots, nd: int, sel):

@@ -25,8 +25,9 @@ from hisparse import ops
 from hisparse.engine.graph.config import GraphConfig
 from hisparse.engine.graph.drift import Drift
 from hisparse.models.dsa.core import SparseMLACore, TokenBatch
-from hisparse.models.dsa.decoder import Rotary, rms_norm
-from hisparse.models.dsa.projections import index_inputs, mla_inputs
+from hisparse.models.dsa.decoder import Rotary
+from hisparse.models.dsa.kernels import elementwise as ew
+from hisparse.models.dsa.projections import index_inputs, mla_inputs, norm
 from hisparse.models.rows import ROW_FORMATS, encode_rows
 from hisparse.runtime import HiSparseIndexGroup, HiSparseRuntime
 
@@ -153,10 +154,10 @@ class CoreStep:
             raise ValueError(f"this step was built for {self.modes}, not {mode!r}")
         x, core, dsa, tok = self.x, self.core, self.dsa, self.tokens
         keys = tok.slots(self.sel)
+        fused = core.kernel_rows
         for lay in self.layers:
             w = lay.w
-            h = rms_norm(x, w["norm"], 1e-6)
-            fused = core.kernel_rows
+            h = norm(x, w["norm"], 1e-6, kernels=fused)
             q_resid, q_nope, q_pe, row = mla_inputs(h, w, dsa, self.rope, kernels=fused)
             rows = core.encode_rows(row)
             q, k, head_w = index_inputs(h, q_resid, w, dsa, self.rope, kernels=fused)
@@ -169,10 +170,14 @@ class CoreStep:
                 src, ids = lay.hot, self._resolve(lay, rows, keys)
             values = core.attend(q_nope, q_pe, w["kv_b_proj.weight"], src, ids)
             x = x + values @ w["o_proj.weight"].t() + 0 * ranked[:, :1]
-            gu = rms_norm(x, w["mlp_norm"], 1e-6) @ w["w13"].t()
-            inter = self.cfg.mlp_inter
-            x = x + (torch.nn.functional.silu(gu[:, :inter]) * gu[:, inter:]) @ w["w2"].t()
-        hidden = rms_norm(x, self.final_norm, 1e-6)
+            gu = norm(x, w["mlp_norm"], 1e-6, kernels=fused) @ w["w13"].t()
+            gate, up = gu.split(self.cfg.mlp_inter, dim=1)
+            if fused and ew.supported(gate):
+                act = ew.silu_mul(gate, up)
+            else:
+                act = torch.nn.functional.silu(gate) * up
+            x = x + act @ w["w2"].t()
+        hidden = norm(x, self.final_norm, 1e-6, kernels=fused)
         return (hidden @ self.lm_head.t()).argmax(dim=-1), hidden
 
     def _resolve(self, lay: Layer, rows: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:

@@ -34,6 +34,13 @@ CosSin = Tuple[torch.Tensor, torch.Tensor]
 _PAD_SORT = torch.iinfo(torch.int64).max
 
 
+def norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, kernels=False) -> torch.Tensor:
+    """``decoder.rms_norm`` of x [T, N] (one launch on the kernel path)."""
+    if kernels and ew.supported(x, weight):
+        return ew.rms_norm(x, weight, eps)
+    return rms_norm(x, weight, eps)
+
+
 def mla_inputs(h: torch.Tensor, w: Weights, cfg: DSAConfig, rope: CosSin, *, kernels=False):
     """(q_resid [T, q_lora_rank], q_nope [T, H, nope], q_pe [T, H, 64], row values [T, 576])."""
     t, nope = h.shape[0], cfg.qk_nope_head_dim

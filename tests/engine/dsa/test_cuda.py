@@ -115,8 +115,9 @@ def test_cuda_tokens_equal_cpu_tokens_and_hisparse_equals_resident(
         cpu = generate(
             ck_cpu, "resident", row_format, CPU, prompts, NEW, max_batch=BATCH, key_format="f32"
         )
-    res = generate(ck_gpu, "resident", row_format, GPU, prompts, NEW, max_batch=BATCH)
-    his = generate(ck_gpu, "hisparse", row_format, GPU, prompts, NEW, max_batch=BATCH)
+    # eager steps: the spy counts the Python calls a replayed graph skips
+    res = generate(ck_gpu, "resident", row_format, GPU, prompts, NEW, max_batch=BATCH, graphs=False)
+    his = generate(ck_gpu, "hisparse", row_format, GPU, prompts, NEW, max_batch=BATCH, graphs=False)
     # fp8 rows and keys run the Triton kernels on CUDA (bf16 products, tested against the torch
     # path in tests/models/dsa/test_core_cuda.py); CPU tokens compare with the same float32
     # math on the GPU, which the unquantized formats run anyway. The index keys stay unquantized
@@ -154,8 +155,9 @@ def test_cuda_tokens_equal_cpu_tokens_and_hisparse_equals_resident(
         )
 
 
+@pytest.mark.parametrize("graphs", [False, True])
 @pytest.mark.parametrize("mode", ["resident", "hisparse"])
-def test_a_decode_step_never_syncs(tmp_path, mode):
+def test_a_decode_step_never_syncs(tmp_path, mode, graphs):
     """Every forward of a batched run under ``set_sync_debug_mode("error")``: a host sync in
     the step (a ``.item()``, a ``.cpu()``, a blocking copy) raises. The checkpoint's layers are
     dense: the engine's reference MoE reads its experts' ids on the host (the vLLM classes use
@@ -177,9 +179,30 @@ def test_a_decode_step_never_syncs(tmp_path, mode):
         return out
 
     prompts = byte_prompts(ck, 4)
-    run = generate(ck, mode, "fp8", GPU, prompts, 4, max_batch=3, step_hook=strict)
+    run = generate(ck, mode, "fp8", GPU, prompts, 4, max_batch=3, step_hook=strict, graphs=graphs)
     assert len(calls) == _steps(4, 4, 3)[0]
     assert all(len(t) == 4 for t in run.tokens)
+    assert (run.graph_replays > 0) == graphs  # the capture and the replays ran under the check
+
+
+@pytest.mark.parametrize("row_format", ["f32", "fp8"])
+@pytest.mark.parametrize("mode", ["resident", "hisparse"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_replayed_decode_steps_equal_eager_steps(checkpoints, arch, mode, row_format):
+    """Decode steps replayed from CUDA graphs (captured per batch size) against the same run
+    stepped eagerly: the same tokens, the same logit gaps every step (the same bits), and the
+    same connector counters (the replays count their hits and misses)."""
+    ck = load_checkpoint(checkpoints[arch], GPU)
+    prompts = byte_prompts(ck, PROMPTS)
+    run = {
+        g: generate(ck, mode, row_format, GPU, prompts, NEW, max_batch=BATCH, graphs=g)
+        for g in (False, True)
+    }
+    eager, replay = run[False], run[True]
+    assert eager.graph_replays == 0 and replay.graph_replays >= NEW, replay.graph_replays
+    assert replay.tokens == eager.tokens
+    assert replay.gaps == eager.gaps
+    assert replay.counters == eager.counters
 
 
 @pytest.mark.parametrize("mode", ["resident", "hisparse"])

@@ -125,3 +125,13 @@ def test_projections_with_the_kernels_match_torch(arch, dtype):
     slow_i = index_inputs(h, fast[0], w, cfg, rope)
     for a, b in zip(fast_i, slow_i):
         assert torch.equal(a, b)  # the same q_resid in: layer_norm and the rotary are exact
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_gate_is_bit_identical_to_torch(dtype):
+    g = torch.Generator(device=GPU).manual_seed(6)
+    gu = _randn(g, 30, 2 * 3000, dtype=dtype, scale=6.0)
+    gate, up = gu.split(3000, dim=1)  # strided halves, as the step's fused gate/up product
+    want = torch.nn.functional.silu(gate) * up
+    assert torch.equal(ew.silu_mul(gate, up), want)
+    assert torch.equal(ew.silu_mul(gate.contiguous(), up.contiguous()), want)

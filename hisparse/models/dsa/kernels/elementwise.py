@@ -1,6 +1,6 @@
 """The small per-token passes around a DSA layer's attention, one Triton launch each: the RMS
 norm, the rotary embedding of a 64-value slice, the MLA latent row (latent norm + rotated rope
-key) and its FP8 row bytes.
+key), its FP8 row bytes, and the MLP's SiLU gate.
 
 Why: in torch each of these is 7 to 15 elementwise launches (casts, a reduction, products, a
 concatenation). A decode step at DeepSeek-V3.2's shapes ran about 60 of them per layer around
@@ -8,9 +8,10 @@ the projections, each a few microseconds of a captured step whatever the batch; 
 make them 6.
 
 Each matches its torch reference (``hisparse.models.dsa.decoder``, ``hisparse.models.rows``):
-the rotary embedding and the row encoding bit for bit (the same roundings in the same order; no
-fused multiply-adds), the norms to within their sum's order (a float32 reduction in another
-order). Inputs and cos / sin share one dtype (float32 or bfloat16); ``supported`` says when.
+the rotary embedding, the row encoding and the gate bit for bit (the same roundings in the same
+order, no fused multiply-adds, libdevice's expf), the norms to within their sum's order (a
+float32 reduction in another order). Inputs share one dtype (float32 or bfloat16) and device;
+``supported`` says when. The interpreter (TRITON_INTERPRET=1) runs all but ``silu_mul``.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ _EXACT = {"enable_fp_fusion": False}
 
 if triton is not None:
     import triton.language as tl
+    from triton.language.extra import libdevice
 
     @triton.jit
     def _rms(x, w, N: tl.constexpr, eps):
@@ -54,7 +56,8 @@ if triton is not None:
             b = tl.load(x_at + 2 * e + 1)
             c1 = tl.load(cs_at + e)
             s1 = tl.load(cs_at + 2 * HALF + e)
-            c2, s2 = c1, s1
+            c2 = c1
+            s2 = s1
         else:  # rotate_half: (x1 c1 - x2 s1, x2 c2 + x1 s2) with cos / sin's own halves
             a = tl.load(x_at + e)
             b = tl.load(x_at + HALF + e)
@@ -63,11 +66,14 @@ if triton is not None:
             s1 = tl.load(cs_at + 2 * HALF + e)
             s2 = tl.load(cs_at + 3 * HALF + e)
         # torch's order: each product rounded to the dtype, then the float32 sum rounded
-        dt, f = a.dtype, tl.float32
-        a, b = a.to(f), b.to(f)
-        first = (a * c1.to(f)).to(dt).to(f) - (b * s1.to(f)).to(dt).to(f)
-        second = (b * c2.to(f)).to(dt).to(f) + (a * s2.to(f)).to(dt).to(f)
-        return first.to(dt), second.to(dt)
+        dt = a.dtype
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+        ac = (a * c1.to(tl.float32)).to(dt).to(tl.float32)
+        bs = (b * s1.to(tl.float32)).to(dt).to(tl.float32)
+        bc = (b * c2.to(tl.float32)).to(dt).to(tl.float32)
+        as_ = (a * s2.to(tl.float32)).to(dt).to(tl.float32)
+        return (ac - bs).to(dt), (bc + as_).to(dt)
 
     @triton.jit
     def _rope(
@@ -122,6 +128,22 @@ if triton is not None:
         tl.store(out_bf16 + t * (ROW // 2) + (LAT + 4 * NT) // 2 + e, rope)
 
 
+if triton is not None:
+
+    @triton.jit
+    def _silu_mul(g, g_stride, u, u_stride, out, N, BLOCK: tl.constexpr):
+        t = tl.program_id(0).to(tl.int64)
+        c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        ok = c < N
+        a = tl.load(g + t * g_stride + c, mask=ok, other=0.0)
+        dt = a.dtype
+        # torch's silu: x / (1 + expf(-x)) in float32 (libdevice's expf, a rounded division)
+        x = a.to(tl.float32)
+        s = tl.math.div_rn(x, 1.0 + libdevice.exp(-x)).to(dt).to(tl.float32)
+        b = tl.load(u + t * u_stride + c, mask=ok, other=0.0).to(tl.float32)
+        tl.store(out + t * N + c, (s * b).to(dt), mask=ok)
+
+
 def supported(*tensors: torch.Tensor) -> bool:
     """The kernels run: Triton, one CUDA device, one dtype among ``DTYPES``."""
     t0 = tensors[0]
@@ -151,6 +173,20 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
             x, x.stride(0), weight.contiguous(), out, n, eps, block,
             num_warps=max(1, min(8, block // 512)),
         )  # fmt: skip
+    return out
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` for [T, N] operands (rows may be strided): a new [T, N]."""
+    if gate.dim() != 2 or gate.shape != up.shape or gate.stride(1) != 1 or up.stride(1) != 1:
+        raise ValueError(f"silu_mul takes gate and up [T, N] (unit stride), got {gate.shape}")
+    T, n = gate.shape
+    out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+    block = 1024
+    if T:
+        _silu_mul[(T, triton.cdiv(n, block))](
+            gate, gate.stride(0), up, up.stride(0), out, n, block, num_warps=4, **_EXACT
+        )
     return out
 
 
