@@ -73,6 +73,7 @@ class DSAForward:
         x = self.ck.embed[tokens]
         sel = None
         eps, fused = self.spec.rms_norm_eps, self.core.kernel_rows
+        dense = self.device.type == "cuda"  # the MoE without host reads: capturable
         for i in range(self.cfg.num_layers):
             h = norm(x, self.ck.norms[i]["input_layernorm.weight"], eps, kernels=fused)
             o, sel = self._attention(i, h, rope, store, batch, slots, num_decodes, sel)
@@ -80,7 +81,7 @@ class DSAForward:
             post = self.ck.norms[i]["post_attention_layernorm.weight"]
             h = norm(x, post, eps, kernels=fused)
             w = self.ck.ffn[i]
-            x = x + (mlp(h, w) if self.spec.dense[i] else moe(h, w, self.spec))
+            x = x + (mlp(h, w) if self.spec.dense[i] else moe(h, w, self.spec, dense=dense))
         out = norm(x[last], self.ck.norm, eps, kernels=fused)
         return linear(out, self.ck.lm_head)
 

@@ -176,10 +176,20 @@ def route(x: torch.Tensor, w: Mapping[str, torch.Tensor], spec: DecoderSpec):
     return weights * spec.routed_scaling_factor, ids
 
 
-def moe(x: torch.Tensor, w: Mapping[str, torch.Tensor], spec: DecoderSpec) -> torch.Tensor:
-    """Routed experts (``experts.{e}.*``) plus the shared experts (``shared_experts.*``)."""
+def moe(
+    x: torch.Tensor, w: Mapping[str, torch.Tensor], spec: DecoderSpec, *, dense: bool = False
+) -> torch.Tensor:
+    """Routed experts (``experts.{e}.*``) plus the shared experts (``shared_experts.*``).
+    ``dense``: every expert over every token, weighted by its routing weight (0 where it was not
+    chosen): no host read of the chosen ids, so a CUDA graph captures it; the work of all the
+    experts, which only a small checkpoint affords."""
     weights, ids = route(x, w, spec)
     out = torch.zeros_like(x)
+    if dense:
+        for e in range(spec.n_experts):
+            share = torch.where(ids == e, weights, torch.zeros_like(weights)).sum(dim=-1)
+            out = out + mlp(x, w, f"experts.{e}.") * share[:, None].to(x.dtype)
+        return out + mlp(x, w, "shared_experts.")
     for e in ids.unique().tolist():
         tok, slot = torch.where(ids == e)
         y = mlp(x[tok], w, f"experts.{e}.") * weights[tok, slot, None].to(x.dtype)

@@ -9,7 +9,14 @@ import pytest
 import torch
 
 from hisparse.models.dsa.config import DSAConfig, DSAConfigError
-from hisparse.models.dsa.decoder import DecoderSpec, Rotary, rope_half, rope_interleaved, route
+from hisparse.models.dsa.decoder import (
+    DecoderSpec,
+    Rotary,
+    moe,
+    rope_half,
+    rope_interleaved,
+    route,
+)
 from hisparse.models.dsa.projections import select_sorted
 from hisparse.models.dsa.random_checkpoint import random_config
 
@@ -88,6 +95,28 @@ def test_grouped_routing_picks_experts_only_from_the_best_groups():
     scores = torch.sigmoid(x @ w["gate.weight"].T).gather(1, ids)
     want = scores / scores.sum(-1, keepdim=True) * spec.routed_scaling_factor
     assert torch.allclose(weights, want)
+
+
+def test_the_dense_moe_is_the_routed_moe():
+    """The capturable form (every expert over every token, weight 0 where not chosen) against
+    the routed one: the same sum up to float32 rounding; a wrong share would be off by whole
+    experts' outputs."""
+    hf, cfg, spec = _cfg(YARNS[0], n_routed_experts=8, n_group=4, topk_group=2)
+    g = torch.Generator().manual_seed(2)
+    d, inter = hf["hidden_size"], 24
+    w = {
+        "gate.weight": torch.randn(8, d, generator=g),
+        "gate.e_score_correction_bias": torch.randn(8, generator=g),
+    }
+    for p in [f"experts.{e}." for e in range(8)] + ["shared_experts."]:
+        w[p + "gate_proj.weight"] = torch.randn(inter, d, generator=g) * d**-0.5
+        w[p + "up_proj.weight"] = torch.randn(inter, d, generator=g) * d**-0.5
+        w[p + "down_proj.weight"] = torch.randn(d, inter, generator=g) * inter**-0.5
+    x = torch.randn(7, d, generator=g)
+    want = moe(x, w, spec)
+    assert torch.allclose(moe(x, w, spec, dense=True), want, rtol=1e-5, atol=1e-5)
+    w["experts.3.up_proj.weight"] = w["experts.3.up_proj.weight"] * 2  # the control
+    assert not torch.allclose(moe(x, w, spec, dense=True), want, rtol=1e-5, atol=1e-5)
 
 
 def test_selection_is_sorted_causal_and_padded():
