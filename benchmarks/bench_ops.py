@@ -446,11 +446,13 @@ def bench_cpu_resolve(reps, batches=(64,), rates=(0.001, 0.20)):
     return rows
 
 
-def bench_connector_host(reps, batches=(1, 8), layers=4, top_k=64, row_bytes=656):
-    """Host time of the connector's per-layer decode calls on the CPU build, one thread: a save of
-    the step's new rows, the leader's resolve (resolve + its gather) and a follower's (gather
-    only), through HiSparseConnectorImpl as an engine calls it. Median of the last 2/3 of
-    ``reps`` steps (the first third warms the hot buffers)."""
+def bench_connector_host(reps, batches=(1, 8), layers=4, top_k=64, row_bytes=656, device="cpu"):
+    """Host time of the connector's per-layer decode calls, one thread: a save of the step's new
+    rows, the leader's resolve (resolve + its gather) and a follower's (gather only), through
+    HiSparseConnectorImpl as an engine calls it. On the CPU build that includes the CPU kernels'
+    work; on CUDA it is the host's part alone (Python and launches, the step's tensors already
+    on the device; the step ends in a synchronize outside the timing, as a sampler's does).
+    Median of the last 2/3 of ``reps`` steps (the first third warms the hot buffers)."""
     from hisparse.connector import HiSparseConfig, HiSparseConnectorImpl, StepSchedule
 
     threads = torch.get_num_threads()
@@ -465,19 +467,20 @@ def bench_connector_host(reps, batches=(1, 8), layers=4, top_k=64, row_bytes=656
             names = [f"l{i}" for i in range(layers)]
             hot = cfg.max_num_seqs * cfg.hot_size
             work.register_kv_caches(
-                {n: torch.zeros(hot, row_bytes, dtype=torch.uint8) for n in names}
+                {n: torch.zeros(hot, row_bytes, dtype=torch.uint8, device=device) for n in names}
             )
             sched = HiSparseConnectorImpl(cfg, "scheduler", host_rows=work.worker.host_rows)
             reqs = {f"r{b}": 1 for b in range(B)}
             sched.build_connector_meta(StepSchedule({r: 1000 for r in reqs}))
             g = torch.Generator().manual_seed(0)
             t = {"save": [], "leader": [], "follower": []}
-            new = torch.zeros(B, row_bytes, dtype=torch.uint8)
+            new = torch.zeros(B, row_bytes, dtype=torch.uint8, device=device)
             for step in range(reps):
                 work.bind_connector_metadata(sched.build_connector_meta(StepSchedule(dict(reqs))))
                 work.start_load_kv(None)
                 top = torch.randint(0, 1000 + step, (B, top_k), generator=g, dtype=torch.int32)
                 slots = torch.arange(B, dtype=torch.int64) * 1000 + 1000 + step
+                top, slots = top.to(device), slots.to(device)
                 for i, n in enumerate(names):
                     t0 = time.perf_counter()
                     work.save_kv_layer(n, new, None, slot_mapping=slots)
@@ -489,13 +492,17 @@ def bench_connector_host(reps, batches=(1, 8), layers=4, top_k=64, row_bytes=656
                     work.wait_for_layer_load(n)
                 work.clear_connector_metadata()
                 work.get_kv_connector_stats()
-            row = {"B": B, "top_k": top_k, "row_bytes": row_bytes, "threads": 1}
+                if device == "cuda":
+                    torch.cuda.synchronize()
+            work.shutdown()
+            row = {"B": B, "device": device, "top_k": top_k, "row_bytes": row_bytes, "threads": 1}
             for k, xs in t.items():
                 row[f"{k}_us"] = median(xs[len(xs) // 3 :]) * 1e6
             rows_out.append(row)
             print(
-                f"  connector host time B={B}: save {row['save_us']:.1f} us, leader resolve "
-                f"{row['leader_us']:.1f} us, follower {row['follower_us']:.1f} us per layer call",
+                f"  connector host time ({device}) B={B}: save {row['save_us']:.1f} us, "
+                f"leader resolve {row['leader_us']:.1f} us, "
+                f"follower {row['follower_us']:.1f} us per layer call",
                 flush=True,
             )
     finally:
@@ -786,7 +793,7 @@ def main(argv=None):
     ap.add_argument(
         "--connector-only",
         action="store_true",
-        help="only the connector's host time per layer call (CPU build, one thread)",
+        help="only the connector's host time per layer call (one thread; --device's build)",
     )
     ap.add_argument(
         "--pools-gib",
@@ -830,8 +837,10 @@ def main(argv=None):
             [timer.time_us(lambda: torch.cuda._sleep(1)) for _ in range(reps)]
         )
         print(f"[{name}] timer floor (trivial kernel): {res['timer_floor_us']:.1f} us", flush=True)
-    print(f"[{name}] connector host time per layer call (CPU, one thread)", flush=True)
+    print(f"[{name}] connector host time per layer call (one thread)", flush=True)
     res["connector_host"] = bench_connector_host(max(30, reps))
+    if dev == "cuda":
+        res["connector_host"] += bench_connector_host(max(30, reps), device="cuda")
     if args.connector_only:
         if args.json:
             _write_json(args.json, res)
