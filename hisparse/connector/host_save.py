@@ -10,9 +10,8 @@ from typing import Sequence, Union
 
 import torch
 
-from hisparse import ops
 from hisparse.ops.limits import INT32_MAX
-from hisparse.runtime import HiSparseRuntime
+from hisparse.runtime import HiSparseRuntime, streams
 
 SlotMapping = Union[Sequence[int], torch.Tensor]
 
@@ -93,10 +92,24 @@ def _save_cuda(rt: HiSparseRuntime, rows: torch.Tensor, slots: torch.Tensor) -> 
         slots = slots.to(torch.int32).pin_memory().to(dev, non_blocking=True)
     else:
         slots = slots.to(torch.int32)
-    src = torch.arange(rows.shape[0], dtype=torch.int32, device=dev)
-    stream = rt.index_group.copy_stream
-    stream.wait_stream(torch.cuda.current_stream(dev))
-    with torch.cuda.stream(stream):
-        ops.save_rows([rows], [rt.host_view], src, slots)
-    for t in (rows, slots, src):
-        t.record_stream(stream)
+    g = rt.index_group
+    stream = g.copy_stream
+    streams.wait_for(stream, streams.current(dev), g.computed)
+    with streams.on_stream(stream):
+        g.save_op([rows], [rt.host_view], _iota(rows.shape[0], dev), slots, None)
+    rows.record_stream(stream)
+    slots.record_stream(stream)
+
+
+_IOTA: dict = {}  # device -> [0, 1, ...] int32, grown by doubling; older ones kept alive
+
+
+def _iota(n: int, device: torch.device) -> torch.Tensor:
+    """[0, n) int32 on ``device`` without a launch per call (a cached buffer's prefix). A
+    grown buffer keeps the smaller ones alive: copies queued on other streams may still read
+    them."""
+    have = _IOTA.setdefault(device, [])
+    if not have or have[-1].numel() < n:
+        size = max(n, 2 * have[-1].numel() if have else 4096)
+        have.append(torch.arange(size, dtype=torch.int32, device=device))
+    return have[-1][:n]

@@ -14,6 +14,7 @@ import torch
 
 from hisparse import ops
 from hisparse.ops.limits import INT32_MAX, MAX_HOT_SIZE, as_index, check_int
+from hisparse.runtime import streams
 from hisparse.runtime.residency import empty_residency, reset_residency
 from hisparse.runtime.state_rows import StateRowAllocator
 from hisparse.runtime.views import BindingError
@@ -95,6 +96,9 @@ class HiSparseIndexGroup:
         self.miss_count = torch.zeros(max_batch, dtype=torch.int32, device=dev)
         self.copy_stream = torch.cuda.Stream(device=dev) if on_cuda else None
         self._resolved = torch.cuda.Event() if on_cuda else None
+        # one event per ordering, recorded again each time (streams.wait_for)
+        self._copied = torch.cuda.Event() if on_cuda else None  # copy stream -> compute
+        self.computed = torch.cuda.Event() if on_cuda else None  # compute -> copy stream
         self.members: list = []
         self.stats_row_bytes = 0
         self.batch = 0
@@ -102,6 +106,7 @@ class HiSparseIndexGroup:
         # ops without the per-call checks of ``hisparse.ops`` (host time on the decode path).
         self._resolve_op = ops.bound_op("hisparse_resolve_residency", self.device.type)
         self._gather_op = ops.bound_op("hisparse_gather", self.device.type)
+        self.save_op = ops.bound_op("hisparse_save_rows", self.device.type)  # the connector's
         self._views: dict = {}  # batch size -> (out_rows, miss_src, miss_dst, miss_count)
 
     @property
@@ -122,7 +127,7 @@ class HiSparseIndexGroup:
             raise ValueError(f"batch {B} exceeds max_batch {self.max_batch} of group {self.name!r}")
         if self.copy_stream is not None and not torch.cuda.is_current_stream_capturing():
             # The previous step's gathers read the plan buffers this resolve overwrites.
-            torch.cuda.current_stream(self.device).wait_stream(self.copy_stream)
+            streams.wait_for(streams.current(self.device), self.copy_stream, self._copied)
         out, src, dst, count = self._batch_views(B)
         self._resolve_op(
             top_k,
@@ -139,7 +144,7 @@ class HiSparseIndexGroup:
             self.hot_base,
         )
         if self._resolved is not None:
-            self._resolved.record(torch.cuda.current_stream(self.device))
+            self._resolved.record(streams.current(self.device))
         self.batch = B
         return out
 
@@ -280,14 +285,14 @@ class HiSparseRuntime:
             run()
             return
         g.copy_stream.wait_event(g._resolved)
-        with torch.cuda.stream(g.copy_stream):
+        with streams.on_stream(g.copy_stream):
             run()
             self.ready.record(g.copy_stream)
 
     def wait_ready(self) -> None:
         """Make the current stream wait for this layer's copies (no-op on CPU)."""
         if self.ready is not None:
-            torch.cuda.current_stream(self.index_group.device).wait_event(self.ready)
+            streams.current(self.index_group.device).wait_event(self.ready)
 
     def reset_hot_state(self) -> None:
         self.index_group.reset_hot_state()
