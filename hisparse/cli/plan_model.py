@@ -164,13 +164,13 @@ COLOCATED_MEASURED = 4  # groups of 2-3 were not measured: they get the one-laye
 
 # Decode step of the DSA core on one H200 (bench_decode_tpot.py: 8 layers of DeepSeek-V3.2
 # attention through hisparse.engine.graph, dense 18432 MLP, LM head, hot buffer 4096, resident
-# rows; engine_tpot_h200.json, step_cost_h200_ctx*.json): context -> ((batch, ms/step), (batch,
-# ms/step)), batch 1 and the largest batch measured.
+# rows; engine_tpot_h200.json, engine_tpot_h200_ctx*.json): context -> ((batch, ms/step),
+# (batch, ms/step)), batch 1 and the largest batch measured.
 PROXY_LAYERS = 8
 STEP_MS = {
-    32768: ((1, 5.357), (112, 11.999)),
-    65536: ((1, 5.273), (69, 11.371)),
-    131072: ((1, 5.370), (39, 10.632)),
+    32768: ((1, 4.415), (112, 10.489)),
+    65536: ((1, 4.450), (69, 9.684)),
+    131072: ((1, 4.542), (39, 8.923)),
 }
 
 
