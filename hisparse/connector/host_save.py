@@ -110,6 +110,8 @@ def _iota(n: int, device: torch.device) -> torch.Tensor:
     them."""
     have = _IOTA.setdefault(device, [])
     if not have or have[-1].numel() < n:
+        if torch.cuda.is_current_stream_capturing():  # its values would exist in replays only
+            return torch.arange(n, dtype=torch.int32, device=device)
         size = max(n, 2 * have[-1].numel() if have else 4096)
         have.append(torch.arange(size, dtype=torch.int32, device=device))
     return have[-1][:n]
