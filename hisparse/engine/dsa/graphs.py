@@ -62,8 +62,16 @@ class DecodeGraphs:
             graph.capture_begin(pool=self.pool)
             try:
                 logits = self.fwd.step(self.store, tokens, batch, last, n)
-            finally:
-                graph.capture_end()
+            except Exception as e:
+                try:  # end the capture; its own error would only say that one came before
+                    graph.capture_end()
+                except Exception:
+                    pass
+                raise RuntimeError(
+                    f"the decode step of {n} requests could not be captured as a CUDA graph "
+                    f"({type(e).__name__}: {e}); generate(..., graphs=False) steps eagerly"
+                ) from e
+            graph.capture_end()
         torch.cuda.current_stream().wait_stream(side)
         self.pool = graph.pool()
         self.graphs[n] = (graph, inputs, logits)
