@@ -29,7 +29,7 @@ class DecodeGraphs:
         if fwd.device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device, not {fwd.device}")
         self.fwd, self.store = fwd, store
-        self.seen: set = set()
+        self.seen: set = set()  # batch sizes that ran a decode step (the first one eagerly)
         self.graphs: Dict[int, tuple] = {}  # batch size -> (graph, inputs, logits)
         self.pool = None
         self.replays = 0
@@ -38,7 +38,7 @@ class DecodeGraphs:
         n = batch.seq_lens.shape[0]
         if num_decodes != n or tokens.shape[0] != n:
             return self.fwd.step(self.store, tokens, batch, last, num_decodes)
-        if n not in self.graphs and n not in self.seen:
+        if n not in self.seen:  # every captured size is in it
             self.seen.add(n)
             return self.fwd.step(self.store, tokens, batch, last, num_decodes)
         new = (tokens, batch.positions, batch.req, batch.seq_lens, batch.block_table, last)
