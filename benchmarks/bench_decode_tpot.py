@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from hisparse.engine.graph import MODES, CoreStep, GraphConfig, MemoryBudget, measure
-from hisparse.models.dsa.core import SparseMLACore
+from hisparse.models.dsa.core import MISSES, SparseMLACore
 
 CORE = SparseMLACore.__module__  # what CoreStep's layers run (checked in run())
 
@@ -41,10 +41,15 @@ def _config(args) -> GraphConfig:
 
 
 def run(args, batch: int, modes, resident_limit: int) -> dict:
-    step = CoreStep(_config(args), batch, modes, "cuda", attention=args.attention, miss=args.miss)
+    step = CoreStep(
+        _config(args), batch, modes, "cuda", attention=args.attention, misses=args.misses,
+        miss=args.miss,
+    )  # fmt: skip
     assert type(step.core) is SparseMLACore and step.core.kernel_rows and step.core.kernel_index
     row = measure(step, args.rounds, args.steps)
     row["fits_resident_budget"] = batch <= resident_limit
+    if "hisparse" in modes:  # where the misses reached the row read at this batch
+        row["misses_read"] = "in_read" if step.core.reads_misses(batch) else "gather"
     del step
     torch.cuda.empty_cache()
     return row
@@ -54,7 +59,10 @@ def profile(args, batch: int, top: int) -> None:
     """GPU time per eager step and layer by kernel and by the torch op that launched it."""
     from torch.profiler import ProfilerActivity, profile
 
-    step = CoreStep(_config(args), batch, MODES, "cuda", attention=args.attention, miss=args.miss)
+    step = CoreStep(
+        _config(args), batch, MODES, "cuda", attention=args.attention, misses=args.misses,
+        miss=args.miss,
+    )  # fmt: skip
     for mode in MODES:
         for _ in range(2):
             step.stage()
@@ -114,6 +122,10 @@ def main(argv=None) -> int:
     p.add_argument("--hot-size", type=int, default=4096)
     p.add_argument("--miss", type=float, default=0.05, help="new share of the top-k per step")
     p.add_argument("--attention", choices=("bmm", "fused"), default="bmm")
+    p.add_argument(
+        "--misses", choices=MISSES, default="auto",
+        help="HiSparse's misses: gathered before the row read, or fetched by it (in_read)",
+    )  # fmt: skip
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--capacity", action="store_true", help="each mode at its budget's limit")
@@ -149,6 +161,7 @@ def main(argv=None) -> int:
             "top_k": 2048,
             "miss": args.miss,
             "attention": args.attention,
+            "misses": args.misses,
             "mlp": "dense SwiGLU 18432 (the MoE's active width)",
             "vocab": GraphConfig().vocab,
         },

@@ -5,9 +5,9 @@ What the interpreter can check is where values go: which entries a kernel writes
 leaves, the selection's slots, the masked softmax, the two ways the paged indexer reads its
 keys, and attention's parity between rows read in place and the same bytes elsewhere. Its
 float8 arithmetic differs from the GPU's, so bit-exactness against the torch encoders is left to
-the CUDA tests (tests/models/dsa/test_core_cuda.py). Two shims stand in for what only a GPU has:
-``available`` and pinned memory; the fused attention runs its float32-operand variant (the
-interpreter's bf16 products are wrong).
+the CUDA tests (tests/models/dsa/test_core_cuda.py). Shims stand in for what only a GPU has:
+``available`` and pinned memory (and its device address); the fused attention runs its
+float32-operand variant (the interpreter's bf16 products are wrong).
 """
 
 from __future__ import annotations
@@ -26,17 +26,21 @@ from hisparse.models.dsa.core import SparseMLACore, TokenBatch, _sorted
 from hisparse.models.dsa.decoder import rms_norm, rope_half, rope_interleaved
 from hisparse.models.dsa.kernels import elementwise as ew
 from hisparse.models.dsa.kernels import indexer as idx_kernel
+from hisparse.models.dsa.kernels import misses as miss_kernel
 from hisparse.models.dsa.kernels import mla as mla_kernel
 from hisparse.models.dsa.kernels import rows as kernels
 from hisparse.models.dsa.kernels import select as select_kernel
 from hisparse.models.dsa.random_checkpoint import random_config
 from hisparse.models.rows import encode_rows
+from hisparse.runtime.miss_plan import MissPlan
 
 _sparse_mla = mla_kernel.sparse_mla
 # The interpreter's bf16 products are wrong; the kernel's float32-operand variant is the same
 # algorithm over the same (widened) values.
 mla_kernel.sparse_mla = functools.partial(_sparse_mla, products="fp32")
 torch.Tensor.is_pinned = lambda self: True
+# The GPU reads the pinned pool through its address; the interpreter reads tensors.
+miss_kernel._HostRows = lambda t, dtype: t.view(dtype)
 kernels.available = lambda device: True
 
 
@@ -103,6 +107,57 @@ def check_kernels() -> None:
     fin = torch.isfinite(whole)
     assert torch.allclose(whole[fin], keyed[fin], rtol=1e-4, atol=1e-4), "paged_scores paths"
     print("kernels ok")
+
+
+def _miss_plan(seed: int, B: int, H: int, K: int, keys: int, n_miss: int):
+    """Hot rows of B requests (H each), their ids [B, K], a host pool and a plan moving n_miss
+    host rows into each request's selected hot rows (none for request 1)."""
+    g = torch.Generator().manual_seed(seed)
+    hot, host = _rows(B * H, seed + 1), _rows(keys, seed + 2)
+    ids = torch.stack([torch.randperm(H, generator=g)[:K] + b * H for b in range(B)])
+    dst = torch.zeros(B, K, dtype=torch.int32)
+    src = torch.zeros_like(dst)
+    for b in range(B):
+        dst[b, :n_miss] = ids[b, torch.randperm(K, generator=g)[:n_miss]].int()
+        src[b, :n_miss] = torch.randperm(keys, generator=g)[:n_miss].int()
+    count = torch.tensor([n_miss, 0, n_miss][:B], dtype=torch.int32)
+    after = hot.clone()  # the hot rows once the op's gather copied the plan
+    for b in range(B):
+        n = int(count[b])
+        after[dst[b, :n].long()] = host[src[b, :n].long()]
+    return hot, host, ids, (src, dst, count), after
+
+
+def check_misses() -> None:
+    """The in-read: staged plan, the read fetching the misses (same bits as a read after the
+    gather, the misses' bytes left in their hot rows, no other row written), table emptied."""
+    B, H = 3, 64
+    hot, host, ids, plan, after = _miss_plan(3, B, H, 40, 900, 7)
+    pending = torch.full((B * H,), -1, dtype=torch.int32)
+    miss_kernel.stage_misses(pending, *plan)
+    want = torch.full_like(pending, -1)
+    for b in range(B):
+        n = int(plan[2][b])
+        want[plan[1][b, :n].long()] = plan[0][b, :n]
+    assert torch.equal(pending, want), "stage_misses"
+    got = miss_kernel.read_with_misses(hot, host, pending, ids, block=8, warps=2)
+    assert _same_bits(got, kernels.gather_decode(after, ids)), "read_with_misses != read after"
+    assert torch.equal(hot, after), "read_with_misses: the hot rows differ from the gather's"
+    miss_kernel.stage_misses(pending, *plan, clear=True)
+    assert bool((pending == -1).all()), "stage_misses(clear=True)"
+    # the core with the plan handed over = the core reading after the gather
+    cfg = DSAConfig.from_hf(random_config("deepseek_v32", index_topk=40, num_attention_heads=4))
+    g = torch.Generator().manual_seed(9)
+    q_nope = torch.randn(B, 4, cfg.qk_nope_head_dim, generator=g)
+    q_pe = torch.randn(B, 4, 64, generator=g)
+    kv_b = 0.05 * torch.randn(4 * (cfg.qk_nope_head_dim + cfg.v_head_dim), 512, generator=g)
+    hot, host, ids, plan, after = _miss_plan(4, B, H, 40, 900, 7)
+    core = SparseMLACore(cfg, "fp8", "cpu", misses="in_read")
+    want = core.attend(q_nope, q_pe, kv_b, after, ids)
+    got = core.attend(q_nope, q_pe, kv_b, hot, ids, MissPlan(host, pending, *plan))
+    assert torch.equal(got, want) and torch.equal(hot, after), "core.attend(misses=)"
+    assert bool((pending == -1).all()), "core.attend(misses=) left the table staged"
+    print("misses ok")
 
 
 def check_attention() -> None:
@@ -182,6 +237,7 @@ def check_elementwise() -> None:
 if __name__ == "__main__":
     check_elementwise()
     check_kernels()
+    check_misses()
     check_attention()
     check_step()
     sys.exit(0)

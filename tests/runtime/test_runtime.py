@@ -191,3 +191,35 @@ def test_host_pool_checks_available_ram():
     pool.release()
     pool.release()
     assert pool.released
+
+
+def test_deferred_misses_count_the_gathers_bytes_and_copy_nothing():
+    from hisparse.runtime.miss_plan import defer_misses
+
+    g, rts = make_group(num_layers=2)
+    gathered_g, gathered = make_group(num_layers=2)
+    top_k, rows = [[1, 2, 3, 4], [9, 9, 10, -1]], [0, 2]
+    for members in (rts, gathered):
+        members[0].resolve(
+            torch.tensor(top_k, dtype=torch.int32), torch.tensor(rows, dtype=torch.int32)
+        )
+    hot_before = [rt.hot_view.clone() for rt in rts]
+    plans = [defer_misses(rt) for rt in rts]
+    for rt in gathered:
+        rt.gather()
+    assert int(g.moved_bytes.view(torch.int64)) == int(gathered_g.moved_bytes.view(torch.int64))
+    assert (
+        int(g.moved_bytes.view(torch.int64)) == 2 * 6 * RB
+    )  # 4 + 2 keys (one repeated, one padding), 2 layers
+    for rt, before, plan in zip(rts, hot_before, plans):
+        assert torch.equal(rt.hot_view, before), "a deferred plan must leave the copy to the read"
+        assert plan.host is rt.host_rows_view
+        assert plan.pending.shape == (S * H,) and bool((plan.pending == -1).all())
+        src, dst, count = plan.src, plan.dst, plan.count
+        assert count.tolist() == [4, 2]
+        # the plan names exactly the rows the gather filled, with the host rows' bytes
+        for b in range(2):
+            for j in range(int(count[b])):
+                want = rt.host_rows_view[int(src[b, j])]
+                assert torch.equal(gathered[rts.index(rt)].hot_view[int(dst[b, j])], want)
+    assert plans[0].pending is plans[1].pending, "one table per index group"

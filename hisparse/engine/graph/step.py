@@ -9,7 +9,8 @@ head and a greedy token. Two modes over the same bytes:
 * ``resident``: rows read by slot from the device row store;
 * ``hisparse``: the new row saved to the host pool on the copy stream (as the connector saves),
   the selection resolved against each request's hot buffer (``hisparse.runtime``), the misses
-  gathered from the host pool, attention over the hot rows.
+  gathered from the host pool or (``core.reads_misses``) fetched by attention's row read,
+  attention over the hot rows.
 
 Which rows attention reads is a staged selection (``Drift``), so the hit rate is the run's
 setting, not random weights'; the indexer's own ranking is computed every step all the same
@@ -30,6 +31,7 @@ from hisparse.models.dsa.kernels import elementwise as ew
 from hisparse.models.dsa.projections import index_inputs, mla_inputs, norm
 from hisparse.models.rows import ROW_FORMATS, encode_rows
 from hisparse.runtime import HiSparseIndexGroup, HiSparseRuntime
+from hisparse.runtime.miss_plan import defer_misses
 
 MODES = ("resident", "hisparse")
 ROW = ROW_FORMATS["fp8"].row_bytes
@@ -108,6 +110,7 @@ class CoreStep:
         device="cuda",
         *,
         attention: str = "bmm",
+        misses: str = "auto",
         miss: float = 0.05,
     ) -> None:
         if not batch >= 1:
@@ -118,7 +121,7 @@ class CoreStep:
         dev = torch.device(device)
         self.cfg, self.batch, self.modes, self.device = cfg, batch, tuple(modes), dev
         self.dsa = cfg.dsa_config()
-        self.core = SparseMLACore(self.dsa, "fp8", dev, attention=attention)
+        self.core = SparseMLACore(self.dsa, "fp8", dev, attention=attention, misses=misses)
         g = torch.Generator(device=dev).manual_seed(cfg.seed + batch)
         self.layers = [Layer(self.core, cfg, batch, modes, g, dev) for _ in range(cfg.layers)]
         self.final_norm = torch.ones(cfg.hidden, dtype=DT, device=dev)
@@ -165,10 +168,10 @@ class CoreStep:
             ranked = core.select(q, head_w, lay.cache, tok)
             if mode == "resident":
                 lay.store.index_copy_(0, self.new_slots, rows)
-                src, ids = lay.store, keys
+                src, ids, misses = lay.store, keys, None
             else:
-                src, ids = lay.hot, self._resolve(lay, rows, keys)
-            values = core.attend(q_nope, q_pe, w["kv_b_proj.weight"], src, ids)
+                src, (ids, misses) = lay.hot, self._resolve(lay, rows, keys)
+            values = core.attend(q_nope, q_pe, w["kv_b_proj.weight"], src, ids, misses)
             x = x + values @ w["o_proj.weight"].t() + 0 * ranked[:, :1]
             gu = norm(x, w["mlp_norm"], 1e-6, kernels=fused) @ w["w13"].t()
             gate, up = gu.split(self.cfg.mlp_inter, dim=1)
@@ -180,8 +183,9 @@ class CoreStep:
         hidden = norm(x, self.final_norm, 1e-6, kernels=fused)
         return (hidden @ self.lm_head.t()).argmax(dim=-1), hidden
 
-    def _resolve(self, lay: Layer, rows: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-        """The connector's save on the copy stream, then resolve and gather: the hot rows."""
+    def _resolve(self, lay: Layer, rows: torch.Tensor, keys: torch.Tensor) -> tuple:
+        """The connector's save on the copy stream, then resolve and gather: the hot rows and
+        (where the row read fetches the misses itself) the miss plan."""
         slots = self.new_slots.int()
         if self.device.type == "cuda":
             g = lay.group
@@ -191,6 +195,8 @@ class CoreStep:
         else:
             ops.save_rows([rows], [lay.host], self.state_rows, slots)
         ids = lay.rt.resolve(keys.to(torch.int32), self.state_rows)
+        if self.core.reads_misses(self.batch):
+            return ids, defer_misses(lay.rt)
         lay.rt.gather()
         lay.rt.wait_ready()
-        return ids
+        return ids, None

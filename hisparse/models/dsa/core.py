@@ -24,7 +24,6 @@ resolved.
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass
 
 import torch
 
@@ -34,9 +33,11 @@ from hisparse.models.dsa.config import DSAConfig
 from hisparse.models.dsa.indexer import causal_top_k
 from hisparse.models.dsa.kernels import elementwise as ew
 from hisparse.models.dsa.kernels import indexer as idx_kernel
+from hisparse.models.dsa.kernels import misses as miss_kernel
 from hisparse.models.dsa.kernels import mla as mla_kernel
 from hisparse.models.dsa.kernels import rows as row_kernels
 from hisparse.models.dsa.kernels import select as select_kernel
+from hisparse.models.dsa.tokens import TokenBatch, token_rows  # noqa: F401 (the core's API)
 from hisparse.models.rows import KV_DIM, LATENT_DIM, ROW_FORMATS, decode_rows, encode_rows
 
 # Bound on one torch-path chunk (index scores [tokens, heads, context] or rows [tokens, K, 576]).
@@ -44,49 +45,11 @@ CHUNK_ELEMS = 1 << 24
 # Larger than any position: sorts padding (-1) after every selected position.
 _PAD_SORT = torch.iinfo(torch.int64).max
 ATTENTION = ("bmm", "fused")
-
-
-@dataclass(frozen=True)
-class TokenBatch:
-    """The tokens of one forward: ``positions`` / ``req`` int64 [T] (each token's position and
-    batch row), ``seq_lens`` int [R] (context after this step), ``block_table`` int [R, blocks]:
-    position j of request r is slot ``block_table[r, j // block_size] * block_size + j %
-    block_size`` (a key of the row store and of the index cache)."""
-
-    positions: torch.Tensor
-    req: torch.Tensor
-    seq_lens: torch.Tensor
-    block_table: torch.Tensor
-    block_size: int
-
-    @property
-    def num_tokens(self) -> int:
-        return self.positions.shape[0]
-
-    @property
-    def max_context(self) -> int:
-        return self.block_table.shape[1] * self.block_size
-
-    def slots(self, pos: torch.Tensor) -> torch.Tensor:
-        """Slots of positions ``pos`` [T, K] of each token's request; -1 stays -1."""
-        p = pos.clamp(min=0)
-        bs = self.block_size
-        blk = self.block_table[self.req[:, None], torch.div(p, bs, rounding_mode="floor")]
-        return torch.where(pos >= 0, blk.long() * bs + p % bs, pos)
-
-    def narrow(self, start: int, length: int) -> "TokenBatch":
-        """Tokens start .. start + length (same requests)."""
-        s = slice(start, start + length)
-        return TokenBatch(
-            self.positions[s], self.req[s], self.seq_lens, self.block_table, self.block_size
-        )
-
-
-def token_rows(query_start_loc: torch.Tensor, num_tokens: int) -> torch.Tensor:
-    """Each token's batch row, int64 [num_tokens], from the rows' first tokens [R + 1] (on the
-    device, no host read)."""
-    t = torch.arange(num_tokens, device=query_start_loc.device, dtype=query_start_loc.dtype)
-    return torch.searchsorted(query_start_loc[1:].contiguous(), t, right=True).long()
+# How a HiSparse step's misses reach the row read: copied into the hot buffer by the resolve
+# op's gather first, or fetched by the row read itself (``kernels.misses``); "auto" takes the
+# in-read from IN_READ_FROM requests up, where it measured faster (docs/results.md).
+MISSES = ("auto", "gather", "in_read")
+IN_READ_FROM = 16
 
 
 class SparseMLACore:
@@ -102,6 +65,7 @@ class SparseMLACore:
         key_format: str | None = None,
         backend: str = "auto",
         attention: str = "bmm",
+        misses: str = "auto",
     ) -> None:
         if row_format not in ROW_FORMATS:
             raise ValueError(f"row_format must be one of {sorted(ROW_FORMATS)}, got {row_format!r}")
@@ -111,6 +75,8 @@ class SparseMLACore:
             raise ValueError(f"backend must be 'auto', 'torch' or 'triton', got {backend!r}")
         if attention not in ATTENTION:
             raise ValueError(f"attention must be one of {ATTENTION}, got {attention!r}")
+        if misses not in MISSES:
+            raise ValueError(f"misses must be one of {MISSES}, got {misses!r}")
         can = row_kernels.available(device)
         if backend == "triton" and not can:
             raise ValueError(f"backend='triton' needs Triton and a CUDA device, not {device}")
@@ -123,7 +89,7 @@ class SparseMLACore:
         )
         d = cfg.index_head_dim
         self.kernel_keys = use and key_format == "fp8" and d & (d - 1) == 0
-        self.attention = attention
+        self.attention, self.misses = attention, misses
         self._splits: dict = {}  # kv_b_proj weight -> (W_uk, W_uv), kernel path
 
     def encode_rows(self, values: torch.Tensor) -> torch.Tensor:
@@ -212,14 +178,22 @@ class SparseMLACore:
         kv_b_weight: torch.Tensor,
         src: torch.Tensor,
         ids: torch.Tensor,
+        misses=None,
     ) -> torch.Tensor:
         """Attention of each token over its rows ``ids`` [T, K] (-1 padding) of ``src`` (uint8
-        [N, row_bytes]) -> per-head values [T, H * v_head_dim] (the input of ``o_proj``)."""
+        [N, row_bytes]) -> per-head values [T, H * v_head_dim] (the input of ``o_proj``).
+        ``misses``: a HiSparse step's miss plan (``hisparse.runtime.miss_plan.MissPlan``) when
+        ``src`` is the hot buffer and ``reads_misses`` said so: the read fetches them."""
         cfg = self.cfg
+        if misses is not None and not self.reads_misses(ids.shape[0]):
+            raise ValueError(
+                f"misses= given, but this core reads them only where reads_misses() is true "
+                f"(kernel rows, attention='bmm', misses={self.misses!r})"
+            )
         if self.kernel_rows and ids.shape[0]:
             w_uk, w_uv = self._split(kv_b_weight)
             q_lat = torch.bmm(q_nope.to(w_uk.dtype).transpose(0, 1), w_uk).transpose(0, 1)
-            o = self.attend_latent(q_lat, q_pe, src, ids).to(w_uv.dtype)
+            o = self.attend_latent(q_lat, q_pe, src, ids, misses).to(w_uv.dtype)
             v = torch.bmm(o.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
             return v.reshape(o.shape[0], -1)
         q_lat = mla.absorb_query(q_nope, kv_b_weight, cfg)
@@ -230,6 +204,13 @@ class SparseMLACore:
         ]
         o = torch.cat(parts) if parts else q_lat.new_zeros(0, cfg.num_heads, LATENT_DIM)
         return mla.expand_values(o, kv_b_weight, cfg)
+
+    def reads_misses(self, num_tokens: int) -> bool:
+        """Whether ``attend`` over ``num_tokens`` tokens' hot rows should be handed the miss plan
+        (``misses=``) instead of reading after the gather copied the misses in."""
+        if not (self.kernel_rows and self.attention == "bmm") or self.misses == "gather":
+            return False
+        return self.misses == "in_read" or num_tokens >= IN_READ_FROM
 
     def _split(self, kv_b: torch.Tensor):
         """kv_b_proj's weight as contiguous W_uk [H, nope, 512] and W_uv [H, v, 512], split once
@@ -254,15 +235,22 @@ class SparseMLACore:
         values = decode_rows(rows, self.row_format, q_lat.dtype)
         return mla.attend_rows(q_lat, q_pe, values, valid, self.cfg.softmax_scale)
 
-    def attend_latent(self, q_lat, q_pe, src, ids) -> torch.Tensor:
+    def attend_latent(self, q_lat, q_pe, src, ids, misses=None) -> torch.Tensor:
         """The kernels' attention in the latent: absorbed queries q_lat [T, H, 512] and q_pe [T,
-        H, 64] over rows ``ids`` [T, K] of the fp8 ``src`` -> latent mix [T, H, 512] bf16."""
+        H, 64] over rows ``ids`` [T, K] of the fp8 ``src`` -> latent mix [T, H, 512] bf16
+        (``misses``: see ``attend``)."""
         q = torch.cat([q_lat, q_pe], dim=-1).to(torch.bfloat16)
         scale = self.cfg.softmax_scale
         if self.attention == "fused":
             splits = mla_kernel.splits_for(ids.shape[0], q.shape[1], src.device)
             return mla_kernel.sparse_mla(q, src, ids, scale, splits=splits)
-        kv = row_kernels.gather_decode(src, ids.clamp(min=0))  # [T, K, 576] bf16
+        if misses is None:
+            kv = row_kernels.gather_decode(src, ids.clamp(min=0))  # [T, K, 576] bf16
+        else:
+            plan = (misses.src, misses.dst, misses.count)
+            miss_kernel.stage_misses(misses.pending, *plan)
+            kv = miss_kernel.read_with_misses(src, misses.host, misses.pending, ids.clamp(min=0))
+            miss_kernel.stage_misses(misses.pending, *plan, clear=True)
         s = torch.baddbmm(
             q.new_empty(q.shape[0], q.shape[1], ids.shape[1]),
             q,

@@ -62,9 +62,11 @@ def test_a_step_refuses_a_mode_it_was_not_built_for():
 
 @pytest.mark.cuda
 @needs_cuda
-def test_replayed_graphs_match_eager_and_each_other_on_cuda():
+@pytest.mark.parametrize("misses", ["gather", "in_read"])
+def test_replayed_graphs_match_eager_and_each_other_on_cuda(misses):
     cfg = GraphConfig.tiny(hidden=128, heads=16, idx_heads=16, top_k=64, hot_size=128)
-    step = CoreStep(cfg, 4, device="cuda")
+    step = CoreStep(cfg, 4, device="cuda", misses=misses)
+    assert step.core.reads_misses(4) == (misses == "in_read")
     row = measure(step, rounds=2, steps=3)
     assert row["bit_identical"] and 0.5 < row["hit_rate"] < 1.0
     # the captured step against the same step run eagerly on the same selection

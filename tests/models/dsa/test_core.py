@@ -150,3 +150,23 @@ def test_paged_indexer_tiles_keep_about_eight_programs_per_sm():
     # the H200 sweep's winners: 8 tiles at 30 x 32k, 16 at 39 x 128k, 4 for one request
     assert (tiles_for(30, 32832), tiles_for(39, 131136), tiles_for(1, 32832)) == (8, 16, 4)
     assert tiles_for(112, 32832) == 16 and tiles_for(0, 32832) == 4
+
+
+def test_the_row_read_takes_the_misses_only_where_the_core_reads_them():
+    from hisparse.models.dsa.core import IN_READ_FROM
+
+    cpu = SparseMLACore(_cfg(), "fp8", "cpu")
+    assert not cpu.kernel_rows and not cpu.reads_misses(IN_READ_FROM)  # no kernels on the CPU
+    with pytest.raises(ValueError, match="misses= given"):
+        cpu.attend(None, None, None, None, torch.zeros(IN_READ_FROM, 4, dtype=torch.long), object())
+    with pytest.raises(ValueError, match="misses must be one of"):
+        SparseMLACore(_cfg(), "fp8", "cpu", misses="beside")
+    kern = SparseMLACore(_cfg(), "fp8", "cpu")
+    kern.kernel_rows = True  # the policy alone (the kernels need a GPU)
+    assert not kern.reads_misses(IN_READ_FROM - 1) and kern.reads_misses(IN_READ_FROM)
+    kern.misses = "in_read"
+    assert kern.reads_misses(1)
+    kern.misses, kern.attention = "auto", "fused"
+    assert not kern.reads_misses(IN_READ_FROM)
+    kern.attention, kern.misses = "bmm", "gather"
+    assert not kern.reads_misses(10 * IN_READ_FROM)
