@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from hisparse.engine.graph import MODES, CoreStep, GraphConfig, MemoryBudget, measure
-from hisparse.models.dsa.core import MISSES, SparseMLACore
+from hisparse.models.dsa.core import ATTENTION, MISSES, SparseMLACore
 
 CORE = SparseMLACore.__module__  # what CoreStep's layers run (checked in run())
 
@@ -48,6 +48,7 @@ def run(args, batch: int, modes, resident_limit: int) -> dict:
     assert type(step.core) is SparseMLACore and step.core.kernel_rows and step.core.kernel_index
     row = measure(step, args.rounds, args.steps)
     row["fits_resident_budget"] = batch <= resident_limit
+    row["attention"] = step.core.attention  # what "auto" chose
     if "hisparse" in modes:  # where the misses reached the row read at this batch
         row["misses_read"] = "in_read" if step.core.reads_misses(batch) else "gather"
     del step
@@ -121,7 +122,10 @@ def main(argv=None) -> int:
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--hot-size", type=int, default=4096)
     p.add_argument("--miss", type=float, default=0.05, help="new share of the top-k per step")
-    p.add_argument("--attention", choices=("bmm", "fused"), default="bmm")
+    p.add_argument(
+        "--attention", choices=ATTENTION, default="auto",
+        help="the core's sparse MLA; auto: FlashMLA where importable and faster, else bmm",
+    )  # fmt: skip
     p.add_argument(
         "--misses", choices=MISSES, default="auto",
         help="HiSparse's misses: gathered before the row read, or fetched by it (in_read)",

@@ -9,11 +9,12 @@ step has no Python loop over requests and reads nothing back to the host. Two ba
   top-k over exactly its own context, as transformers does: ``topk``'s choice among equal scores
   (ReLU zeros are common) depends on the length of the row it ranks.
 * ``triton`` (CUDA): the production formats' kernels (``hisparse.models.dsa.kernels``): the
-  paged FP8 indexer where keys are fp8, the one-pass FP8 row read with batched products
-  (``attention="bmm"``) or the fused sparse MLA kernel (``"fused"``) where rows are fp8, and
-  there the row encoding and (``kernel_rows`` passed to the projections) the norms and rotary
-  embeddings in one launch each.
-  Unquantized formats keep the torch math on CUDA too: they exist to compare with references.
+  paged FP8 indexer where keys are fp8; where rows are fp8, the one-pass FP8 row read with
+  batched products (``attention="bmm"``, which can also fetch a HiSparse step's misses), the
+  fused sparse MLA kernel (``"fused"``) or FlashMLA's decode where importable (``"flashmla"``;
+  ``"auto"`` measures it against "bmm"), the row encoding, and (``kernel_rows`` passed to the
+  projections) the norms and rotary embeddings in one launch each. Unquantized formats keep
+  the torch math on CUDA too: they exist to compare with references.
 
 Resident and HiSparse attend through the same call on the same row bytes in the same order (the
 selection is sorted by position), so both modes give the same bits on one device. Which rows is
@@ -32,6 +33,7 @@ from hisparse.models.dsa import index_keys
 from hisparse.models.dsa.config import DSAConfig
 from hisparse.models.dsa.indexer import causal_top_k
 from hisparse.models.dsa.kernels import elementwise as ew
+from hisparse.models.dsa.kernels import flashmla
 from hisparse.models.dsa.kernels import indexer as idx_kernel
 from hisparse.models.dsa.kernels import misses as miss_kernel
 from hisparse.models.dsa.kernels import mla as mla_kernel
@@ -44,7 +46,7 @@ from hisparse.models.rows import KV_DIM, LATENT_DIM, ROW_FORMATS, decode_rows, e
 CHUNK_ELEMS = 1 << 24
 # Larger than any position: sorts padding (-1) after every selected position.
 _PAD_SORT = torch.iinfo(torch.int64).max
-ATTENTION = ("bmm", "fused")
+ATTENTION = ("auto", "bmm", "fused", "flashmla")
 # How a HiSparse step's misses reach the row read: copied into the hot buffer by the resolve
 # op's gather first, or fetched by the row read itself (``kernels.misses``); "auto" takes the
 # in-read from IN_READ_FROM requests up, where it measured faster (docs/results.md).
@@ -64,7 +66,7 @@ class SparseMLACore:
         *,
         key_format: str | None = None,
         backend: str = "auto",
-        attention: str = "bmm",
+        attention: str = "auto",
         misses: str = "auto",
     ) -> None:
         if row_format not in ROW_FORMATS:
@@ -89,7 +91,15 @@ class SparseMLACore:
         )
         d = cfg.index_head_dim
         self.kernel_keys = use and key_format == "fp8" and d & (d - 1) == 0
-        self.attention, self.misses = attention, misses
+        self.misses = misses
+        self._flash = flashmla.find() if self.kernel_rows and attention != "bmm" else None
+        if attention == "flashmla" and self._flash is None:
+            raise ValueError("attention='flashmla' needs FlashMLA importable (vLLM's or flash_mla)")
+        if attention == "auto":  # measured once per device and shape (flashmla.choose)
+            attention = "bmm"
+            if self._flash is not None:
+                attention = flashmla.choose(device, cfg.num_heads, cfg.index_topk, _bmm_attention)
+        self.attention = attention
         self._splits: dict = {}  # kv_b_proj weight -> (W_uk, W_uv), kernel path
 
     def encode_rows(self, values: torch.Tensor) -> torch.Tensor:
@@ -241,24 +251,32 @@ class SparseMLACore:
         (``misses``: see ``attend``)."""
         q = torch.cat([q_lat, q_pe], dim=-1).to(torch.bfloat16)
         scale = self.cfg.softmax_scale
+        if self.attention == "flashmla":
+            return self._flash(q, src, ids, scale)
         if self.attention == "fused":
             splits = mla_kernel.splits_for(ids.shape[0], q.shape[1], src.device)
             return mla_kernel.sparse_mla(q, src, ids, scale, splits=splits)
-        if misses is None:
-            kv = row_kernels.gather_decode(src, ids.clamp(min=0))  # [T, K, 576] bf16
-        else:
-            plan = (misses.src, misses.dst, misses.count)
-            miss_kernel.stage_misses(misses.pending, *plan)
-            kv = miss_kernel.read_with_misses(src, misses.host, misses.pending, ids.clamp(min=0))
-            miss_kernel.stage_misses(misses.pending, *plan, clear=True)
-        s = torch.baddbmm(
-            q.new_empty(q.shape[0], q.shape[1], ids.shape[1]),
-            q,
-            kv.transpose(1, 2),
-            beta=0.0,
-            alpha=scale,
-        )
-        return torch.bmm(mla_kernel.masked_softmax(s, ids), kv[..., :LATENT_DIM])
+        return _bmm_attention(q, src, ids, scale, misses)
+
+
+def _bmm_attention(q, src, ids, scale, misses=None) -> torch.Tensor:
+    """The row read (fetching a deferred plan's misses), two batched products and the masked
+    softmax: q [T, H, 576] bf16 over rows ``ids`` [T, K] of ``src`` -> [T, H, 512] bf16."""
+    if misses is None:
+        kv = row_kernels.gather_decode(src, ids.clamp(min=0))  # [T, K, 576] bf16
+    else:
+        plan = (misses.src, misses.dst, misses.count)
+        miss_kernel.stage_misses(misses.pending, *plan)
+        kv = miss_kernel.read_with_misses(src, misses.host, misses.pending, ids.clamp(min=0))
+        miss_kernel.stage_misses(misses.pending, *plan, clear=True)
+    s = torch.baddbmm(
+        q.new_empty(q.shape[0], q.shape[1], ids.shape[1]),
+        q,
+        kv.transpose(1, 2),
+        beta=0.0,
+        alpha=scale,
+    )
+    return torch.bmm(mla_kernel.masked_softmax(s, ids), kv[..., :LATENT_DIM])
 
 
 def _masked_top_k(scores: torch.Tensor, positions: torch.Tensor, top_k: int) -> torch.Tensor:

@@ -1,0 +1,146 @@
+"""FlashMLA's sparse FP8 decode (DeepSeek's kernel; a CUDA vLLM ships it) as the core's attention
+over FP8 rows, where a build of it is importable, and the measurement that picks it.
+
+Why: on an H200 it was 2.4-4.4x faster than the project's kernels over the same rows
+(benchmarks/results/flashmla_baseline_h200.json). Its "FP8 with scale" cache layout is the
+project's fp8 row byte for byte (512 fp8 values, 4 float32 scales, 64 bf16 rope values), so it
+reads the resident store and the hot buffers as they are, with the same ids (-1: padding).
+
+Sources, tried in order: modules registered by ``add_source`` (the vLLM integration registers
+vLLM's own FlashMLA ops), then the standalone ``flash_mla`` package. Each must offer FlashMLA's
+``flash_mla_with_kvcache`` and ``get_mla_metadata``; a module with
+``is_flashmla_sparse_supported`` is used only where that says yes.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import statistics
+from typing import Optional
+
+import torch
+
+from hisparse.models.rows import LATENT_DIM
+
+log = logging.getLogger("hisparse")
+_SOURCES: list = ["flash_mla"]
+_CHOICE: dict = {}  # (device, heads, top_k) -> "flashmla" | "bmm"
+PROBE_BATCHES = (1, 64)
+HEAD_BLOCK = 64  # FlashMLA's sparse decode takes query heads in blocks of 64
+
+
+def add_source(module: str) -> None:
+    """Try ``module`` first (an import path offering FlashMLA's interface)."""
+    if module not in _SOURCES:
+        _SOURCES.insert(0, module)
+
+
+class FlashMLADecode:
+    """``flash_mla_with_kvcache`` over FP8 rows by id, one scheduling plan per shape (FlashMLA
+    plans a shape at its first call and reuses the plan for that shape)."""
+
+    def __init__(self, module) -> None:
+        self.module = module
+        self.name = module.__name__
+        self._plans: dict = {}
+
+    def __call__(self, q: torch.Tensor, src: torch.Tensor, ids: torch.Tensor, scale: float):
+        """q [n, heads, 576] bf16 over rows ``ids`` [n, K] of ``src`` (uint8 [N, 656]) ->
+        latent mix [n, heads, 512] bf16."""
+        n, heads, _ = q.shape
+        if heads % HEAD_BLOCK:  # a rank's share of the heads under TP: pad, then drop the pad
+            q = torch.nn.functional.pad(q, (0, 0, 0, -heads % HEAD_BLOCK))
+            return self(q, src, ids, scale)[:, :heads]
+        block = _page_block(src.shape[0])
+        key = (n, heads, ids.shape[1], block, q.device)
+        plan = self._plans.get(key)
+        if plan is None:
+            if torch.cuda.is_current_stream_capturing():
+                raise RuntimeError(
+                    f"FlashMLA plans each shape at its first call: run one eager step of batch {n} "
+                    "before capturing it (or pass attention='bmm')"
+                )
+            plan = self._plans[key] = self.module.get_mla_metadata()[0]
+        out = self.module.flash_mla_with_kvcache(
+            q.view(n, 1, heads, q.shape[-1]),
+            src.view(-1, block, 1, src.shape[1]),
+            None,
+            None,
+            LATENT_DIM,
+            plan,
+            softmax_scale=scale,
+            is_fp8_kvcache=True,
+            indices=ids.to(torch.int32).view(n, 1, -1),
+        )[0]
+        return out.view(n, heads, LATENT_DIM)
+
+
+def _page_block(rows: int) -> int:
+    """The largest page block of at most 64 rows (vLLM's for these rows) dividing ``rows``: ids
+    are row numbers either way, the view only has to cover every row."""
+    b = 64
+    while rows % b:
+        b //= 2
+    return b
+
+
+def find() -> Optional[FlashMLADecode]:
+    """The first importable, supported source, or None."""
+    for name in _SOURCES:
+        try:
+            module = importlib.import_module(name)
+        except Exception:  # noqa: BLE001 - an unusable build is as good as none
+            continue
+        ok = getattr(module, "is_flashmla_sparse_supported", None)
+        if ok is not None and not ok()[0]:
+            continue
+        if hasattr(module, "flash_mla_with_kvcache") and hasattr(module, "get_mla_metadata"):
+            return FlashMLADecode(module)
+    return None
+
+
+def choose(device, heads: int, top_k: int, bmm, reps: int = 20) -> str:
+    """ "flashmla" where a source exists and it beat ``bmm`` (the project's attention, called as
+    ``bmm(q, src, ids, scale)``) at every probe batch, else "bmm"; measured once per device and
+    shape, said in one log line."""
+    key = (torch.device(device), heads, top_k)
+    if key in _CHOICE:
+        return _CHOICE[key]
+    flash = find()
+    if flash is None:
+        log.info("hisparse: sparse MLA by the Triton kernels (no FlashMLA importable)")
+        _CHOICE[key] = "bmm"
+        return "bmm"
+    times = {b: _probe(flash, bmm, device, heads, top_k, b, reps) for b in PROBE_BATCHES}
+    won = all(f < t for f, t in times.values())
+    _CHOICE[key] = "flashmla" if won else "bmm"
+    said = ", ".join(f"{f:.0f} vs {t:.0f} us at batch {b}" for b, (f, t) in times.items())
+    log.info(
+        "hisparse: sparse MLA by %s (FlashMLA from %s against the Triton kernels: %s)",
+        "FlashMLA" if won else "the Triton kernels", flash.name, said,
+    )  # fmt: skip
+    return _CHOICE[key]
+
+
+def _probe(flash, bmm, device, heads, top_k, batch, reps) -> tuple:
+    """Median microseconds of (FlashMLA, bmm) on random rows, ``top_k`` of 4 x ``top_k`` each."""
+    from hisparse.models.rows import encode_rows
+
+    g = torch.Generator(device=device).manual_seed(0)
+    n_rows = batch * 4 * top_k
+    src = encode_rows(torch.randn(n_rows, 576, device=device, generator=g), "fp8")
+    ids = torch.randperm(n_rows, device=device, generator=g)[: batch * top_k].view(batch, -1)
+    q = torch.randn(batch, heads, 576, device=device, generator=g).bfloat16()
+    out = []
+    for fn in (flash, bmm):
+        fn(q, src, ids, 0.1)  # compile, plan
+        ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+              for _ in range(reps)]  # fmt: skip
+        for a, b in ev:
+            a.record()
+            fn(q, src, ids, 0.1)
+            b.record()
+        torch.cuda.synchronize(device)
+        out.append(statistics.median(a.elapsed_time(b) * 1e3 for a, b in ev))
+    return tuple(out)

@@ -1,0 +1,69 @@
+"""Which FlashMLA the core would use, found without a GPU: sources in order, unsupported builds
+skipped, the page block view, and the choice said in one line when none is importable (the CUDA
+half, FlashMLA against the Triton kernels on the same rows, is test_flashmla_cuda.py)."""
+
+from __future__ import annotations
+
+import logging
+import sys
+import types
+
+import pytest
+
+from hisparse.models.dsa.kernels import flashmla
+
+
+def _module(name: str, supported=None):
+    m = types.ModuleType(name)
+    m.flash_mla_with_kvcache = lambda *a, **k: None
+    m.get_mla_metadata = lambda: (object(), None)
+    if supported is not None:
+        m.is_flashmla_sparse_supported = lambda: (supported, None if supported else "no sm90")
+    return m
+
+
+@pytest.fixture
+def sources(monkeypatch):
+    monkeypatch.setattr(flashmla, "_SOURCES", list(flashmla._SOURCES))
+    monkeypatch.setattr(flashmla, "_CHOICE", {})
+    return monkeypatch
+
+
+def test_sources_are_tried_in_order_and_unsupported_builds_skipped(sources):
+    sources.setitem(sys.modules, "flash_mla", None)  # not importable
+    assert flashmla.find() is None
+    sources.setitem(sys.modules, "fake_vllm_flashmla", _module("fake_vllm_flashmla", False))
+    flashmla.add_source("fake_vllm_flashmla")
+    assert flashmla.find() is None, "a build that says it is unsupported must not be used"
+    sources.setitem(sys.modules, "flash_mla", _module("flash_mla"))
+    assert flashmla.find().name == "flash_mla"
+    sources.setitem(sys.modules, "fake_vllm_flashmla", _module("fake_vllm_flashmla", True))
+    assert flashmla.find().name == "fake_vllm_flashmla", "a registered source comes first"
+
+
+def test_no_flashmla_means_the_triton_kernels_said_once(sources, caplog):
+    sources.setitem(sys.modules, "flash_mla", None)
+    with caplog.at_level(logging.INFO, logger="hisparse"):
+        assert flashmla.choose("cpu", 128, 2048, bmm=None) == "bmm"
+        assert flashmla.choose("cpu", 128, 2048, bmm=None) == "bmm"
+    said = [r.getMessage() for r in caplog.records if "sparse MLA" in r.getMessage()]
+    assert said == ["hisparse: sparse MLA by the Triton kernels (no FlashMLA importable)"]
+
+
+@pytest.mark.parametrize("rows,block", [(64 * 7, 64), (96, 32), (4097, 1), (4096 * 3, 64)])
+def test_the_page_block_view_covers_every_row(rows, block):
+    assert flashmla._page_block(rows) == block
+
+
+def test_explicit_flashmla_without_it_is_refused_by_name(sources):
+    from hisparse.models.dsa.config import DSAConfig
+    from hisparse.models.dsa.core import SparseMLACore
+    from hisparse.models.dsa.kernels import rows as row_kernels
+    from hisparse.models.dsa.random_checkpoint import random_config
+
+    sources.setitem(sys.modules, "flash_mla", None)
+    sources.setattr(row_kernels, "available", lambda device: True)
+    cfg = DSAConfig.from_hf(random_config("deepseek_v32"))
+    with pytest.raises(ValueError, match="attention='flashmla' needs FlashMLA"):
+        SparseMLACore(cfg, "fp8", "cpu", attention="flashmla")
+    assert SparseMLACore(cfg, "fp8", "cpu").attention == "bmm"  # auto, nothing to measure
