@@ -18,6 +18,7 @@ MAX_INT_SETTING = {
     "max_num_seqs": 65536,
     "block_size": 1024,  # vLLM's largest KV block is far below this
     "index_share": 1024,  # layers per index group: no model has more layers
+    "decode_tokens": 1024,  # 1 + vLLM's num_speculative_tokens; the hot-size bound comes first
     "metrics_interval": 1_000_000,
 }
 
@@ -43,7 +44,11 @@ class HiSparseConfig:
     # host_pool_fraction); an engine without vLLM allocates DEFAULT_HOST_POOL_GIB.
     host_pool_gib: Optional[float] = None
     top_k: int = 2048
-    hot_size: Optional[int] = None  # None -> default_hot_size(top_k)
+    hot_size: Optional[int] = None  # None -> default_hot_size(top_k), at least resolve_width
+    # Query tokens one decode may have: 1, or 1 + num_speculative_tokens under speculative
+    # decoding (vLLM's config fills it). A decode resolves the union of its tokens' top-k once,
+    # so the index groups resolve rows of decode_tokens x top_k keys.
+    decode_tokens: int = 1
     index_share: int = 1
     metrics_interval: int = 2000
     # Also snapshot once this many seconds have passed since the last one (0 = steps only).
@@ -69,14 +74,10 @@ class HiSparseConfig:
         # hot-buffer limit is reported against top_k, not against a size nobody set.
         for key in ("top_k", "index_share", "metrics_interval", "max_num_seqs", "block_size"):
             _check_int(key, getattr(self, key), minimum=1, maximum=MAX_INT_SETTING[key])
-        if self.hot_size is None:
-            object.__setattr__(self, "hot_size", default_hot_size(self.top_k))
-        _check_int("hot_size", self.hot_size, minimum=1)
-        if not self.top_k <= self.hot_size <= MAX_HOT_SIZE:
-            raise HiSparseConfigError(
-                f"{PREFIX}['hot_size'] must satisfy top_k ({self.top_k}) <= "
-                f"hot_size <= {MAX_HOT_SIZE}, got {self.hot_size}"
-            )
+        _check_int(
+            "decode_tokens", self.decode_tokens, minimum=1, maximum=MAX_INT_SETTING["decode_tokens"]
+        )
+        self._settle_hot_size()
         if self.max_num_seqs * self.hot_size > INT32_MAX:
             raise HiSparseConfigError(
                 f"{PREFIX}['max_num_seqs'] * hot_size must be <= {INT32_MAX} "
@@ -120,6 +121,36 @@ class HiSparseConfig:
                 raise HiSparseConfigError(
                     f"{PREFIX}[{key!r}] must be true, false or null, got {type(p).__name__} {p!r}"
                 )
+
+    def _settle_hot_size(self) -> None:
+        """The default hot size, and the checks that the hot buffer holds a decode's keys."""
+        width = self.resolve_width
+        if width > MAX_HOT_SIZE:
+            raise HiSparseConfigError(
+                f"{PREFIX}['decode_tokens'] = {self.decode_tokens} (1 + num_speculative_tokens) "
+                f"x top_k {self.top_k} = {width} keys per decode exceed the hot-buffer limit "
+                f"{MAX_HOT_SIZE}: lower num_speculative_tokens in --speculative-config"
+            )
+        if self.hot_size is None:
+            object.__setattr__(self, "hot_size", max(default_hot_size(self.top_k), width))
+        _check_int("hot_size", self.hot_size, minimum=1)
+        if not self.top_k <= self.hot_size <= MAX_HOT_SIZE:
+            raise HiSparseConfigError(
+                f"{PREFIX}['hot_size'] must satisfy top_k ({self.top_k}) <= "
+                f"hot_size <= {MAX_HOT_SIZE}, got {self.hot_size}"
+            )
+        if self.hot_size < width:
+            # One union row (every query token's top-k) must fit one state row's hot buffer.
+            raise HiSparseConfigError(
+                f"{PREFIX}['hot_size'] = {self.hot_size} cannot hold the {width} keys a "
+                f"speculative decode resolves ({self.decode_tokens} query tokens x top_k "
+                f"{self.top_k}): raise hot_size to >= {width} or leave it unset"
+            )
+
+    @property
+    def resolve_width(self) -> int:
+        """Keys one decode resolves per index group: its query tokens' top-k side by side."""
+        return self.decode_tokens * self.top_k
 
     @property
     def host_pool_set(self) -> bool:

@@ -79,7 +79,8 @@ def register(
             f"group{gi}:{members[0]}",
             num_state_rows=cfg.max_num_seqs,
             hot_size=cfg.hot_size,
-            top_k=cfg.top_k,
+            # A decode's row holds the top-k of each of its query tokens (speculative decoding).
+            top_k=cfg.resolve_width,
             max_batch=cfg.max_num_seqs,
             num_keys=host_rows,
             device=device,

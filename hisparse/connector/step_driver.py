@@ -209,7 +209,7 @@ class StepDriver:
     def _resolve_leader(self, rt, top_k, resident_rows, state_rows) -> None:
         g = rt.index_group
         if not isinstance(top_k, torch.Tensor) or top_k.dim() != 2:
-            raise ValueError(f"top_k must be a 2-D int32 tensor [B, {self.config.top_k}]")
+            raise ValueError(f"top_k must be a 2-D int32 tensor [B, {g.top_k}]")
         if g.name in self._resolved:
             raise RuntimeError(
                 f"layer {rt.layer_name!r} already resolved this step: a second plan would "

@@ -68,15 +68,40 @@ def _renamed(extra: Mapping) -> dict:
     return out
 
 
+def decode_query_len(vllm_config: Any) -> int:
+    """Query tokens one decode request may have in a step: 1, or under speculative decoding
+    vLLM's own bound (1 + num_speculative_tokens), which its batch reorder also uses."""
+    spec = getattr(vllm_config, "speculative_config", None)
+    n = getattr(spec, "num_speculative_tokens", None)
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        return 1
+    try:
+        from vllm.v1.attention.backend import max_decode_query_len
+    except ImportError:  # no vLLM (stand-in configs) or a vLLM without the helper
+        return 1 + n
+    return int(max_decode_query_len(vllm_config))
+
+
 def engine_defaults(vllm_config: Any, extra: Optional[Mapping]) -> Any:
-    """``extra`` with max_num_seqs / block_size filled from vLLM's own config, and top_k from the
+    """``extra`` with max_num_seqs / block_size filled from vLLM's own config, top_k from the
     served model's config (an exported HiSparse model's ``hisparse.top_k``, or the DeepSeek-V3.2 /
-    GLM-5 indexer's ``index_topk``), where the extra config omits them."""
+    GLM-5 indexer's ``index_topk``), where the extra config omits them, and decode_tokens from
+    the speculative config (DeepSeek-V3.2 / GLM-5 classes)."""
     if extra is not None and not isinstance(extra, Mapping):
         return extra  # config_from_extra names the problem
     merged = dict(extra or {})
     hf = getattr(getattr(vllm_config, "model_config", None), "hf_config", None)
     model = getattr(hf, "hisparse", None)
+    # The exported reference model resolves one-token decodes only; its multi-token steps read
+    # the host pool as prefills, so its rows stay top_k wide.
+    q = 1 if isinstance(model, Mapping) else decode_query_len(vllm_config)
+    if merged.get("decode_tokens", q) != q:
+        raise HiSparseConfigError(
+            f"{PREFIX}['decode_tokens'] = {merged['decode_tokens']!r} differs from the {q} query "
+            "tokens a decode has in this engine (1 + num_speculative_tokens); leave it unset"
+        )
+    if q > 1:
+        merged["decode_tokens"] = q
     if "top_k" not in merged and isinstance(model, Mapping) and isinstance(model.get("top_k"), int):
         merged["top_k"] = model["top_k"]
     index_topk = getattr(hf, "index_topk", None)
