@@ -28,12 +28,15 @@ from vllm.v1.attention.backend import (
 )
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheSpec
 
+from hisparse.vllm.settings import decode_query_len
+
 
 @dataclass
 class StepMetadata:
     """One step's batch as the model reads it (the same object for every layer).
 
-    Requests are batch rows in vLLM's order, requests with one query token (decodes) first
+    Requests are batch rows in vLLM's order, requests with at most ``decode_len`` query tokens
+    (decodes: one token, or 1 + num_speculative_tokens under speculative decoding) first
     (``reorder_batch_threshold``). ``query_start`` is a host list taken from vLLM's own host copy
     (no device sync); everything else is on the device. Tokens of row r are
     ``query_start[r]:query_start[r+1]`` at positions ``seq_lens[r] - q_len .. seq_lens[r] - 1``."""
@@ -45,7 +48,8 @@ class StepMetadata:
     block_table: torch.Tensor  # int32 [num_reqs, max_blocks]
     slot_mapping: torch.Tensor  # int64 [num_tokens]
     block_size: int
-    num_decodes: int  # leading rows with one query token
+    num_decodes: int  # leading rows with at most decode_len query tokens
+    decode_len: int = 1
 
     @property
     def num_tokens(self) -> int:
@@ -60,6 +64,7 @@ class StepMetadata:
 
 class StepMetadataBuilder(AttentionMetadataBuilder[StepMetadata]):
     # Decodes first: the model then finds them as the leading rows without a device read.
+    # Under speculative decoding a decode verifies its draft tokens too (``__init__``).
     reorder_batch_threshold = 1
 
     def __init__(
@@ -73,6 +78,7 @@ class StepMetadataBuilder(AttentionMetadataBuilder[StepMetadata]):
         self.layer_names = layer_names
         self.vllm_config = vllm_config
         self.device = device
+        self.reorder_batch_threshold = decode_query_len(vllm_config)
 
     def build(
         self,
@@ -83,8 +89,9 @@ class StepMetadataBuilder(AttentionMetadataBuilder[StepMetadata]):
         c = common_attn_metadata
         n = c.num_reqs
         qsl = c.query_start_loc_cpu[: n + 1].tolist()
+        q = self.reorder_batch_threshold
         decodes = 0
-        while decodes < n and qsl[decodes + 1] - qsl[decodes] == 1:
+        while decodes < n and qsl[decodes + 1] - qsl[decodes] <= q:
             decodes += 1
         return StepMetadata(
             num_reqs=n,
@@ -95,6 +102,7 @@ class StepMetadataBuilder(AttentionMetadataBuilder[StepMetadata]):
             slot_mapping=c.slot_mapping[: qsl[n]].long(),
             block_size=self.kv_cache_spec.block_size,
             num_decodes=decodes,
+            decode_len=q,
         )
 
 

@@ -8,7 +8,10 @@ Per tiny checkpoint with one MTP layer (hisparse.models.dsa.mtp_checkpoint): gre
 speculation equal those without, all-resident and with the HiSparse connector; vLLM's
 spec-decode counters show acceptance above one half when the MTP layer agrees with the target,
 and a random MTP layer (most drafts rejected, their rows written again by the next step) still
-gives the plain tokens.
+gives the plain tokens. With the connector, a verify step's two query tokens per request are
+decodes resolved through the hot buffers (the union of their top-k, hisparse.vllm.dsa.union):
+the connector's hit and miss counters both grow. A rejected draft's key stays hot unless the
+scheduler drops it, so the random MTP layer's equal tokens also check that no stale row is read.
 
 Every run is its own process (vLLM's engine is not meant to be built twice in one).
 Collected only with HISPARSE_VLLM_CONFORMANCE=1.
@@ -106,10 +109,16 @@ def _acceptance(r: dict) -> tuple:
     )
 
 
+def _hot(r: dict) -> tuple:
+    """(hits, misses) of the connector's hot buffers over the run."""
+    m = r["metrics"]
+    return int(m["vllm:hisparse_cache_hits"]), int(m["vllm:hisparse_cache_misses"])
+
+
 CASES = {
     # (arch, agreeing MTP layer): the runs (speculative, hisparse)
     ("deepseek_v32", True): [(False, False), (True, False), (False, True), (True, True)],
-    ("glm_moe_dsa", True): [(False, False), (True, True)],
+    ("glm_moe_dsa", True): [(False, False), (False, True), (True, True)],
     ("deepseek_v32", False): [(False, False), (True, True)],
 }
 
@@ -128,12 +137,19 @@ def test_mtp_speculation_gives_the_plain_greedy_tokens(tmp_path, arch, agree):
         if spec:
             acc, drafts = _acceptance(r)
             what += f" acceptance {acc}/{drafts} = {acc / drafts:.2f}"
+        if hisparse:
+            what += " hot hits {} misses {}".format(*_hot(r))
         lines.append(
             f"{arch} {'agreeing' if agree else 'random'}: {what}, tokens {equal}/{PROMPTS}"
         )
     print("\n".join(lines))
-    for (spec, _), r in runs.items():
+    for (spec, hisparse), r in runs.items():
         assert r["tokens"] == plain, lines
+        if hisparse:
+            # Every decode (with speculation: the pending token and its draft) resolves through
+            # the hot buffers; a key of an earlier step found there is a hit.
+            hits, misses = _hot(r)
+            assert hits > 0 and misses > 0, lines
         if spec:
             acc, drafts = _acceptance(r)
             assert drafts > 0, lines

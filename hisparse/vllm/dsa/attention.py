@@ -31,18 +31,21 @@ from hisparse.models.dsa.config import DSAConfig
 from hisparse.models.dsa.core import CHUNK_ELEMS, SparseMLACore, TokenBatch
 from hisparse.models.rows import KV_DIM, LATENT_DIM, ROPE_DIM
 from hisparse.vllm.compat import tensor_parallel_peers
+from hisparse.vllm.dsa.union import token_ids, union_rows
 from hisparse.vllm.layers import _CacheLayer
 
 
 @dataclass
 class Step:
     """What every layer of one forward shares: vLLM's metadata, the tokens as the core reads
-    them, the connector and (HiSparse decodes) the decode rows' state rows."""
+    them, the connector and (HiSparse decodes) the decode rows' state rows and, for decodes of
+    several tokens, each token's slice of its row (``union.decode_token_rows``)."""
 
     meta: Any  # hisparse.vllm.layers.StepMetadata
     tokens: TokenBatch
     connector: Any = None
     state_rows: Optional[torch.Tensor] = None
+    decode_at: Optional[torch.Tensor] = None
 
     @property
     def positions(self) -> torch.Tensor:
@@ -228,21 +231,24 @@ class DSAAttention(nn.Module):
         else:
             store = self.kv_rows.rows()
             store.index_copy_(0, meta.slot_mapping, rows)
-        nd = meta.num_decodes
+        nd, q = meta.num_decodes, meta.decode_len
+        td = meta.query_start[nd]  # the decodes' tokens lead
         parts = []
         if nd:
-            keys = selection[:nd]
+            keys = selection[:td]
             if connector is not None:
-                top_k = keys.to(torch.int32) if self.indexer is not None else None
-                ids = connector.resolve(name, top_k, state_rows=step.state_rows)
+                # One row per request: the union of its tokens' top-k (``union``).
+                at = step.decode_at
+                top_k = union_rows(keys, at, nd, q) if self.indexer is not None else None
+                ids = token_ids(connector.resolve(name, top_k, state_rows=step.state_rows), at, q)
                 connector.wait_for_layer_load(name)
                 src = connector.hot_rows(name)
             else:
                 src, ids = store, keys
-            parts.append(self.core.attend(q_nope[:nd], q_pe[:nd], kv_b, src, ids))
+            parts.append(self.core.attend(q_nope[:td], q_pe[:td], kv_b, src, ids))
         t, k = selection.shape
         n = max(1, CHUNK_ELEMS // (k * KV_DIM))
-        for s in range(nd, t, n):
+        for s in range(td, t, n):
             keys = selection[s : s + n]
             if connector is not None:  # this chunk's rows, gathered from the host pool
                 src = connector.load_host_rows(name, keys)

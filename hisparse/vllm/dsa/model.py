@@ -36,6 +36,7 @@ from hisparse.models.dsa.core import TokenBatch, token_rows
 from hisparse.models.rows import ROW_FORMATS
 from hisparse.vllm.dsa import attention_op  # noqa: F401  (registers hisparse::dsa_attention)
 from hisparse.vllm.dsa.attention import DSAAttention, Step
+from hisparse.vllm.dsa.union import decode_token_rows
 from hisparse.vllm.dsa.weights import load_dsa_weights
 from hisparse.vllm.layers import SparseMLACache
 from hisparse.vllm.model import HiSparseMLAForCausalLM, uses_hisparse_connector
@@ -70,9 +71,16 @@ def forward_step(index_name: str, positions: torch.Tensor, hisparse: bool) -> Op
     step = Step(meta, tokens)
     if hisparse:
         step.connector = HiSparseMLAForCausalLM._connector()
-        if meta.num_decodes:
-            slots = meta.slot_mapping[: meta.num_decodes]
+        nd, q = meta.num_decodes, meta.decode_len
+        if nd:
+            # A request's state row is found by the key of its last token this step.
+            if q == 1:
+                slots = meta.slot_mapping[:nd]
+            else:
+                slots = meta.slot_mapping[meta.query_start_loc[1 : nd + 1].long() - 1]
             step.state_rows = step.connector.batch_state_rows(slots)
+            req = tokens.req[: meta.query_start[nd]]
+            step.decode_at = decode_token_rows(req, meta.query_start_loc, q)
     return step
 
 
