@@ -168,9 +168,9 @@ COLOCATED_MEASURED = 4  # groups of 2-3 were not measured: they get the one-laye
 # (batch, ms/step)), batch 1 and the largest batch measured.
 PROXY_LAYERS = 8
 STEP_MS = {
-    32768: ((1, 4.415), (112, 10.489)),
-    65536: ((1, 4.450), (69, 9.684)),
-    131072: ((1, 4.542), (39, 8.923)),
+    32768: ((1, 4.481), (112, 10.539)),
+    65536: ((1, 4.515), (69, 9.746)),
+    131072: ((1, 4.603), (39, 8.976)),
 }
 
 
@@ -283,9 +283,9 @@ def _regime(p: PlanInputs, gpus: int, tp: int, rate, b8: float, c_us: float) -> 
     src = "" if layout.startswith("given") else " (measured on an H200: docs/results.md)"
     lines += [
         f"PCIe: {rate_text} per GPU, {layout}{src}; ~46 GB/s holds only for pools <= 1 GiB",
-        "copy: not hidden: the misses' copy adds its time to every decode step (measured on "
-        "the H200, docs/results.md); the tokens/s estimate adds it to the step; it is not a "
-        "time per token",
+        "copy: partly hidden: from 16 requests the row read fetches the misses itself, which hid "
+        "about half their PCIe time at 32k on the H200 (docs/results.md); the tokens/s estimate "
+        "adds the whole copy to the step (a lower bound); it is not a time per token",
         f"tokens/s: n / (b + n*c + copy) per rank; b = {b8:.2f} ms x {p.layers}/{PROXY_LAYERS} "
         f"layers / TP {tp}, c = {c_us:.2f} us per request-layer at {p.context:,} tokens, "
         "measured on one H200 for the DSA core (8 layers of DeepSeek-V3.2 attention, "

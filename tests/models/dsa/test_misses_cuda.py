@@ -36,7 +36,7 @@ class _Side:
             num_keys=KEYS, device=GPU,
         )  # fmt: skip
         self.rt = HiSparseRuntime(f"l-{misses}", self.group, self.host, self.hot)
-        self.core = SparseMLACore(cfg, "fp8", GPU, misses=misses)
+        self.core = SparseMLACore(cfg, "fp8", GPU, attention="bmm", misses=misses)
         self.rows = torch.arange(B, dtype=torch.int32, device=GPU)
 
     def step(self, keys, q_nope, q_pe, kv_b) -> torch.Tensor:
