@@ -94,6 +94,21 @@ def profile(args, batch: int, top: int) -> None:
                 print(f"{t:9.1f} us  {name}")
 
 
+def per_request_layer_us(rows: list, layers: int) -> dict:
+    """Each mode's step cost per request and layer: the slope of ms/step against the batch
+    between the smallest and the largest batch timed (what bounds the tokens/s at capacity)."""
+    if len(rows) < 2:
+        return {}
+    lo, hi = min(rows, key=lambda r: r["batch"]), max(rows, key=lambda r: r["batch"])
+    out = {}
+    for m in MODES:
+        key = f"{m}_ms_per_step"
+        if key in lo and key in hi:
+            slope = (hi[key] - lo[key]) / (hi["batch"] - lo["batch"]) / layers
+            out[m] = round(slope * 1e3, 3)
+    return {"batches": [lo["batch"], hi["batch"]], **out}
+
+
 def capacity(args, rows: list, limit: dict) -> dict:
     """Each mode at its budget's limit: the batch table's row where it has one, else a run."""
     tok = {}
@@ -172,6 +187,7 @@ def main(argv=None) -> int:
         "rounds": args.rounds,
         "steps": args.steps,
         "batches": rows,
+        "per_request_layer_us": per_request_layer_us(rows, args.layers),
     }
     if args.capacity:
         result["capacity"] = capacity(args, rows, limit)

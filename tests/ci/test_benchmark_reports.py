@@ -43,3 +43,18 @@ def test_capacity_report_has_a_row_per_context_with_its_ratio():
 def test_tpot_report_renders_the_kept_result():
     md = tpot_report.markdown(_kept())
     assert "| 112 | no |" in md and "attention: bmm" in md and "hisparse.models.dsa.core" in md
+
+
+def test_per_request_layer_cost_is_the_slope_between_the_end_batches():
+    import bench_decode_tpot
+
+    rows = [
+        {"batch": 16, "resident_ms_per_step": 5.0, "hisparse_ms_per_step": 5.5},
+        {"batch": 1, "resident_ms_per_step": 4.0, "hisparse_ms_per_step": 4.1},
+        {"batch": 101, "resident_ms_per_step": 12.0, "hisparse_ms_per_step": 14.1},
+    ]
+    got = bench_decode_tpot.per_request_layer_us(rows, layers=8)
+    assert got == {"batches": [1, 101], "resident": 10.0, "hisparse": 12.5}
+    assert bench_decode_tpot.per_request_layer_us(rows[:1], layers=8) == {}
+    kept = _kept()["per_request_layer_us"]
+    assert kept["batches"] == [1, 112] and 0 < kept["resident"] < kept["hisparse"]
