@@ -127,13 +127,25 @@ class HiSparseConnectorImpl:
         worker.start_step(self._metadata)
 
     def resolve(
-        self, layer_name: str, top_k: Any, resident_rows: Any = None, *, state_rows: Any = None
+        self,
+        layer_name: str,
+        top_k: Any,
+        resident_rows: Any = None,
+        *,
+        state_rows: Any = None,
+        defer_misses: bool = False,
     ):
         """After the indexer: the attention rows of ``layer_name`` for this step's top-k (rows of
-        ``hot_rows(layer_name)``). Followers pass ``top_k=None`` and get the leader's plan."""
+        ``hot_rows(layer_name)``). Followers pass ``top_k=None`` and get the leader's plan.
+        ``defer_misses``: attention's row read fetches the misses (``miss_plan``), no gather."""
         return self._need_worker("resolve").resolve(
-            layer_name, top_k, resident_rows, state_rows=state_rows
+            layer_name, top_k, resident_rows, state_rows=state_rows, defer_misses=defer_misses
         )
+
+    def miss_plan(self, layer_name: str):
+        """The misses ``resolve(..., defer_misses=True)`` left to the layer's row read this step
+        (``hisparse.runtime.miss_plan.MissPlan``), or None where they were gathered."""
+        return self._need_worker("miss_plan").miss_plan(layer_name)
 
     def batch_state_rows(self, anchor_keys: Any):
         """The state row of each batch row, from the key of its last token this step."""

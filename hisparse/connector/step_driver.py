@@ -16,6 +16,7 @@ from hisparse.connector.config import HiSparseConfig
 from hisparse.connector.metadata import HiSparseConnectorMetadata
 from hisparse.connector.registration import Registration
 from hisparse.runtime import HiSparseRuntime
+from hisparse.runtime.miss_plan import defer_misses
 
 
 class StepDriver:
@@ -31,6 +32,7 @@ class StepDriver:
         self.host_rows_in_use = 0
         self._resolved: set = set()  # groups whose leader resolved this step
         self._gathered: set = set()  # layers that gathered this step's plan
+        self._plans: dict = {}  # layer -> MissPlan left to its row read this step
         self._row_of_slot: Optional[torch.Tensor] = None  # state row by anchor key (CUDA)
         self._anchors: Optional[torch.Tensor] = None  # keys set in _row_of_slot last step
         self._anchor_rows: Optional[dict] = None  # key -> [(state row, request id)], step order
@@ -62,6 +64,7 @@ class StepDriver:
             self._clear_anchors()
         self._resolved.clear()
         self._gathered.clear()
+        self._plans.clear()
         self._ended = False
         self.host_rows_in_use = max(0, int(meta.host_rows_in_use))
 
@@ -186,6 +189,7 @@ class StepDriver:
         top_k: Optional[torch.Tensor],
         resident_rows: Optional[torch.Tensor],
         state_rows: Optional[torch.Tensor],
+        defer: bool = False,
     ) -> torch.Tensor:
         """See ``HiSparseConnectorWorker.resolve``."""
         g = rt.index_group
@@ -202,9 +206,16 @@ class StepDriver:
                 "resolved this step"
             )
         if rt.layer_name not in self._gathered:  # a second call must not copy (or count) again
-            rt.gather()
+            if defer:
+                self._plans[rt.layer_name] = defer_misses(rt)
+            else:
+                rt.gather()
             self._gathered.add(rt.layer_name)
         return g.out_rows[: g.batch]
+
+    def miss_plan(self, layer_name: str):
+        """The plan ``resolve(defer=True)`` left to the layer's read this step, or None."""
+        return self._plans.get(layer_name)
 
     def _resolve_leader(self, rt, top_k, resident_rows, state_rows) -> None:
         g = rt.index_group

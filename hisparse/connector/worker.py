@@ -179,15 +179,22 @@ class HiSparseConnectorWorker:
         resident_rows: Optional[torch.Tensor] = None,
         *,
         state_rows: Optional[torch.Tensor] = None,
+        defer_misses: bool = False,
     ) -> torch.Tensor:
         """Leader: resolve residency for the batch (once per step). Every layer (leader or
         follower) then gathers the group's plan into its own hot rows, here, after its own
         `save_kv_layer` of this step: gathering a follower earlier would copy rows it has not
         written yet and cache them as hits. Returns the attention rows [B, top_k]; a follower
         gets the leader's result. ``state_rows``: the batch rows' state rows (device int32 [B],
-        e.g. from ``batch_state_rows``); by default the metadata's order."""
+        e.g. from ``batch_state_rows``); by default the metadata's order. ``defer_misses``:
+        no gather; the layer's row read fetches the misses by ``miss_plan(layer_name)``."""
         rt = self.runtime(layer_name)
-        return self._step.resolve(rt, top_k, resident_rows, state_rows)
+        return self._step.resolve(rt, top_k, resident_rows, state_rows, defer_misses)
+
+    def miss_plan(self, layer_name: str):
+        """See ``HiSparseConnectorImpl.miss_plan``."""
+        self.runtime(layer_name)  # an unknown name is refused by name
+        return self._step.miss_plan(layer_name)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """The current stream waits for this layer's copies (no-op on CPU)."""

@@ -87,14 +87,18 @@ def generate(
     backend: str = "auto",
     step_hook=None,
     graphs: Optional[bool] = None,
+    misses: str = "auto",
 ) -> Generation:
     """Greedy tokens of every prompt (no stop token: every prompt gets ``max_new``).
     ``step_hook(fn)``: runs each forward (a test wraps it, e.g. in a sync check). ``graphs``:
-    replay decode steps from CUDA graphs (``hisparse.engine.dsa.graphs``; default on CUDA)."""
+    replay decode steps from CUDA graphs (``hisparse.engine.dsa.graphs``; default on CUDA).
+    ``misses``: how HiSparse's misses reach the row read (``SparseMLACore``'s setting)."""
     check_options(row_format, mode)
     nmax = max(1, min(max_batch or len(prompts), len(prompts)))
     ctx = _context(prompts, max_new)
-    store, fwd = open_run(ck, mode, row_format, device, ctx, nmax, hot_size, key_format, backend)
+    store, fwd = open_run(
+        ck, mode, row_format, device, ctx, nmax, hot_size, key_format, backend, misses
+    )
     out = new_generation(Generation(mode), len(prompts))
     if graphs is None:
         graphs = device.type == "cuda"
@@ -112,7 +116,7 @@ def generate(
     return out
 
 
-def open_run(ck, mode, row_format, device, ctx, nmax, hot_size, key_format, backend):
+def open_run(ck, mode, row_format, device, ctx, nmax, hot_size, key_format, backend, misses="auto"):
     """(row store of ``mode``, forward pass) for ``nmax`` requests of ``ctx`` tokens."""
     rb = ROW_FORMATS[row_format].row_bytes
     if mode == "resident":
@@ -122,7 +126,7 @@ def open_run(ck, mode, row_format, device, ctx, nmax, hot_size, key_format, back
         store = HiSparseRows(ck.cfg, rb, ctx, device, hot, nmax)
     fwd = DSAForward(
         ck, row_format, device, max_requests=nmax, max_context=ctx, key_format=key_format,
-        backend=backend,
+        backend=backend, misses=misses,
     )  # fmt: skip
     return store, fwd
 

@@ -37,14 +37,16 @@ class DSAForward:
         max_context: int,
         key_format: Optional[str] = None,
         backend: str = "auto",
-        attention: str = "bmm",
+        attention: str = "auto",
+        misses: str = "auto",
     ) -> None:
         self.ck, self.cfg, self.spec = ck, ck.cfg, ck.spec
         self.row_format, self.device = row_format, device
         self.max_context = max_context
         self.core = SparseMLACore(
-            ck.cfg, row_format, device, key_format=key_format, backend=backend, attention=attention
-        )
+            ck.cfg, row_format, device, key_format=key_format, backend=backend,
+            attention=attention, misses=misses,
+        )  # fmt: skip
         self.rotary = Rotary(ck.cfg, ck.spec.max_positions, device)
         self.index_keys: List[Optional[torch.Tensor]] = [
             self.core.key_cache(max_requests, max_context, device) if self.cfg.is_full(i) else None
@@ -97,8 +99,8 @@ class DSAForward:
         kv_b = w["kv_b_proj.weight"]
         parts = []
         if nd:
-            src, ids = store.decode_rows(i, sel[:nd])
-            parts.append(core.attend(q_nope[:nd], q_pe[:nd], kv_b, src, ids))
+            src, ids, misses = store.decode_rows(i, sel[:nd], core.reads_misses(nd))
+            parts.append(core.attend(q_nope[:nd], q_pe[:nd], kv_b, src, ids, misses))
         # Prefill tokens in chunks: their rows [T, K, 576] would not fit at once. Each token's
         # math is its own: chunks change no value, and both modes chunk alike.
         n = max(1, CHUNK_ELEMS // (cfg.index_topk * KV_DIM))

@@ -65,10 +65,11 @@ class ResidentRows:
     def save(self, layer: int, rows: torch.Tensor, keys: torch.Tensor) -> None:
         self.rows[layer].index_copy_(0, keys, rows)
 
-    def decode_rows(self, layer: int, keys: torch.Tensor):
-        return self.rows[layer], keys
+    def decode_rows(self, layer: int, keys: torch.Tensor, defer_misses: bool = False):
+        return self.rows[layer], keys, None
 
-    prefill_rows = decode_rows
+    def prefill_rows(self, layer: int, keys: torch.Tensor):
+        return self.rows[layer], keys
 
     def end(self) -> None:
         pass
@@ -141,13 +142,15 @@ class HiSparseRows:
         # keys stay on the rows' device: the save path a CUDA vLLM takes (no host sync)
         self.worker.save_kv_layer(self.names[layer], rows, None, slot_mapping=keys)
 
-    def decode_rows(self, layer: int, keys: torch.Tensor):
-        """The decodes' rows: resolved into the hot buffers (the batch's leading state rows)."""
+    def decode_rows(self, layer: int, keys: torch.Tensor, defer_misses: bool = False):
+        """The decodes' rows, resolved into the hot buffers (the batch's leading state rows):
+        (hot rows, ids, the misses left to attention's row read where ``defer_misses``)."""
         name = self.names[layer]
         lead = self.cfg.is_full(layer)
-        ids = self.worker.resolve(name, keys.to(torch.int32) if lead else None)
+        top_k = keys.to(torch.int32) if lead else None
+        ids = self.worker.resolve(name, top_k, defer_misses=defer_misses)
         self.worker.wait_for_layer_load(name)
-        return self.worker.hot_rows(name), ids
+        return self.worker.hot_rows(name), ids, self.worker.miss_plan(name)
 
     def prefill_rows(self, layer: int, keys: torch.Tensor):
         """Prefill tokens' rows, gathered from the host pool (ordered after this step's saves)."""

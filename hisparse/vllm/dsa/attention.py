@@ -29,6 +29,7 @@ from hisparse.models.dsa import attention as mla
 from hisparse.models.dsa import indexer as dsa_index
 from hisparse.models.dsa.config import DSAConfig
 from hisparse.models.dsa.core import CHUNK_ELEMS, SparseMLACore, TokenBatch
+from hisparse.models.dsa.kernels import flashmla
 from hisparse.models.rows import KV_DIM, LATENT_DIM, ROPE_DIM
 from hisparse.vllm.compat import tensor_parallel_peers
 from hisparse.vllm.dsa.union import token_ids, union_rows
@@ -51,6 +52,9 @@ class Step:
     def positions(self) -> torch.Tensor:
         return self.tokens.positions
 
+
+# A CUDA vLLM ships FlashMLA's ops: the core measures them against its own kernels first.
+flashmla.add_source("vllm.v1.attention.ops.flashmla")
 
 # The rotary embeddings are called through ``forward_native``: vLLM 0.32's CPU kernel
 # (``forward_cpu``) rotates a [T, H, 64] query wrongly when the key has one head.
@@ -240,12 +244,14 @@ class DSAAttention(nn.Module):
                 # One row per request: the union of its tokens' top-k (``union``).
                 at = step.decode_at
                 top_k = union_rows(keys, at, nd, q) if self.indexer is not None else None
-                ids = token_ids(connector.resolve(name, top_k, state_rows=step.state_rows), at, q)
+                defer = self.core.reads_misses(td)  # the row read fetches them (kernels/misses)
+                got = connector.resolve(name, top_k, state_rows=step.state_rows, defer_misses=defer)
+                ids = token_ids(got, at, q)
                 connector.wait_for_layer_load(name)
-                src = connector.hot_rows(name)
+                src, misses = connector.hot_rows(name), connector.miss_plan(name)
             else:
-                src, ids = store, keys
-            parts.append(self.core.attend(q_nope[:td], q_pe[:td], kv_b, src, ids))
+                src, ids, misses = store, keys, None
+            parts.append(self.core.attend(q_nope[:td], q_pe[:td], kv_b, src, ids, misses))
         t, k = selection.shape
         n = max(1, CHUNK_ELEMS // (k * KV_DIM))
         for s in range(td, t, n):

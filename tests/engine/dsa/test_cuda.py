@@ -222,3 +222,20 @@ def test_demo_model_on_cuda(checkpoints, capsys):
     out = capsys.readouterr()
     assert rc == 0, out.out + out.err
     assert "tokens equal     2/2 prompts" in out.out
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_misses_fetched_by_the_row_read_equal_misses_gathered_first(checkpoints, arch):
+    """The connector's deferred plan (``resolve(defer_misses=True)``) read by attention's row
+    read against the same run whose misses the gather copied first: the same tokens, logit gaps
+    and counters, replayed from graphs (fp8 rows: the only rows the in-read reads)."""
+    ck = load_checkpoint(checkpoints[arch], GPU)
+    prompts = byte_prompts(ck, PROMPTS)
+    run = {
+        m: generate(ck, "hisparse", "fp8", GPU, prompts, NEW, max_batch=BATCH, misses=m)
+        for m in ("gather", "in_read")
+    }
+    assert run["in_read"].tokens == run["gather"].tokens
+    assert run["in_read"].gaps == run["gather"].gaps
+    assert run["in_read"].counters == run["gather"].counters
+    assert run["in_read"].graph_replays >= NEW

@@ -60,9 +60,9 @@ class StaleReadCheck:
         self.stale_reads += len(hit)
         assert not hit, f"layer {layer} read rejected rows {sorted(hit)} before rewriting them"
 
-    def decode_rows(self, layer, keys):
+    def decode_rows(self, layer, keys, defer_misses=False):
         self._check(layer, keys)
-        return self.inner.decode_rows(layer, keys)
+        return self.inner.decode_rows(layer, keys, defer_misses)
 
     def prefill_rows(self, layer, keys):
         self._check(layer, keys)
