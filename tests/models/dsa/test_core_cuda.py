@@ -199,3 +199,41 @@ def test_selection_slots_are_the_sorted_positions_slots():
         got = selection_slots(best, idx, b.req, b.block_table, BS, top_k)
         pos = torch.where(torch.isfinite(best), idx, torch.full_like(idx, -1))
         assert torch.equal(got, b.slots(_sorted(pos, top_k)))
+
+
+@pytest.mark.parametrize("L,k", [(32768, 2048), (1000, 64), (300, 512)])
+def test_radix_top_k_keeps_topks_set_in_position_order(L, k):
+    """Distinct scores: the same set as torch.topk; ties: the lowest positions; -inf never;
+    rows with fewer visible positions than k: all of them; PAD after."""
+    from hisparse.models.dsa.kernels.topk import PAD, top_k_positions
+
+    g = torch.Generator(device=GPU).manual_seed(L)
+    T = 6
+    scores = torch.randn(T, L, device=GPU, generator=g)
+    scores[1, L // 3 :] = float("-inf")  # a short context
+    scores[2, 10:] = float("-inf")  # fewer visible than k
+    scores[3] = torch.where(torch.arange(L, device=GPU) % 2 == 0, 0.0, -1.0)  # ties at 0
+    scores[3, :5] = 2.0
+    scores[4, 7] = -0.0  # equal to +0.0
+    top_k = max(k, 64)
+    got = top_k_positions(scores, min(k, L), top_k)
+    for t in range(T):
+        row = scores[t]
+        vis = int(torch.isfinite(row).sum())
+        n = min(k, vis)
+        assert bool((got[t, n:] == PAD).all()) and bool((got[t, :n].diff() > 0).all()), t
+        if t == 3:  # the five 2.0s, then the lowest even positions (the zeros)
+            want = list(range(5)) + list(range(6, L, 2))[: n - 5]
+            assert got[t, :n].tolist() == want, t
+            continue
+        ref = row.topk(n).indices.sort().values.int()
+        assert torch.equal(got[t, :n], ref), t
+
+
+def test_the_core_selects_the_same_slots_with_either_top_k():
+    cfg = _cfg()
+    radix = SparseMLACore(cfg, "fp8", GPU)
+    torch_k = SparseMLACore(cfg, "fp8", GPU, topk="torch")
+    b = _batch([256, 180, 64, 33], [1, 1, 4, 2], seed=5)
+    q, w, cache = _index_inputs(cfg, radix, b, seed=5)
+    assert torch.equal(radix.select(q, w, cache, b), torch_k.select(q, w, cache, b))
