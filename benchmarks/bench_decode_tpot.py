@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from hisparse.engine.graph import MODES, CoreStep, GraphConfig, MemoryBudget, measure
-from hisparse.models.dsa.core import ATTENTION, MISSES, TOPK, SparseMLACore
+from hisparse.models.dsa.core import ATTENTION, MISSES, SparseMLACore
 
 CORE = SparseMLACore.__module__  # what CoreStep's layers run (checked in run())
 
@@ -43,7 +43,7 @@ def _config(args) -> GraphConfig:
 def run(args, batch: int, modes, resident_limit: int) -> dict:
     step = CoreStep(
         _config(args), batch, modes, "cuda", attention=args.attention, misses=args.misses,
-        topk=args.topk, miss=args.miss,
+        miss=args.miss,
     )  # fmt: skip
     assert type(step.core) is SparseMLACore and step.core.kernel_rows and step.core.kernel_index
     row = measure(step, args.rounds, args.steps)
@@ -62,7 +62,7 @@ def profile(args, batch: int, top: int) -> None:
 
     step = CoreStep(
         _config(args), batch, MODES, "cuda", attention=args.attention, misses=args.misses,
-        topk=args.topk, miss=args.miss,
+        miss=args.miss,
     )  # fmt: skip
     for mode in MODES:
         for _ in range(2):
@@ -145,7 +145,6 @@ def main(argv=None) -> int:
         "--misses", choices=MISSES, default="auto",
         help="HiSparse's misses: gathered before the row read, or fetched by it (in_read)",
     )  # fmt: skip
-    p.add_argument("--topk", choices=TOPK, default="radix", help="the indexer's top-k kernel")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--capacity", action="store_true", help="each mode at its budget's limit")
@@ -182,7 +181,6 @@ def main(argv=None) -> int:
             "miss": args.miss,
             "attention": args.attention,
             "misses": args.misses,
-            "topk": args.topk,
             "mlp": "dense SwiGLU 18432 (the MoE's active width)",
             "vocab": GraphConfig().vocab,
         },

@@ -111,7 +111,6 @@ class CoreStep:
         *,
         attention: str = "bmm",
         misses: str = "auto",
-        topk: str = "radix",
         miss: float = 0.05,
     ) -> None:
         if not batch >= 1:
@@ -122,9 +121,7 @@ class CoreStep:
         dev = torch.device(device)
         self.cfg, self.batch, self.modes, self.device = cfg, batch, tuple(modes), dev
         self.dsa = cfg.dsa_config()
-        self.core = SparseMLACore(
-            self.dsa, "fp8", dev, attention=attention, misses=misses, topk=topk
-        )
+        self.core = SparseMLACore(self.dsa, "fp8", dev, attention=attention, misses=misses)
         g = torch.Generator(device=dev).manual_seed(cfg.seed + batch)
         self.layers = [Layer(self.core, cfg, batch, modes, g, dev) for _ in range(cfg.layers)]
         self.final_norm = torch.ones(cfg.hidden, dtype=DT, device=dev)

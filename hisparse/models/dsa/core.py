@@ -39,7 +39,6 @@ from hisparse.models.dsa.kernels import misses as miss_kernel
 from hisparse.models.dsa.kernels import mla as mla_kernel
 from hisparse.models.dsa.kernels import rows as row_kernels
 from hisparse.models.dsa.kernels import select as select_kernel
-from hisparse.models.dsa.kernels import topk as topk_kernel
 from hisparse.models.dsa.tokens import TokenBatch, token_rows  # noqa: F401 (the core's API)
 from hisparse.models.rows import KV_DIM, LATENT_DIM, ROW_FORMATS, decode_rows, encode_rows
 
@@ -48,10 +47,10 @@ CHUNK_ELEMS = 1 << 24
 # Larger than any position: sorts padding (-1) after every selected position.
 _PAD_SORT = torch.iinfo(torch.int64).max
 ATTENTION = ("auto", "bmm", "fused", "flashmla")
-# HiSparse's misses: gathered into the hot buffer first, or fetched by the row read itself
-# (``kernels.misses``; "auto": from IN_READ_FROM requests up, where it measured faster).
+# How a HiSparse step's misses reach the row read: copied into the hot buffer by the resolve
+# op's gather first, or fetched by the row read itself (``kernels.misses``); "auto" takes the
+# in-read from IN_READ_FROM requests up, where it measured faster (docs/results.md).
 MISSES = ("auto", "gather", "in_read")
-TOPK = ("radix", "torch")  # the kernel path's top-k: ``kernels.topk``, or torch.topk + a sort
 IN_READ_FROM = 16
 
 
@@ -69,7 +68,6 @@ class SparseMLACore:
         backend: str = "auto",
         attention: str = "auto",
         misses: str = "auto",
-        topk: str = "radix",
     ) -> None:
         if row_format not in ROW_FORMATS:
             raise ValueError(f"row_format must be one of {sorted(ROW_FORMATS)}, got {row_format!r}")
@@ -81,9 +79,6 @@ class SparseMLACore:
             raise ValueError(f"attention must be one of {ATTENTION}, got {attention!r}")
         if misses not in MISSES:
             raise ValueError(f"misses must be one of {MISSES}, got {misses!r}")
-        if topk not in TOPK:
-            raise ValueError(f"topk must be one of {TOPK}, got {topk!r}")
-        self.topk = topk
         can = row_kernels.available(device)
         if backend == "triton" and not can:
             raise ValueError(f"backend='triton' needs Triton and a CUDA device, not {device}")
@@ -140,12 +135,8 @@ class SparseMLACore:
             scores = idx_kernel.paged_scores(
                 q16, hw, cache, b.block_table, b.block_size, b.req, b.positions
             )
-            k = min(cfg.index_topk, scores.shape[1])
-            if self.topk == "radix":  # one launch, positions already in order
-                pos = topk_kernel.top_k_positions(scores, k, cfg.index_topk)
-                return select_kernel.position_slots(pos, b.req, b.block_table, b.block_size)
             # unsorted: the positions are sorted next; ranking the values too cost a sort
-            best, idx = scores.topk(k, dim=-1, sorted=False)
+            best, idx = scores.topk(min(cfg.index_topk, scores.shape[1]), dim=-1, sorted=False)
             return select_kernel.selection_slots(
                 best, idx, b.req, b.block_table, b.block_size, cfg.index_topk
             )

@@ -65,22 +65,9 @@ def selection_slots(
     block = triton.next_power_of_2(top_k)
     keys = torch.empty(T, top_k, dtype=torch.int32, device=best.device)
     _sort_keys[(T,)](best.contiguous(), idx.contiguous(), keys, k, top_k, block, num_warps=4)
-    return position_slots(keys.sort(dim=-1).values, req, block_table, block_size)
-
-
-def position_slots(
-    keys: torch.Tensor, req: torch.Tensor, block_table: torch.Tensor, block_size: int
-) -> torch.Tensor:
-    """Ascending positions int32 [T, top_k] (padding 2147483647 last, as ``kernels.topk``
-    writes them) -> slots int64 [T, top_k], -1 padding, through each token's block table."""
-    T, top_k = keys.shape
-    out = torch.empty(T, top_k, dtype=torch.int64, device=keys.device)
-    if T == 0:
-        return out
+    keys = keys.sort(dim=-1).values
     bt = block_table.contiguous()
-    block = triton.next_power_of_2(top_k)
     _slots[(T,)](
-        keys.contiguous(), req.contiguous(), bt, out, bt.stride(0), block_size, top_k, block,
-        num_warps=4,
-    )  # fmt: skip
+        keys, req.contiguous(), bt, out, bt.stride(0), block_size, top_k, block, num_warps=4
+    )
     return out
