@@ -133,8 +133,24 @@ class HiSparseConnector(KVConnectorBase_V1, SupportsHMA):
         return self.impl.shutdown()
 
     # What the model's HiSparse layers call (hisparse.vllm.model, hisparse.vllm.dsa.attention).
-    def resolve(self, layer_name: str, top_k: Any, resident_rows: Any = None, *, state_rows=None):
-        return self.impl.resolve(layer_name, top_k, resident_rows, state_rows=state_rows)
+    def resolve(
+        self,
+        layer_name: str,
+        top_k: Any,
+        resident_rows: Any = None,
+        *,
+        state_rows=None,
+        defer_misses: bool = False,
+    ):
+        return self.impl.resolve(
+            layer_name, top_k, resident_rows, state_rows=state_rows, defer_misses=defer_misses
+        )
+
+    def miss_plan(self, layer_name: str):
+        return self.impl.miss_plan(layer_name)
+
+    def next_pass(self) -> None:
+        self.impl.next_pass()
 
     def batch_state_rows(self, anchor_keys: Any):
         return self.impl.batch_state_rows(anchor_keys)
