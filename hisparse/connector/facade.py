@@ -142,6 +142,11 @@ class HiSparseConnectorImpl:
             layer_name, top_k, resident_rows, state_rows=state_rows, defer_misses=defer_misses
         )
 
+    def next_pass(self) -> None:
+        """A further forward within this step (a speculative draft's later pass): each index
+        group may resolve once more, after its members gathered the last plan."""
+        self._need_worker("next_pass").next_pass()
+
     def miss_plan(self, layer_name: str):
         """The misses ``resolve(..., defer_misses=True)`` left to the layer's row read this step
         (``hisparse.runtime.miss_plan.MissPlan``), or None where they were gathered."""

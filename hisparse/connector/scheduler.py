@@ -58,6 +58,10 @@ class HiSparseScheduler:
         self.rows = StateRowAllocator(config.max_num_seqs)
         self.max_num_seqs = config.max_num_seqs
         self.block_size = config.block_size
+        # Positions past a step's scheduled tokens that a speculative draft's later passes write
+        # (one each, num_speculative_tokens - 1 passes): rows of the draft's layers, cached hot
+        # by its resolves, which the next step may write again.
+        self.lookahead = max(0, config.decode_tokens - 2)
         self.tokens: dict = {}
         self.blocks: dict = {}
         self.block_refs: dict = {}  # vLLM block id -> live requests holding it (prefix sharing)
@@ -188,7 +192,7 @@ class HiSparseScheduler:
             added[rid] = blocks[rid] if not have else (ids or [])
             tokens[rid] = nc + n
             anchors.append(self._key(blocks[rid], rid, nc + n - 1))
-            written = self.tokens.get(rid, 0) if rid in live else 0
+            written = self.tokens.get(rid, 0) + self.lookahead if rid in live else 0
             rewrites.extend(
                 (rid, self._key(blocks[rid], rid, p)) for p in range(nc, min(written, nc + n))
             )

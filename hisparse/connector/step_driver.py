@@ -68,6 +68,16 @@ class StepDriver:
         self._ended = False
         self.host_rows_in_use = max(0, int(meta.host_rows_in_use))
 
+    def next_pass(self) -> None:
+        """Another forward within this step, a speculative draft's later pass: each group may
+        resolve once more, its members having gathered the last plan (checked as at a step's
+        start), so a second plan replaces nothing ungathered."""
+        if self._ended:
+            raise RuntimeError("next_pass after clear_connector_metadata ended the step")
+        self._check_all_gathered()
+        self._resolved.clear()
+        self._gathered.clear()
+
     def end(self) -> None:
         """The step's metadata was cleared: until the next ``start`` nothing may resolve."""
         self._ended = True

@@ -164,6 +164,12 @@ class HiSparseConnectorWorker:
             self._shared.start()
         self._step.start(meta)
 
+    def next_pass(self) -> None:
+        """A further forward of this step (a speculative draft's later pass): every index group
+        may resolve once more."""
+        self._check_registered()
+        self._step.next_pass()
+
     def end_step(self) -> None:
         """The step is over (``clear_connector_metadata``): resolving again needs a new
         ``start_step``."""

@@ -50,6 +50,9 @@ class StepMetadata:
     block_size: int
     num_decodes: int  # leading rows with at most decode_len query tokens
     decode_len: int = 1
+    # The speculative draft's pass: 0 for the target and the draft's first pass (the step's
+    # scheduled tokens), k for its k-th later pass (one token per row, past them).
+    draft_index: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -104,6 +107,11 @@ class StepMetadataBuilder(AttentionMetadataBuilder[StepMetadata]):
             num_decodes=decodes,
             decode_len=q,
         )
+
+    def build_for_drafting(self, common_attn_metadata, draft_index: int) -> StepMetadata:
+        meta = self.build(0, common_attn_metadata, fast_build=True)
+        meta.draft_index = draft_index
+        return meta
 
 
 class _NoImpl:

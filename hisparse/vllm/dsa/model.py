@@ -52,10 +52,15 @@ def _routing_config(hf) -> None:
             setattr(hf, name, value)
 
 
-def forward_step(index_name: str, positions: torch.Tensor, hisparse: bool) -> Optional[Step]:
+def forward_step(
+    index_name: str, positions: torch.Tensor, hisparse: bool, kept: Optional[dict] = None
+) -> Optional[Step]:
     """This forward's ``Step`` from the metadata vLLM built for the index cache ``index_name``
     (None in a profiling / dummy run, which has no KV cache): the tokens as the core reads
-    them and, with the connector, the decode rows' state rows."""
+    them and, with the connector, the decode rows' state rows and each decode token's slice of
+    its row (``union``). ``kept``: the MTP draft's, when it drafts several tokens: its first
+    pass finds every row's state row there, its later passes (one token per row, past the
+    scheduled positions, so with no anchor) reuse them."""
     attn = get_forward_context().attn_metadata
     meta = attn.get(index_name) if isinstance(attn, dict) else None
     if meta is None:
@@ -72,16 +77,27 @@ def forward_step(index_name: str, positions: torch.Tensor, hisparse: bool) -> Op
     if hisparse:
         step.connector = HiSparseMLAForCausalLM._connector()
         nd, q = meta.num_decodes, meta.decode_len
+        if kept is not None and meta.draft_index == 0:
+            kept["rows"] = _state_rows(step, meta.num_reqs)
+        elif meta.draft_index:  # the draft's group resolves again within the step
+            step.connector.next_pass()
         if nd:
-            # A request's state row is found by the key of its last token this step.
-            if q == 1:
-                slots = meta.slot_mapping[:nd]
-            else:
-                slots = meta.slot_mapping[meta.query_start_loc[1 : nd + 1].long() - 1]
-            step.state_rows = step.connector.batch_state_rows(slots)
+            rows = kept["rows"][:nd] if kept is not None else _state_rows(step, nd)
+            step.state_rows = rows
             req = tokens.req[: meta.query_start[nd]]
             step.decode_at = decode_token_rows(req, meta.query_start_loc, q)
     return step
+
+
+def _state_rows(step: Step, rows: int) -> torch.Tensor:
+    """The state rows of the batch's first ``rows`` rows, found by the key of each one's last
+    token this step (the scheduler's anchors), on the device."""
+    meta = step.meta
+    if meta.decode_len == 1 and rows <= meta.num_decodes:  # one token per row
+        slots = meta.slot_mapping[:rows]
+    else:
+        slots = meta.slot_mapping[meta.query_start_loc[1 : rows + 1].long() - 1]
+    return step.connector.batch_state_rows(slots)
 
 
 class DSADecoderLayer(nn.Module):

@@ -95,6 +95,10 @@ class HiSparseDeepseekV32MTP(nn.Module):
         self.model.layers = nn.ModuleDict({str(n): _MTPLayer(vllm_config, self.cfg, n, self.names)})
         self.logits_processor = LogitsProcessor(hf.vocab_size)
         self.n_routed_experts = hf.n_routed_experts
+        # Drafting several tokens: the later passes' rows have no anchor (``forward_step``).
+        spec = vllm_config.speculative_config
+        several = (getattr(spec, "num_speculative_tokens", None) or 1) > 1
+        self._kept = {} if several and self.hisparse else None
 
     @property
     def layer(self) -> _MTPLayer:
@@ -114,7 +118,7 @@ class HiSparseDeepseekV32MTP(nn.Module):
         **kwargs,
     ) -> torch.Tensor:
         e = self.embed_input_ids(input_ids) if inputs_embeds is None else inputs_embeds
-        step = forward_step(self.names.first_index, positions, self.hisparse)
+        step = forward_step(self.names.first_index, positions, self.hisparse, self._kept)
         if step is not None:  # None: profiling / dummy run
             n = step.tokens.num_tokens
             e, positions, hidden_states = e[:n], positions[:n], hidden_states[:n]
