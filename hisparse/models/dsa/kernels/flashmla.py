@@ -56,7 +56,7 @@ class FlashMLADecode:
         key = (n, heads, ids.shape[1], block, q.device)
         plan = self._plans.get(key)
         if plan is None:
-            if torch.cuda.is_current_stream_capturing():
+            if q.is_cuda and torch.cuda.is_current_stream_capturing():
                 raise RuntimeError(
                     f"FlashMLA plans each shape at its first call: run one eager step of batch {n} "
                     "before capturing it (or pass attention='bmm')"
