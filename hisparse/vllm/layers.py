@@ -94,7 +94,7 @@ class StepMetadataBuilder(AttentionMetadataBuilder[StepMetadata]):
         qsl = c.query_start_loc_cpu[: n + 1].tolist()
         q = self.reorder_batch_threshold
         decodes = 0
-        while decodes < n and qsl[decodes + 1] - qsl[decodes] <= q:
+        while decodes < n and 1 <= qsl[decodes + 1] - qsl[decodes] <= q:
             decodes += 1
         return StepMetadata(
             num_reqs=n,

@@ -4,8 +4,9 @@ indexer, with weights named as in the transformers checkpoint.
 The sparse attention itself is ``hisparse.models.dsa.core`` (batched, device tensors only; Triton
 kernels on CUDA for fp8 rows and keys); this module is the vLLM adapter around it. Rows go where
 the step says: the layer's vLLM KV cache (all-resident) or the HiSparse connector (saved to the
-host pool; decode rows resolved into the hot buffer by the index-group leader, prefill rows
-gathered from the host pool). Both modes attend over the same row bytes through the same call.
+host pool; decode rows resolved into the hot buffer by the index-group leader, a speculative
+decode's tokens as one row of their top-k (``union``), prefill rows gathered from the host
+pool). Both modes attend over the same row bytes through the same call.
 
 Tensor parallel: each rank holds 1/TP of the heads (``q_b_proj`` / ``kv_b_proj`` rows,
 ``o_proj`` columns; the partial outputs are summed across ranks); the latent rows and the
