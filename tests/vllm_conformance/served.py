@@ -273,31 +273,3 @@ def run_python(argv, timeout: float, **kw) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, *argv], env=env, capture_output=True, text=True, timeout=timeout, **kw
     )
-
-
-_OFFLINE = """
-import json, sys
-from vllm import LLM, SamplingParams
-
-if __name__ == "__main__":
-    a = json.load(sys.stdin)
-    llm = LLM(model=a["model"], dtype="float32", enforce_eager=True, max_model_len=a["max_len"],
-              max_num_seqs=a["max_seqs"], block_size=a["block"], kv_cache_memory_bytes=a["budget"],
-              gpu_memory_utilization=0.1, kv_transfer_config=a["kv"], hf_overrides=a["overrides"])
-    outs = llm.generate([{"prompt_token_ids": p} for p in a["prompts"]],
-                        SamplingParams(temperature=0.0, max_tokens=a["gen"], ignore_eos=True))
-    print("TOKENS " + json.dumps([list(o.outputs[0].token_ids) for o in outs]))
-"""
-
-
-def offline_tokens(model: Model, budget: int, kv: dict, prompts, gen: int) -> list:
-    """Greedy tokens of ``prompts`` from vLLM's offline ``LLM(...).generate`` in a script of its
-    own, at the servers' sizes."""
-    args = {"model": str(model.dir), "max_len": MAX_LEN, "max_seqs": MAX_SEQS, "block": BLOCK}
-    args.update(budget=budget, kv=kv, overrides=model.overrides(), prompts=prompts, gen=gen)
-    script = model.dir.parent / "offline.py"
-    script.write_text(_OFFLINE)
-    r = run_python([str(script)], timeout=400, input=json.dumps(args))
-    line = next((x for x in r.stdout.splitlines() if x.startswith("TOKENS ")), None)
-    assert r.returncode == 0 and line is not None, (r.stdout + r.stderr)[-3000:]
-    return json.loads(line[len("TOKENS ") :])

@@ -25,7 +25,9 @@ import pytest
 from served import (  # noqa: F401  (BLOCK, Server, _flush, _http, _send_all: test_vllm_dsa/tp)
     BLOCK,
     GEN,
+    MAX_LEN,
     MAX_SEQS,
+    Model,
     Server,
     _aborting_request,
     _flush,
@@ -34,7 +36,6 @@ from served import (  # noqa: F401  (BLOCK, Server, _flush, _http, _send_all: te
     export,
     kv_cache_tokens,
     kv_config,
-    offline_tokens,
     run_python,
     sizing_line,
     wait_idle,
@@ -227,6 +228,34 @@ def test_dsa_engine_agrees_with_vllm(resident, model, logs):
     (logs / "engine_agreement.txt").write_text(line + "\n")
     assert all(len(t) == GEN for t in out.tokens)
     assert identical >= NUM_REQUESTS - 1, line
+
+
+_OFFLINE = """
+import json, sys
+from vllm import LLM, SamplingParams
+
+if __name__ == "__main__":
+    a = json.load(sys.stdin)
+    llm = LLM(model=a["model"], dtype="float32", enforce_eager=True, max_model_len=a["max_len"],
+              max_num_seqs=a["max_seqs"], block_size=a["block"], kv_cache_memory_bytes=a["budget"],
+              gpu_memory_utilization=0.1, kv_transfer_config=a["kv"], hf_overrides=a["overrides"])
+    outs = llm.generate([{"prompt_token_ids": p} for p in a["prompts"]],
+                        SamplingParams(temperature=0.0, max_tokens=a["gen"], ignore_eos=True))
+    print("TOKENS " + json.dumps([list(o.outputs[0].token_ids) for o in outs]))
+"""
+
+
+def offline_tokens(model: Model, budget: int, kv: dict, prompts, gen: int) -> list:
+    """Greedy tokens of ``prompts`` from vLLM's offline ``LLM(...).generate`` in a script of its
+    own, at the servers' sizes."""
+    args = {"model": str(model.dir), "max_len": MAX_LEN, "max_seqs": MAX_SEQS, "block": BLOCK}
+    args.update(budget=budget, kv=kv, overrides=model.overrides(), prompts=prompts, gen=gen)
+    script = model.dir.parent / "offline.py"
+    script.write_text(_OFFLINE)
+    r = run_python([str(script)], timeout=400, input=json.dumps(args))
+    line = next((x for x in r.stdout.splitlines() if x.startswith("TOKENS ")), None)
+    assert r.returncode == 0 and line is not None, (r.stdout + r.stderr)[-3000:]
+    return json.loads(line[len("TOKENS ") :])
 
 
 def test_gsm8k_harness_runs_against_the_server(hisparse, hisparse_server, tmp_path):
