@@ -216,7 +216,9 @@ class StepDriver:
                 "resolved this step"
             )
         if rt.layer_name not in self._gathered:  # a second call must not copy (or count) again
-            if defer:
+            # The row read takes host rows at a fixed 1-row stride: a layer whose pool rows are
+            # interleaved with its group's (co-located layouts) gathers instead.
+            if defer and rt.host_rows_view.is_contiguous():
                 self._plans[rt.layer_name] = defer_misses(rt)
             else:
                 rt.gather()

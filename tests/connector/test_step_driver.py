@@ -238,30 +238,48 @@ def test_a_refused_anchor_leaves_the_step_state_as_it_was():
     assert d.batch_state_rows(torch.tensor([4])).tolist() == [1]
 
 
-def test_deferred_misses_are_left_to_the_read_counted_and_dropped_next_step():
-    d, reg = _driver()
-    twin, twin_reg = _driver()  # the same step, gathered
+def _share_driver(share: int):
+    cfg, reg, _ = cpu_registration(
+        LAYERS, (16, 32, 16, 48), S=S, H=H, K=K, host_rows=HOST_ROWS, index_share=share,
+        extra_rows=RESIDENT,
+    )  # fmt: skip
+    fill_host_rows(reg, 0)
+    return StepDriver(cfg, reg), reg
+
+
+@pytest.mark.parametrize("share", [1, 2])
+def test_deferred_misses_are_left_to_the_read_counted_and_dropped_next_step(share):
+    """One layer per group: each layer's pool rows are contiguous and its plan is left to the
+    read. Two: a group's rows are interleaved, which the read cannot stride over, so the layer
+    gathers as if nothing was deferred."""
+    d, reg = _share_driver(share)
+    twin, twin_reg = _share_driver(share)  # the same step, gathered
     top = _top([[1, 2, 3], [4, 4, -1]])
     for drv in (d, twin):
         drv.start(_meta([0, 2]))
     hot_before = {n: rt.hot_view.clone() for n, rt in reg.runtimes.items()}
     for n in LAYERS:
-        d.resolve(reg.runtimes[n], top if n in ("l0", "l2") else None, None, None, defer=True)
-        twin.resolve(twin_reg.runtimes[n], top if n in ("l0", "l2") else None, None, None)
+        lead = reg.runtimes[n].is_leader
+        d.resolve(reg.runtimes[n], top if lead else None, None, None, defer=True)
+        twin.resolve(twin_reg.runtimes[n], top if lead else None, None, None)
     assert [g.moved_bytes.item() for g in reg.groups] == [
         g.moved_bytes.item() for g in twin_reg.groups
     ]
     for n, rt in reg.runtimes.items():
-        assert torch.equal(rt.hot_view, hot_before[n]), f"{n}: a deferred plan copied rows"
-        plan = d.miss_plan(n)
-        assert plan is not None and plan.host is rt.host_rows_view
-        assert plan.count[:2].tolist() == [3, 1]
-        # the plan's rows are what the gather put in the twin's hot rows
         twin_hot = twin_reg.runtimes[n].hot_view
-        for b in range(2):
+        assert twin.miss_plan(n) is None  # gathered: nothing left to the read
+        plan = d.miss_plan(n)
+        if share == 2:
+            assert not rt.host_rows_view.is_contiguous() and plan is None
+            assert torch.equal(rt.hot_view, twin_hot), f"{n}: the fallback did not gather"
+            continue
+        assert rt.host_rows_view.is_contiguous() and plan is not None
+        assert torch.equal(rt.hot_view, hot_before[n]), f"{n}: a deferred plan copied rows"
+        assert plan.host is rt.host_rows_view
+        assert plan.count[:2].tolist() == [3, 1]
+        for b in range(2):  # the plan's rows are what the gather put in the twin's hot rows
             for j in range(int(plan.count[b])):
                 host = rt.host_rows_view[int(plan.src[b, j])]
                 assert torch.equal(twin_hot[int(plan.dst[b, j])], host)
-        assert twin.miss_plan(n) is None  # gathered: nothing left to the read
     d.start(_meta([0, 2]))
     assert all(d.miss_plan(n) is None for n in LAYERS), "a plan must not outlive its step"

@@ -80,9 +80,9 @@ def spy(monkeypatch):
         seen["prefill_reads"].append(src.device.type)
         return src, ids
 
-    def decode(self, layer, keys):
+    def decode(self, layer, keys, defer_misses=False):
         seen["decode_reads"] += 1
-        return real_decode(self, layer, keys)
+        return real_decode(self, layer, keys, defer_misses)
 
     monkeypatch.setattr(host_save, "_save_cuda", save)
     monkeypatch.setattr(HiSparseRows, "prefill_rows", prefill)
