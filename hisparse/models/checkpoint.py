@@ -8,15 +8,19 @@ prompts work through the OpenAI API. Nothing here imports vLLM.
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
-import struct
 from pathlib import Path
 from typing import Dict, Mapping, Union
 
 import torch
 
+from hisparse.models.checkpoint_files import (
+    EOS_TOKEN,
+    NUM_BYTE_TOKENS,
+    tokenizer_files,
+    write_safetensors,
+)
 from hisparse.models.export_dir import ExportError, write_export
 from hisparse.models.reference import Model
 from hisparse.models.reference_config import MODEL_FIELDS, ReferenceConfig
@@ -24,18 +28,8 @@ from hisparse.models.rows import LATENT_DIM, ROPE_DIM
 
 ARCHITECTURE = "HiSparseMLAForCausalLM"
 CONFIG_KEY = "hisparse"
-EOS_TOKEN = "<|endoftext|>"
-NUM_BYTE_TOKENS = 256
 #: Positions are reserved in whole blocks of this many (as the engine reserves them).
 CONTEXT_ROUND = 16
-_ST_DTYPES = {
-    torch.float32: "F32",
-    torch.float64: "F64",
-    torch.int64: "I64",
-    torch.float16: "F16",
-    torch.bfloat16: "BF16",
-    torch.float8_e4m3fn: "F8_E4M3",
-}
 
 
 def model_config(max_model_len: int = 2048, **model_fields) -> ReferenceConfig:
@@ -119,107 +113,6 @@ def weights_by_name(m) -> Dict[str, torch.Tensor]:
     for g, idx in enumerate(m.indexers):
         out.update({f"indexers.{g}.{k}": v for k, v in idx.items()})
     return out
-
-
-def write_safetensors(path: Union[str, Path], tensors: Mapping[str, torch.Tensor]) -> int:
-    """The safetensors format: u64 header length, JSON header, raw little-endian bytes; returns
-    the data bytes written."""
-    header, blobs, offset = {}, [], 0
-    for name, t in tensors.items():
-        t = t.detach().cpu().contiguous()
-        if t.dtype not in _ST_DTYPES:
-            raise ExportError(f"tensor {name!r} has dtype {t.dtype}, not one of {list(_ST_DTYPES)}")
-        # Straight from the tensor's memory: Tensor.numpy() needs numpy, which the default
-        # install does not have (x86 and arm64 are little-endian, as the format wants).
-        data = ctypes.string_at(t.data_ptr(), t.numel() * t.element_size()) if t.numel() else b""
-        header[name] = {
-            "dtype": _ST_DTYPES[t.dtype],
-            "shape": list(t.shape),
-            "data_offsets": [offset, offset + len(data)],
-        }
-        blobs.append(data)
-        offset += len(data)
-    header["__metadata__"] = {"format": "pt"}
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(raw)))
-        f.write(raw)
-        for b in blobs:
-            f.write(b)
-    return offset
-
-
-def _byte_chars() -> list:
-    """Byte b -> a printable unicode character (the byte-level BPE alphabet): printable Latin-1
-    bytes stand for themselves, the rest are shifted past 255 so no token is whitespace/control."""
-    keep = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
-    chars, extra = {}, 0
-    for b in range(256):
-        if b in keep:
-            chars[b] = chr(b)
-        else:
-            chars[b] = chr(256 + extra)
-            extra += 1
-    return [chars[b] for b in range(256)]
-
-
-def tokenizer_files(max_model_len: int) -> Dict[str, dict]:
-    """tokenizer.json (byte-level BPE, no merges: one token per byte) and its config."""
-    vocab = {c: i for i, c in enumerate(_byte_chars())}
-    byte_level = {
-        "type": "ByteLevel",
-        "add_prefix_space": False,
-        "trim_offsets": True,
-        "use_regex": True,
-    }
-    tok = {
-        "version": "1.0",
-        "truncation": None,
-        "padding": None,
-        "added_tokens": [
-            {
-                "id": NUM_BYTE_TOKENS,
-                "content": EOS_TOKEN,
-                "single_word": False,
-                "lstrip": False,
-                "rstrip": False,
-                "normalized": False,
-                "special": True,
-            }
-        ],
-        "normalizer": None,
-        "pre_tokenizer": byte_level,
-        "post_processor": None,
-        "decoder": byte_level,
-        "model": {
-            "type": "BPE",
-            "dropout": None,
-            "unk_token": None,
-            "continuing_subword_prefix": None,
-            "end_of_word_suffix": None,
-            "fuse_unk": False,
-            "byte_fallback": False,
-            "ignore_merges": False,
-            "vocab": vocab,
-            "merges": [],
-        },
-    }
-    tok_cfg = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "eos_token": EOS_TOKEN,
-        "model_max_length": max_model_len,
-        "clean_up_tokenization_spaces": False,
-        "chat_template": (
-            "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n"
-            "{% endfor %}{% if add_generation_prompt %}assistant: {% endif %}"
-        ),
-    }
-    return {
-        "tokenizer.json": tok,
-        "tokenizer_config.json": tok_cfg,
-        "special_tokens_map.json": {"eos_token": EOS_TOKEN},
-    }
 
 
 def export_model(

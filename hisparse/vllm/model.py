@@ -26,16 +26,21 @@ from vllm.forward_context import get_forward_context
 from hisparse.models.checkpoint import config_from_hf, weights_by_name
 from hisparse.models.reference import Model, select_top_k
 from hisparse.models.rows import LATENT_DIM, decode_rows, encode_rows
-from hisparse.vllm.layers import IndexerCache, SparseMLACache, StepMetadata
-from hisparse.vllm.settings import CONNECTOR_MODULE
+from hisparse.vllm.cache_layers import CacheLayer, SparseMLACache
+from hisparse.vllm.model_connector import active_connector, uses_hisparse_connector
+from hisparse.vllm.step_metadata import StepMetadata
 
 # Bound on one prefill attention gather ([tokens, top_k, 576] values).
 _PREFILL_CHUNK_ELEMS = 1 << 24
 
 
-def uses_hisparse_connector(vllm_config: VllmConfig) -> bool:
-    kv = getattr(vllm_config, "kv_transfer_config", None)
-    return kv is not None and getattr(kv, "kv_connector_module_path", None) == CONNECTOR_MODULE
+class IndexerCache(CacheLayer):
+    """An index group's indexer key and query per token (float32, [key | query]); its block
+    table is the one every layer uses, and in HiSparse mode its ``slot_mapping`` values are the
+    tokens' keys (host row ids)."""
+
+    def __init__(self, prefix: str, indexer_dim: int) -> None:
+        super().__init__(prefix, 2 * indexer_dim, torch.float32, True)
 
 
 class _Batch:
@@ -142,7 +147,7 @@ class HiSparseMLAForCausalLM(nn.Module):
         T = meta.num_tokens
         pos = positions[:T].long()
         x = x[:T]
-        connector = self._connector() if self.hisparse else None
+        connector = active_connector() if self.hisparse else None
         state_rows = None
         if connector is not None and batch.decode:
             state_rows = connector.batch_state_rows(meta.slot_mapping[batch.decode_tokens])
@@ -157,17 +162,6 @@ class HiSparseMLAForCausalLM(nn.Module):
         return x
 
     # ---- pieces -----------------------------------------------------------------------------
-    @staticmethod
-    def _connector():
-        from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
-
-        if not has_kv_transfer_group():
-            raise RuntimeError(
-                "the model was built for the HiSparse connector but vLLM has no "
-                "KV connector in this process"
-            )
-        return get_kv_transfer_group()
-
     def _select(self, g: int, h: torch.Tensor, pos: torch.Tensor, batch: _Batch) -> list:
         """Store the indexer's key/query of the new tokens; return, per request, the keys of the
         top-k positions of each of its query tokens (int64 [q_len, top_k], -1 padding)."""

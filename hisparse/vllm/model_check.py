@@ -2,9 +2,9 @@
 
 A model takes part in HiSparse through layers that carry ``row_bytes`` (bytes of one KV row) and
 ``group_leader`` (the layer whose indexer picks their top-k), registered in vLLM's
-``static_forward_context`` (``hisparse.vllm.layers.SparseMLACache``). A model without such layers
-(any stock vLLM model) would never call the connector: it is refused here, before the first
-request, with one line.
+``static_forward_context`` (``hisparse.vllm.cache_layers.SparseMLACache``). A model without
+such layers (any stock vLLM model) would never call the connector: it is refused here, before
+the first request, with one line.
 """
 
 from __future__ import annotations

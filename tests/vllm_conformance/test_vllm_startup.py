@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 from served import MAX_LEN, SIZES, Server, _http, export, kv_config, sizing_line
 
-from hisparse.models.checkpoint import tokenizer_files
+from hisparse.models.checkpoint_files import tokenizer_files
 from hisparse.vllm.server import OpenAIServer
 
 GIB = 1 << 30

@@ -29,7 +29,7 @@ from typing import Dict, Optional, Sequence, Tuple, Union
 
 import torch
 
-from hisparse.models.checkpoint import write_safetensors
+from hisparse.models.checkpoint_files import write_safetensors
 from hisparse.models.dsa.tensor_files import CheckpointError, read_header, read_tensor
 
 FP8 = torch.float8_e4m3fn

@@ -1,7 +1,7 @@
 """Tiny seeded DeepSeek-V3.2 / GLM-5 checkpoints, made by transformers' own config and model
 classes (``save_pretrained``): the config.json fields and tensor names of the real ones, at real
 latent sizes (kv_lora_rank 512, qk_rope_head_dim 64) but a few layers and experts, plus the
-byte-level tokenizer of ``hisparse.models.checkpoint`` so vLLM serves the directory offline.
+byte-level tokenizer of ``hisparse.models.checkpoint_files`` so vLLM serves the directory offline.
 
 transformers is imported only when a checkpoint is made (it is not a hisparse dependency).
 
@@ -21,7 +21,7 @@ from typing import Sequence, Tuple, Union
 
 import torch
 
-from hisparse.models.checkpoint import NUM_BYTE_TOKENS, tokenizer_files
+from hisparse.models.checkpoint_files import NUM_BYTE_TOKENS, tokenizer_files
 
 ARCHS = ("deepseek_v32", "glm_moe_dsa")
 MAX_LEN = 512

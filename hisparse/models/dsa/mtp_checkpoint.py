@@ -14,7 +14,7 @@ from typing import Union
 
 import torch
 
-from hisparse.models.checkpoint import write_safetensors
+from hisparse.models.checkpoint_files import write_safetensors
 from hisparse.models.dsa.random_checkpoint import random_weights, write_random_checkpoint
 
 # The agreeing checkpoint's target layers add little to the embedding (o_proj / down_proj

@@ -17,7 +17,7 @@ from typing import Dict, Union
 
 import torch
 
-from hisparse.models.checkpoint import tokenizer_files, write_safetensors
+from hisparse.models.checkpoint_files import tokenizer_files, write_safetensors
 from hisparse.models.dsa import make_checkpoint as tiny
 from hisparse.models.dsa.config import DSAConfig
 from hisparse.models.dsa.schema import DSAConfigError

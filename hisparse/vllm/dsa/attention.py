@@ -32,9 +32,9 @@ from hisparse.models.dsa.config import DSAConfig
 from hisparse.models.dsa.core import CHUNK_ELEMS, SparseMLACore, TokenBatch
 from hisparse.models.dsa.kernels import flashmla
 from hisparse.models.rows import KV_DIM, LATENT_DIM, ROPE_DIM
+from hisparse.vllm.cache_layers import CacheLayer
 from hisparse.vllm.compat import tensor_parallel_peers
 from hisparse.vllm.dsa.union import token_ids, union_rows
-from hisparse.vllm.layers import _CacheLayer
 
 
 @dataclass
@@ -43,7 +43,7 @@ class Step:
     them, the connector and (HiSparse decodes) the decode rows' state rows and, for decodes of
     several tokens, each token's slice of its row (``union.decode_token_rows``)."""
 
-    meta: Any  # hisparse.vllm.layers.StepMetadata
+    meta: Any  # hisparse.vllm.step_metadata.StepMetadata
     tokens: TokenBatch
     connector: Any = None
     state_rows: Optional[torch.Tensor] = None
@@ -113,7 +113,7 @@ class DSAIndexer(nn.Module):
             rope_parameters=vllm_rope_parameters(cfg),
             is_neox_style=not cfg.indexer_rope_interleave,
         )
-        self.cache = _CacheLayer(cache_name, core.key_bytes, torch.uint8, True)
+        self.cache = CacheLayer(cache_name, core.key_bytes, torch.uint8, True)
 
     def select(self, h: torch.Tensor, q_resid: torch.Tensor, step: Step) -> torch.Tensor:
         """Store the new tokens' keys; the slots of each token's top-k positions, int64
@@ -139,7 +139,7 @@ class DSAAttention(nn.Module):
         self,
         cfg: DSAConfig,
         layer: int,
-        rows: "_CacheLayer",
+        rows: "CacheLayer",
         index_cache: str,
         formats: tuple,
         max_pos: int,

@@ -29,6 +29,7 @@ from vllm.model_executor.layers.vocab_parallel_embedding import (
 
 from hisparse.models.dsa.config import DSAConfig
 from hisparse.models.rows import ROW_FORMATS
+from hisparse.vllm.cache_layers import SparseMLACache
 from hisparse.vllm.dsa.model import (
     KEY_FORMAT_KEY,
     DSADecoderLayer,
@@ -37,8 +38,7 @@ from hisparse.vllm.dsa.model import (
 )
 from hisparse.vllm.dsa.mtp_config import hf_overrides  # noqa: F401 (the API's callable)
 from hisparse.vllm.dsa.weights import load_dsa_weights
-from hisparse.vllm.layers import SparseMLACache
-from hisparse.vllm.model import uses_hisparse_connector
+from hisparse.vllm.model_connector import uses_hisparse_connector
 
 
 class _Names:

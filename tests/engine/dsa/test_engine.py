@@ -14,7 +14,7 @@ import torch
 from hisparse import cli
 from hisparse.engine.dsa.generate import byte_prompts, generate, parity
 from hisparse.engine.dsa.stores import HiSparseRows
-from hisparse.models.checkpoint import write_safetensors
+from hisparse.models.checkpoint_files import write_safetensors
 from hisparse.models.dsa.random_checkpoint import (
     random_config,
     random_weights,

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from hisparse import cli
 from hisparse.engine.dsa.generate import generate
-from hisparse.models.checkpoint import write_safetensors
+from hisparse.models.checkpoint_files import write_safetensors
 from hisparse.models.dsa.config import DSAConfig, DSAConfigError
 from hisparse.models.dsa.decoder import DecoderSpec
 from hisparse.models.dsa.random_checkpoint import random_config, random_weights

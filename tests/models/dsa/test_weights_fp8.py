@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from hisparse.models.checkpoint import write_safetensors
+from hisparse.models.checkpoint_files import write_safetensors
 from hisparse.models.dsa import fp8_weights as fp8
 from hisparse.models.dsa.random_checkpoint import write_random_checkpoint
 from hisparse.models.dsa.tensor_files import read_header, read_tensor
