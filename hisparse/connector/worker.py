@@ -80,7 +80,7 @@ class HiSparseConnectorWorker:
         if self.registered:
             raise RuntimeError("register_kv_caches was already called on this worker")
         reg = register(self.config, kv_caches, host_rows=host_rows, groups=groups, peers=peers)
-        self._shared = shared_steps(reg.fence, reg.layer_names)
+        self._shared = shared_steps(reg.fence, reg.layer_names, reg.groups)
         self.device = reg.device
         self.layer_names = reg.layer_names
         self.host_pool = reg.host_pool
@@ -218,7 +218,9 @@ class HiSparseConnectorWorker:
             save_kv_rows(rt, kv_rows, slot_mapping, self.host_rows)
             return
         self._shared.save(
-            layer_name, lambda: save_kv_rows(rt, kv_rows, slot_mapping, self.host_rows)
+            layer_name,
+            lambda: save_kv_rows(rt, kv_rows, slot_mapping, self.host_rows),
+            rt.index_group,
         )
 
     # ------------------------------------------------------------ telemetry
@@ -247,6 +249,8 @@ class HiSparseConnectorWorker:
             for g in self.groups:
                 if g.copy_stream is not None:
                     g.copy_stream.synchronize()
+            if self._shared is not None:
+                self._shared.close()
             if self.host_pool is not None:
                 self.host_pool.release()
         self._shut_down = True

@@ -36,7 +36,8 @@ from typing import Optional, Sequence
 SHARED_POOL_ARCH = ("x86_64", "AMD64")
 _SLOT = 8  # int64 slots per flag: one 64-byte cache line each, so flags never share a line
 # Header flags: [magic, world, layers, pool bytes]; then pids[world], written[layers],
-# done[world], row_bytes[layers].
+# done[world], row_bytes[layers]; then what the GPU path adds (``device_fence``): abort, and
+# status[world] of 3 flags each (code, step, what).
 _HEADER = 4
 _MAGIC = 0x48695370  # "HiSp"
 # Spin this long before yielding the core: a rank that waits for another at the same layer
@@ -52,7 +53,7 @@ def arch_shares_pool() -> bool:
 
 def control_bytes(world: int, num_layers: int) -> int:
     """Bytes of the control block for ``world`` ranks and ``num_layers`` layers."""
-    return (_HEADER + 2 * world + 2 * num_layers) * _SLOT * 8
+    return (_HEADER + 5 * world + 2 * num_layers + 1) * _SLOT * 8
 
 
 class FenceError(RuntimeError):
@@ -96,6 +97,7 @@ class PoolFence:
         self._written = _HEADER + world
         self._done = _HEADER + world + num_layers
         self._rows = _HEADER + 2 * world + num_layers
+        self.abort_flag = _HEADER + 2 * world + 2 * num_layers
         if len(control) < _HEADER * _SLOT:
             raise ValueError(f"control block of {len(control)} slots is too small")
         mine = (world, num_layers, pool_bytes or 0)  # 0: not given
@@ -145,6 +147,23 @@ class PoolFence:
     @property
     def writer(self) -> bool:
         return self.rank == 0
+
+    # Where the GPU path (``device_fence``) finds the flags: byte offsets into the block.
+    def written_flag(self, layer: int) -> int:
+        return self._written + self._layer(layer)
+
+    def done_flag(self, rank: int) -> int:
+        return self._done + rank
+
+    def status_flag(self, rank: int) -> int:
+        return self.abort_flag + 1 + 3 * rank
+
+    @staticmethod
+    def byte_offset(flag: int) -> int:
+        return flag * _SLOT * 8
+
+    def pid(self, rank: int) -> int:
+        return self._get(self._pids + rank)
 
     def _get(self, flag: int) -> int:
         return self._c[flag * _SLOT]

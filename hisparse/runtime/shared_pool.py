@@ -10,8 +10,9 @@ size, and its memory is freed when the last rank unmaps it (at shutdown, or when
 die), so nothing can leak. The other ranks open it as ``/proc/<rank 0's pid>/fd/<fd>`` while
 rank 0 still holds the descriptor (until ``close_fd``, once every rank has mapped it).
 
-CPU only: on CUDA the gather reads a pinned pool, and a shared mapping would have to be page-locked
-(cudaHostRegister) in every process; the CUDA path keeps one pool per rank.
+On CUDA every rank page-locks the same mapping (``pin``: cudaHostRegister, once per process;
+the pages exist once), so each GPU copies rows to and from the one copy directly; the flags are
+then written and waited for by the GPUs (``device_fence``).
 """
 
 from __future__ import annotations
@@ -66,17 +67,31 @@ class SharedHostPool:
     shared segment. Same face as ``HostPool`` (``raw``, ``num_bytes``, ``pinned``, ``release``);
     views bound into ``raw`` must not be used after ``release()``."""
 
-    pinned = False
-
     def __init__(self, mm: mmap.mmap, info: SegmentInfo, fd: Optional[int]) -> None:
+        self.pinned = False
         self._mm: Optional[mmap.mmap] = mm
         self.info = info
         self._fd = fd  # rank 0's descriptor, open until every rank has mapped the segment
         self.num_bytes = info.pool_bytes
-        whole = torch.frombuffer(mm, dtype=torch.uint8)
-        self.raw: Optional[torch.Tensor] = whole[: info.pool_bytes]
+        self._whole = torch.frombuffer(mm, dtype=torch.uint8)
+        self.raw: Optional[torch.Tensor] = self._whole[: info.pool_bytes]
         start = _page_round(info.pool_bytes)
         self.control: Optional[memoryview] = memoryview(mm)[start:].cast("q")
+        self.control_address = self._whole.data_ptr() + start
+
+    def pin(self, *, what: str) -> None:
+        """Page-lock this process's mapping (pool and control block) for the GPU. Every rank
+        pins the same pages: RAM is not counted again, and each GPU's copies and flag accesses
+        reach the one copy."""
+        if self.pinned:
+            return
+        err = torch.cuda.cudart().cudaHostRegister(self._whole.data_ptr(), self._whole.numel(), 0)
+        if int(err) != 0:
+            raise HostPoolError(
+                f"{what}: cudaHostRegister of the shared segment ({self._whole.numel()} bytes) "
+                f"failed (cudaError {int(err)}); is the memlock limit too low?"
+            )
+        self.pinned = True
 
     @classmethod
     def create(
@@ -138,7 +153,11 @@ class SharedHostPool:
         self.close_fd()
         if self._mm is None:
             return
-        self.raw = None
+        if self.pinned:  # the GPUs must be done with it first (never on the decode path)
+            torch.cuda.synchronize()
+            torch.cuda.cudart().cudaHostUnregister(self._whole.data_ptr())
+            self.pinned = False
+        self.raw = self._whole = None
         self.control.release()
         self.control = None
         mm, self._mm = self._mm, None

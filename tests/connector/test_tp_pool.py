@@ -133,6 +133,11 @@ def test_share_host_pool_true_that_cannot_be_met_is_one_line(monkeypatch):
     peers = Peers(Group(2), 0)
     with pytest.raises(HiSparseConfigError, match=r"\['share_host_pool'\] = true needs the KV"):
         tp_pool.make_pool(
+            cfg, torch.device("xpu"), 64, 1, peers, row_bytes=[64], pin=True, what="p"
+        )
+    monkeypatch.setattr(tp_pool.fence_kernels, "triton", None)
+    with pytest.raises(HiSparseConfigError, match="true on CUDA needs Triton: pip install triton"):
+        tp_pool.make_pool(
             cfg, torch.device("cuda"), 64, 1, peers, row_bytes=[64], pin=True, what="p"
         )
     monkeypatch.setattr(tp_pool, "arch_shares_pool", lambda: False)
@@ -193,3 +198,48 @@ def test_a_rank_that_disagrees_with_rank_0_is_refused_not_given_its_own_pool(ran
     assert re.search(match, str(e1)) and "\n" not in str(e1), str(e1)
     assert isinstance(w0.host_pool, HostPool)  # rank 0 goes on alone; rank 1's error stops it
     w0.shutdown()
+
+
+def test_on_cuda_every_rank_pins_the_one_segment_and_the_gpus_order_it(monkeypatch):
+    pinned, started = [], []
+
+    def pin(self, *, what):
+        if self.info.pid == -1:  # set below: rank 1's registration fails
+            raise HostPoolError("cudaHostRegister failed")
+        pinned.append(self.control_address)
+
+    class Fence:  # stands in for DeviceFence (its kernels need a GPU)
+        def __init__(self, fence, address, device, *, on_fault):
+            self.fence, self.address = fence, address
+
+        def start(self):
+            started.append(self.fence.rank)
+
+    monkeypatch.setattr(SharedHostPool, "pin", pin)
+    monkeypatch.setattr(tp_pool, "DeviceFence", Fence)
+    cfg = HiSparseConfig(top_k=4, hot_size=H)
+
+    def make(rank, peers):
+        return tp_pool.make_pool(
+            cfg, torch.device("cuda"), 4096, 2, peers, row_bytes=[32, 32], pin=True, what="p"
+        )
+
+    (p0, f0), (p1, f1) = _ranks(make)
+    assert isinstance(p0, SharedHostPool) and p0.info == p1.info
+    assert sorted(started) == [0, 1] and len(pinned) == 2
+    assert (f0.fence.rank, f1.fence.rank) == (0, 1) and f0.address == p0.control_address
+    for p in (p0, p1):
+        p.release()
+
+    real_attach = SharedHostPool.attach
+
+    def attach_unpinnable(info, *, what):
+        pool = real_attach(info, what=what)
+        object.__setattr__(pool, "info", type(info)(-1, 0, 0, 0, ""))
+        return pool
+
+    monkeypatch.setattr(SharedHostPool, "attach", attach_unpinnable)
+    monkeypatch.setattr(tp_pool, "HostPool", lambda n, *, pin, what, remedy: ("own", n, pin))
+    started.clear()
+    (q0, g0), (q1, g1) = _ranks(make)  # rank 1 cannot pin it: a pinned pool per rank
+    assert q0 == q1 == ("own", 4096, True) and g0 is g1 is None and not started
