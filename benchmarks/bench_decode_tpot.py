@@ -94,6 +94,159 @@ def profile(args, batch: int, top: int) -> None:
                 print(f"{t:9.1f} us  {name}")
 
 
+# --kernel-split: which of the core's calls each kernel of an eager step ran under
+SPLIT = ("indexer", "top-k", "resolve", "row read / misses", "attention", "save (copy stream)")
+
+
+def _split_hooks(step: CoreStep) -> list:
+    """(owner, attribute, category) of the calls whose kernels make each category; a call
+    inside another (the indexer's scores inside the selection) takes its own."""
+    from hisparse import ops
+    from hisparse.models.dsa.kernels import indexer, misses, rows
+
+    hooks = [
+        (indexer, "paged_scores", "indexer"),
+        (step.core, "store_keys", "indexer"),
+        (step.core, "select", "top-k"),  # what select runs beside the scores: topk, sort, slots
+        (rows, "gather_decode", "row read / misses"),
+        (misses, "read_with_misses", "row read / misses"),
+        (misses, "stage_misses", "row read / misses"),
+        (step.core, "attend", "attention"),  # the absorbed products, scores, softmax, values
+        (ops, "save_rows", "save (copy stream)"),
+        (step, "stage", "staging"),  # the next step's selection: not part of a step
+    ]
+    for lay in step.layers:
+        if lay.rt is not None:
+            hooks += [(lay.rt, "resolve", "resolve"), (lay.rt, "gather", "row read / misses")]
+    return hooks
+
+
+class _Annotated:
+    """The hooks' calls wrapped in ``record_function("split::<category>")`` while inside."""
+
+    def __init__(self, hooks: list) -> None:
+        self.hooks = hooks
+
+    def __enter__(self):
+        from torch.profiler import record_function
+
+        self.saved = []
+        for owner, name, cat in self.hooks:
+            fn = getattr(owner, name)
+            self.saved.append((owner, name, owner.__dict__.get(name, _MISSING)))
+
+            def wrapped(*a, _fn=fn, _cat=cat, **k):
+                with record_function(f"split::{_cat}"):
+                    return _fn(*a, **k)
+
+            setattr(owner, name, wrapped)
+        return self
+
+    def __exit__(self, *exc):
+        for owner, name, old in reversed(self.saved):
+            if old is _MISSING:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, old)
+
+
+_MISSING = object()
+# By name, for a kernel the profiler linked to no call (a launch outside any op's scope)
+_BY_NAME = (
+    ("_paged_scores", "indexer"), ("_store_fp8_keys", "indexer"), ("resolve", "resolve"),
+    ("_sort_keys", "top-k"), ("_slots", "top-k"), ("gather_decode", "row read / misses"),
+    ("miss", "row read / misses"), ("masked_softmax", "attention"),
+)  # fmt: skip
+
+
+def _category(event) -> str | None:
+    while event is not None:
+        if event.name.startswith("split::"):
+            return event.name[len("split::") :]
+        event = event.cpu_parent
+    return None
+
+
+def split_step(step: CoreStep, mode: str, steps: int) -> dict:
+    """Kernel time per layer of ``steps`` eager steps of ``mode`` by category (``SPLIT``, and
+    "rest": projections, norms, MLP, the LM head spread over the layers), each step after its
+    own staged selection (whose kernels are left out), and by kernel."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = step.device.type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with _Annotated(_split_hooks(step)):
+        for _ in range(2):
+            step.stage()
+            step.forward(mode)
+        sync()
+        with profile(activities=acts) as prof:
+            for _ in range(steps):
+                step.stage()
+                step.forward(mode)
+            sync()
+    per = steps * step.cfg.layers
+    cats, kernels = collections.Counter(), collections.Counter()
+    linked = collections.Counter()  # kernel name -> us the CPU events account for
+    for e in prof.events():
+        if e.device_type != torch.autograd.DeviceType.CPU or not e.kernels:
+            continue
+        cat = _category(e) or "rest"
+        for k in e.kernels:
+            cats[cat] += k.duration / per
+            kernels[(cat, k.name[:70])] += k.duration / per
+            linked[k.name] += k.duration
+    unlinked = collections.Counter()
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            unlinked[e.name] += e.device_time
+    for name, total in unlinked.items():  # kernels no CPU event claimed
+        extra = total - linked.get(name, 0.0)
+        if extra > 0.01 * total and extra > 0:
+            cat = next((c for pat, c in _BY_NAME if pat in name), "rest")
+            cats[cat] += extra / per
+            kernels[(cat + " (by name)", name[:70])] += extra / per
+    cats.pop("staging", None)
+    out = {c: round(cats.get(c, 0.0), 2) for c in (*SPLIT, "rest")}
+    out["total"] = round(sum(out.values()), 2)
+    top = [(c, n, round(t, 2)) for (c, n), t in kernels.most_common() if c != "staging"]
+    return {"per_layer_us": out, "kernels": top[:40]}
+
+
+def kernel_split(args, batches: list) -> dict:
+    """Per mode and batch: the captured step's ms (``measure``), its kernels per layer by
+    category (eager steps, ``split_step``), and each category's slope per request and layer
+    between the smallest and the largest batch."""
+    got = {}
+    for b in batches:
+        step = CoreStep(
+            _config(args), b, MODES, "cuda", attention=args.attention, misses=args.misses,
+            miss=args.miss,
+        )  # fmt: skip
+        row = measure(step, args.rounds, args.steps)
+        row["per_layer"] = {m: split_step(step, m, args.split_steps) for m in MODES}
+        for m in MODES:
+            row["per_layer"][m]["graph_us"] = round(row[f"{m}_ms_per_step"] * 1e3 / args.layers, 2)
+        row["attention"] = step.core.attention
+        row["misses_read"] = "in_read" if step.core.reads_misses(b) else "gather"
+        got[b] = row
+        print(json.dumps(row), flush=True)
+        del step
+        torch.cuda.empty_cache()
+    lo, hi = min(batches), max(batches)
+    slope = {}
+    if hi > lo:
+        for m in MODES:
+            a, z = got[lo]["per_layer"][m], got[hi]["per_layer"][m]
+            s = {c: round((z["per_layer_us"][c] - a["per_layer_us"][c]) / (hi - lo), 3)
+                 for c in (*SPLIT, "rest", "total")}  # fmt: skip
+            s["graph"] = round((z["graph_us"] - a["graph_us"]) / (hi - lo), 3)
+            slope[m] = s
+    return {"batches": [got[b] for b in batches], "per_request_layer_us": slope,
+            "between": [lo, hi]}  # fmt: skip
+
+
 def per_request_layer_us(rows: list, layers: int) -> dict:
     """Each mode's step cost per request and layer: the slope of ms/step against the batch
     between the smallest and the largest batch timed (what bounds the tokens/s at capacity)."""
@@ -150,10 +303,18 @@ def main(argv=None) -> int:
     p.add_argument("--capacity", action="store_true", help="each mode at its budget's limit")
     p.add_argument("--json", type=Path, help="write the results here")
     p.add_argument("--profile", type=int, default=0, help="print the top N kernels and ops")
+    p.add_argument(
+        "--kernel-split", action="store_true",
+        help="per batch and mode: the captured step, its kernels per layer by category "
+        "(indexer, top-k, resolve, row read / misses, attention, rest) and their slopes",
+    )  # fmt: skip
+    p.add_argument("--split-steps", type=int, default=3, help="eager steps profiled per mode")
     args = p.parse_args(argv)
     try:
         batches = [int(x) for x in args.batches.split(",") if x]
         _config(args).check()
+        if args.kernel_split and (not batches or args.split_steps < 1):
+            raise ValueError("--kernel-split needs --batches and --split-steps >= 1")
     except ValueError as e:
         p.error(str(e))
     if not torch.cuda.is_available():
@@ -162,6 +323,18 @@ def main(argv=None) -> int:
     if args.profile:
         for b in batches:
             profile(args, b, args.profile)
+        return 0
+    if args.kernel_split:
+        result = {
+            "core": CORE, "device": torch.cuda.get_device_name(),
+            "config": {"context": args.context, "layers": args.layers, "hot_size": args.hot_size,
+                       "miss": args.miss, "attention": args.attention, "misses": args.misses},
+            "rounds": args.rounds, "steps": args.steps, "split_steps": args.split_steps,
+            "kernel_split": kernel_split(args, batches),
+        }  # fmt: skip
+        print(json.dumps(result["kernel_split"]["per_request_layer_us"]), flush=True)
+        if args.json:
+            args.json.write_text(json.dumps(result, indent=1) + "\n")
         return 0
     budget = MemoryBudget()
     limit = {m: budget.max_batch(_config(args), m == "resident") for m in MODES}

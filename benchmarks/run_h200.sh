@@ -7,8 +7,10 @@
 # the spread between runs), "core" (the DSA core vLLM runs: its CUDA tests, then
 # bench_decode_tpot at 32k, 64k and 128k with capacity) and "fusedattn" (the
 # fused sparse-MLA kernel alone, then the step with it) and "flashmla" (FlashMLA's sparse FP8
-# decode built and timed beside the core's attention, then the core's step with it); each fits
-# one 10-minute device call.
+# decode built and timed beside the core's attention, then the core's step with it) and
+# "kernels" (FlashMLA and DeepGEMM built where not yet importable, the captured step's kernels by
+# category at 32k, then each kernel beside its baseline: kernels_vs_baselines_h200.{json,md});
+# each fits one 10-minute device call.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/hisparse-out}
@@ -81,6 +83,21 @@ if has flashmla; then  # needs the sources under benchmarks/baselines/src (its R
   # the core with FlashMLA importable: its tests, then the step (auto measures and takes it)
   timeout 120 python3 -m pytest -q -p no:cacheprovider -m cuda tests/models/dsa/test_flashmla_cuda.py 2>&1 | tail -2 || status=1
   timeout 150 python3 benchmarks/bench_decode_tpot.py --capacity --json "$OUT/engine_tpot_flashmla_h200.json" || status=1
+fi
+if has kernels; then  # needs the sources under benchmarks/baselines/src (its README.md)
+  base=$PWD/benchmarks/baselines
+  export PYTHONPATH="$base/src/flashmla:$base/src/deepgemm:$PYTHONPATH"
+  export DG_JIT_CACHE_DIR=${DG_JIT_CACHE_DIR:-/tmp/deepgemm-jit}
+  python3 -c "import flash_mla.cuda" 2>/dev/null \
+    || bash "$base/build_flashmla.sh" > "$OUT/flashmla_build.txt" 2>&1 || tail -5 "$OUT/flashmla_build.txt"
+  python3 -c "import deep_gemm" 2>/dev/null \
+    || bash "$base/build_deepgemm.sh" > "$OUT/deepgemm_build.txt" 2>&1 || tail -5 "$OUT/deepgemm_build.txt"
+  timeout 200 python3 benchmarks/bench_decode_tpot.py --kernel-split --batches 1,64 --layers 4 \
+    --attention bmm --json "$OUT/kernel_split_h200.json" > "$OUT/kernel_split.txt" 2>&1 || status=1
+  timeout 300 python3 benchmarks/baselines/bench_kernels.py --commit "${COMMIT:-?}" \
+    --split "$OUT/kernel_split_h200.json" --json "$OUT/kernels_vs_baselines_h200.json" \
+    --md "$OUT/kernels_vs_baselines_h200.md" > "$OUT/kernels.txt" 2>&1 || status=1
+  tail -3 "$OUT/kernels.txt"
 fi
 if has demo; then
   python3 -m hisparse demo --device cuda --no-progress --json "$OUT/demo_cuda.json" > "$OUT/demo.txt" 2>&1 || status=1
