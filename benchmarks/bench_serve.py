@@ -1,12 +1,14 @@
 """Serving benchmark, all-resident vs HiSparse, through vLLM's own client.
 
-``--arch reference`` (default) serves an exported reference model; ``--arch deepseek_v32`` /
-``glm_moe_dsa`` a seeded tiny checkpoint of that architecture (written without transformers)
-through hisparse's DeepSeek-V3.2 / GLM-5 classes, the code vLLM runs for the released
-checkpoints. Serves the same model under one device-KV budget (``--kv-cache-memory-bytes``; HiSparse
-charges its hot buffers to it), all-resident and with the HiSparse connector, one server at a
-time, and drives each with vLLM's benchmark client (``vllm.benchmarks.serve``: ``add_cli_args``
-+ ``main``, the logic of ``vllm bench serve``) on the random dataset, at each concurrency,
+``--arch deepseek_v32`` (default) / ``glm_moe_dsa`` serves a seeded tiny checkpoint of that
+architecture (written without transformers) through hisparse's DeepSeek-V3.2 / GLM-5 classes,
+the code vLLM runs for the released checkpoints; ``--arch reference`` an exported reference
+model. The prompt sizes and the output path default by architecture (``DEFAULTS``): the runs
+docs/results.md reports. Serves the same model under one device-KV budget
+(``--kv-cache-memory-bytes``; HiSparse charges its hot buffers to it), all-resident and with
+the HiSparse connector, one server at a time, and drives each with vLLM's benchmark client
+(``vllm.benchmarks.serve``: ``add_cli_args`` + ``main``, the logic of ``vllm bench serve``) on
+the random dataset, at each concurrency,
 ``--runs`` times with the modes interleaved (which mode goes first alternates). Before each
 server starts and before each measurement it waits (polling every 30 s, at most ``--max-wait`` s)
 for the 1-minute load average to drop to ``--max-load`` (the machine may be shared), and records
@@ -50,6 +52,23 @@ METRICS = (
 DSA_CLASSES = {
     "deepseek_v32": "HiSparseDeepseekV32ForCausalLM",
     "glm_moe_dsa": "HiSparseGlmMoeDsaForCausalLM",
+}
+
+
+#: Per architecture: the prompt sizes and output path of the run docs/results.md reports.
+DEFAULTS = {
+    "reference": dict(
+        input_len=600, output_len=64, num_prompts=32, out=Path("benchmarks/results/serve_vllm_cpu")
+    ),
+    **{
+        arch: dict(
+            input_len=200,
+            output_len=32,
+            num_prompts=16,
+            out=Path(f"benchmarks/results/serve_vllm_cpu_{arch}"),
+        )
+        for arch in DSA_CLASSES
+    },
 }
 
 
@@ -132,22 +151,25 @@ def _loads(results: list) -> str:
 
 def _parse(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--arch", choices=("reference", *DSA_CLASSES), default="reference")
+    p.add_argument("--arch", choices=("reference", *DSA_CLASSES), default="deepseek_v32")
     p.add_argument("--model-dir", type=Path, default=None, help="default: /tmp/hisparse-bench-ARCH")
     p.add_argument("--layers", type=int, default=4, help="model shape if --model-dir is empty")
     p.add_argument("--top-k", type=int, default=64)
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--max-seqs", type=int, default=16)
     p.add_argument("--kv-bytes", type=int, default=256 << 20, help="device KV budget, both modes")
-    p.add_argument("--input-len", type=int, default=600)
-    p.add_argument("--output-len", type=int, default=64)
-    p.add_argument("--num-prompts", type=int, default=32)
+    p.add_argument("--input-len", type=int, default=None, help="default: by --arch (DEFAULTS)")
+    p.add_argument("--output-len", type=int, default=None, help="default: by --arch")
+    p.add_argument("--num-prompts", type=int, default=None, help="default: by --arch")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--max-load", type=float, default=1.5, help="1-min load to wait for")
     p.add_argument("--max-wait", type=float, default=600, help="longest wait for it, s")
-    p.add_argument("--out", type=Path, default=Path("benchmarks/results/serve_vllm_cpu"))
+    p.add_argument("--out", type=Path, default=None, help="default: by --arch")
     args = p.parse_args(argv)
+    for key, value in DEFAULTS[args.arch].items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
     if args.model_dir is None:
         args.model_dir = Path(f"/tmp/hisparse-bench-{args.arch}")
     return args

@@ -147,7 +147,7 @@ def _add_plan_command(sub) -> None:
 def _add_export_model_command(sub) -> None:
     p = sub.add_parser(
         "export-model",
-        help="write a seeded tiny model (reference, DeepSeek-V3.2 or GLM-5) vLLM serves",
+        help="write a seeded tiny model (DeepSeek-V3.2, GLM-5 or the reference) vLLM serves",
         description="Write config.json, model.safetensors (seeded weights) and a byte-level "
         "tokenizer into DIR, for `python -m vllm.entrypoints.openai.api_server "
         "--model DIR` (with or without the HiSparse connector). No network needed.",
@@ -155,10 +155,10 @@ def _add_export_model_command(sub) -> None:
     p.add_argument(
         "--arch",
         choices=("reference", "deepseek_v32", "glm_moe_dsa"),
-        default="reference",
-        help="reference: the reference sparse-MLA model (default); deepseek_v32 / glm_moe_dsa: a "
-        "tiny checkpoint of that architecture (real latent sizes; --layers, --top-k, "
-        "--max-model-len and --seed apply), served with hisparse's classes via --hf-overrides",
+        default="deepseek_v32",
+        help="deepseek_v32 (default) / glm_moe_dsa: a tiny checkpoint of that architecture (real "
+        "latent sizes; --layers, --top-k, --max-model-len and --seed apply), served with "
+        "hisparse's classes via --hf-overrides; reference: the reference sparse-MLA model",
     )
     p.add_argument(
         "dir",

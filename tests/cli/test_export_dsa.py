@@ -78,3 +78,18 @@ def test_a_longer_context_stretches_the_yarn_rope_so_vllm_can_serve_it(tmp_path)
     glm = tmp_path / "glm"
     assert main(["export-model", str(glm), "--arch", "glm_moe_dsa"]) == 0
     assert DSAConfig.from_hf(json.loads((glm / "config.json").read_text())).rope_positions() is None
+
+
+def test_without_arch_it_writes_deepseek_v32(tmp_path, capsys):
+    """The default architecture is DeepSeek-V3.2 (the reference model needs --arch reference),
+    and a reference-only flag without --arch is refused naming the architecture."""
+    out = tmp_path / "default"
+    assert main(["export-model", str(out), "--layers", "2", "--top-k", "16"]) == 0
+    assert "HiSparseDeepseekV32ForCausalLM" in capsys.readouterr().out
+    hf = json.loads((out / "config.json").read_text())
+    assert hf["architectures"] == ["DeepseekV32ForCausalLM"]
+    assert DSAConfig.from_hf(hf).arch == "deepseek_v32"
+    with pytest.raises(SystemExit) as e:
+        main(["export-model", str(tmp_path / "m"), "--index-share", "1"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "applies to --arch reference only, not deepseek_v32" in err

@@ -23,7 +23,7 @@ from hisparse.models.export_dir import EXPORT_FILES
 from tests import REPO_ROOT
 from tests.helpers import child_timeout
 
-ARGS = ["--layers", "2", "--top-k", "8", "--max-model-len", "64"]
+ARGS = ["--arch", "reference", "--layers", "2", "--top-k", "8", "--max-model-len", "64"]
 
 
 def _small():
@@ -217,7 +217,7 @@ def test_flags_that_cannot_go_together_are_one_line_before_any_work(
 ):
     monkeypatch.setattr(checkpoint, "model_weights", _never)
     with pytest.raises(SystemExit) as e:
-        main(["export-model", str(tmp_path / "m"), *flags])
+        main(["export-model", str(tmp_path / "m"), "--arch", "reference", *flags])
     assert e.value.code == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and message in err, err

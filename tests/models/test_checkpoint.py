@@ -98,7 +98,7 @@ def test_bad_model_settings_are_named(kw, msg):
 def test_cli_export_and_its_errors(tmp_path):
     def run(*args):
         return subprocess.run(
-            [sys.executable, "-m", "hisparse", "export-model", *args],
+            [sys.executable, "-m", "hisparse", "export-model", "--arch", "reference", *args],
             capture_output=True,
             text=True,
             cwd=tmp_path,
