@@ -22,7 +22,8 @@
 #     equal to TP 1, one host pool shared by the ranks (host RAM 1x) (test_vllm_tp.py);
 #  6. MTP speculative decoding: the checkpoints' MTP layer as vLLM's method=mtp draft through the
 #     plugin's class, tokens equal without speculation, resident and HiSparse, acceptance from
-#     vLLM's spec-decode counters (test_vllm_mtp.py).
+#     vLLM's spec-decode counters (test_vllm_mtp.py); the same on block-FP8 checkpoints with an
+#     MTP layer, dequantized at load by target and draft (test_vllm_mtp_fp8.py).
 # vLLM is large (~3.5 GB installed), so it lives in its own venv, never in the default install.
 #
 #   bash .ci/vllm_conformance.sh
@@ -103,6 +104,6 @@ echo "--- stage 4: DeepSeek-V3.2 / GLM-5 checkpoints against transformers (bound
 served_stage DSA 1500 'dsa-*.log' test_vllm_dsa.py test_vllm_dsa_fp8.py test_vllm_compiled.py
 echo "--- stage 5: tensor parallel, TP 2 vs TP 1 with one shared host pool, rank faults (bounded: 15 min)"
 served_stage tensor-parallel 900 'tp*.log' test_vllm_tp.py test_vllm_tp_faults.py
-echo "--- stage 6: MTP speculative decoding, DeepSeek-V3.2 / GLM-5 drafts (bounded: 15 min)"
-served_stage MTP 900 'mtp*.log' test_vllm_mtp.py
+echo "--- stage 6: MTP speculative decoding, DeepSeek-V3.2 / GLM-5 drafts, FP8 too (bounded: 25 min)"
+served_stage MTP 1500 'mtp*.log' test_vllm_mtp.py test_vllm_mtp_fp8.py
 echo "VLLM CONFORMANCE PASSED"

@@ -1,5 +1,5 @@
 """Decodes of several query tokens (speculative decoding) resolved as one union row per request
-(``hisparse.vllm.dsa.union``) through a CPU connector worker whose index group is
+(``hisparse.models.dsa.union``) through a CPU connector worker whose index group is
 ``decode_tokens`` x ``top_k`` wide: every token attends over exactly the bytes a resident read
 of its own keys gives, and the same bytes a resolve of each token on its own gives; a key two
 tokens of one request share is resolved and counted once; the next step finds the keys hot."""
@@ -11,7 +11,7 @@ import torch
 
 from hisparse.connector.config import HiSparseConfig
 from hisparse.connector.worker import HiSparseConnectorMetadata, HiSparseConnectorWorker
-from hisparse.vllm.dsa.union import decode_token_rows, token_ids, union_rows
+from hisparse.models.dsa.union import decode_token_rows, token_ids, union_rows
 
 K, RB, ROWS, LAYER = 8, 32, 96, "layer0"
 

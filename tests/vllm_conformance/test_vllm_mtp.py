@@ -10,7 +10,7 @@ spec-decode counters show acceptance above one half when the MTP layer agrees wi
 and a random MTP layer (most drafts rejected, their rows written again by the next step) still
 gives the plain tokens. With the connector, a verify step's 1 + num_speculative_tokens query
 tokens per request are decodes resolved through the hot buffers (the union of their top-k,
-hisparse.vllm.dsa.union): the connector's hit and miss counters both grow. A rejected draft's
+hisparse.models.dsa.union): the connector's hit and miss counters both grow. A rejected draft's
 key stays hot unless the scheduler drops it, so the random MTP layer's equal tokens also check
 that no stale row is read.
 
@@ -125,6 +125,24 @@ def _hot(r: dict) -> tuple:
     return int(m["vllm:hisparse_cache_hits"]), int(m["vllm:hisparse_cache_misses"])
 
 
+def summarise(label: str, runs: dict) -> list:
+    """One printed line per run of ``runs`` {(draft tokens, hisparse): result}: tokens equal to
+    the plain resident run's, acceptance, the hot buffers' hits and misses."""
+    plain = runs[0, False]["tokens"]
+    lines = []
+    for (spec, hisparse), r in runs.items():
+        equal = sum(a == b for a, b in zip(plain, r["tokens"]))
+        what = f"{f'MTP x{spec}' if spec else 'plain'} {'HiSparse' if hisparse else 'resident'}"
+        if spec:
+            acc, drafts = _acceptance(r)
+            what += f" acceptance {acc}/{drafts} = {acc / drafts:.2f}"
+        if hisparse:
+            what += " hot hits {} misses {}".format(*_hot(r))
+        lines.append(f"{label}: {what}, tokens {equal}/{PROMPTS}")
+    print("\n".join(lines))
+    return lines
+
+
 CASES = {
     # (arch, agreeing MTP layer): the runs (draft tokens, hisparse). Two draft tokens: the
     # draft's second pass (one token per request past the scheduled ones) resolves again.
@@ -141,19 +159,7 @@ def test_mtp_speculation_gives_the_plain_greedy_tokens(tmp_path, arch, agree):
     cli = None if agree else TARGETS[arch]
     runs = {case: _run(tmp_path, model, *case, cli=cli) for case in CASES[arch, agree]}
     plain = runs[0, False]["tokens"]
-    lines = []
-    for (spec, hisparse), r in runs.items():
-        equal = sum(a == b for a, b in zip(plain, r["tokens"]))
-        what = f"{f'MTP x{spec}' if spec else 'plain'} {'HiSparse' if hisparse else 'resident'}"
-        if spec:
-            acc, drafts = _acceptance(r)
-            what += f" acceptance {acc}/{drafts} = {acc / drafts:.2f}"
-        if hisparse:
-            what += " hot hits {} misses {}".format(*_hot(r))
-        lines.append(
-            f"{arch} {'agreeing' if agree else 'random'}: {what}, tokens {equal}/{PROMPTS}"
-        )
-    print("\n".join(lines))
+    lines = summarise(f"{arch} {'agreeing' if agree else 'random'}", runs)
     for (spec, hisparse), r in runs.items():
         assert r["tokens"] == plain, lines
         if hisparse:

@@ -116,14 +116,17 @@ def generate(
     return out
 
 
-def open_run(ck, mode, row_format, device, ctx, nmax, hot_size, key_format, backend, misses="auto"):
-    """(row store of ``mode``, forward pass) for ``nmax`` requests of ``ctx`` tokens."""
+def open_run(
+    ck, mode, row_format, device, ctx, nmax, hot_size, key_format, backend, misses="auto", q=1
+):
+    """(row store of ``mode``, forward pass) for ``nmax`` requests of ``ctx`` tokens whose
+    decodes have up to ``q`` query tokens (the hot size grows to hold q x top-k)."""
     rb = ROW_FORMATS[row_format].row_bytes
     if mode == "resident":
         store = ResidentRows(ck.cfg, rb, ctx, device, nmax)
     else:
-        hot = hot_size or default_hot_size(ck.cfg.index_topk)
-        store = HiSparseRows(ck.cfg, rb, ctx, device, hot, nmax)
+        hot = hot_size or max(default_hot_size(ck.cfg.index_topk), q * ck.cfg.index_topk)
+        store = HiSparseRows(ck.cfg, rb, ctx, device, hot, nmax, decode_tokens=q)
     fwd = DSAForward(
         ck, row_format, device, max_requests=nmax, max_context=ctx, key_format=key_format,
         backend=backend, misses=misses,

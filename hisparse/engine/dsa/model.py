@@ -12,7 +12,8 @@ position`` (one block of ``max_context`` per request).
 
 from __future__ import annotations
 
-from typing import List, Optional
+from dataclasses import dataclass
+from typing import List, Optional, Union
 
 import torch
 
@@ -21,6 +22,24 @@ from hisparse.models.dsa.decoder import Rotary, linear, mlp, moe
 from hisparse.models.dsa.projections import index_inputs, mla_inputs, norm
 from hisparse.models.dsa.weights import Checkpoint
 from hisparse.models.rows import KV_DIM
+
+
+@dataclass(frozen=True)
+class Decodes:
+    """A step's leading decode rows: ``rows`` requests with ``tokens`` query tokens in all, at
+    most ``q`` each (a speculative verify: the pending token and its draft). ``at``: each decode
+    token's slice of its request's union row (``union.decode_token_rows``), None when ``q`` is
+    1; the store then resolves one row of q x top-k keys per request (``HiSparseRows``)."""
+
+    rows: int
+    tokens: int
+    q: int = 1
+    at: Optional[torch.Tensor] = None
+
+
+def as_decodes(decodes: Union[int, Decodes]) -> Decodes:
+    """``decodes`` as a ``Decodes`` (an int: that many one-token decodes)."""
+    return decodes if isinstance(decodes, Decodes) else Decodes(decodes, decodes)
 
 
 class DSAForward:
@@ -87,8 +106,10 @@ class DSAForward:
         out = norm(x[last], self.ck.norm, eps, kernels=fused)
         return linear(out, self.ck.lm_head)
 
-    def _attention(self, i: int, h, rope, store, batch: TokenBatch, slots, nd: int, sel):
+    def _attention(self, i: int, h, rope, store, batch: TokenBatch, slots, nd, sel):
+        """``nd``: the leading decodes, an int (one token each) or a ``Decodes``."""
         cfg, w, core = self.cfg, self.ck.attn[i], self.core
+        d = as_decodes(nd)
         fused = core.kernel_rows
         q_resid, q_nope, q_pe, row = mla_inputs(h, w, cfg, rope, kernels=fused)
         store.save(i, core.encode_rows(row), slots)
@@ -98,13 +119,17 @@ class DSAForward:
             sel = core.select(q, head_w, self.index_keys[i], batch)
         kv_b = w["kv_b_proj.weight"]
         parts = []
-        if nd:
-            src, ids, misses = store.decode_rows(i, sel[:nd], core.reads_misses(nd))
-            parts.append(core.attend(q_nope[:nd], q_pe[:nd], kv_b, src, ids, misses))
+        td = d.tokens
+        if td:
+            keys, defer = sel[:td], core.reads_misses(td)
+            # One-token decodes keep the stores' three-argument call (their graph path).
+            extra = (d,) if d.q > 1 else ()
+            src, ids, misses = store.decode_rows(i, keys, defer, *extra)
+            parts.append(core.attend(q_nope[:td], q_pe[:td], kv_b, src, ids, misses))
         # Prefill tokens in chunks: their rows [T, K, 576] would not fit at once. Each token's
         # math is its own: chunks change no value, and both modes chunk alike.
         n = max(1, CHUNK_ELEMS // (cfg.index_topk * KV_DIM))
-        for s in range(nd, sel.shape[0], n):
+        for s in range(td, sel.shape[0], n):
             src, ids = store.prefill_rows(i, sel[s : s + n])
             parts.append(core.attend(q_nope[s : s + n], q_pe[s : s + n], kv_b, src, ids))
         values = parts[0] if len(parts) == 1 else torch.cat(parts)

@@ -101,7 +101,7 @@ class MTPModel:
         self.fwd, self.head = fwd, head
         self.eps = fwd.spec.rms_norm_eps
 
-    def _layer(self, i: int, x, rope, store, batch, slots, nd: int, sel):
+    def _layer(self, i: int, x, rope, store, batch, slots, nd, sel):
         f = self.fwd
         h = rms_norm(x, f.ck.norms[i]["input_layernorm.weight"], self.eps)
         o, sel = f._attention(i, h, rope, store, batch, slots, nd, sel)
@@ -111,9 +111,10 @@ class MTPModel:
         return x + (mlp(h, w) if f.spec.dense[i] else moe(h, w, f.spec)), sel
 
     @torch.no_grad()
-    def target(self, store, tokens, batch, want, nd: int):
+    def target(self, store, tokens, batch, want, nd):
         """(hidden [T, H] after the final norm, logits [len(want), vocab]) of the target's layers
-        over ``tokens``; the first ``nd`` are one-token decodes."""
+        over ``tokens``; ``nd``: the leading decodes (``model.Decodes``, or a count of one-token
+        decodes)."""
         f = self.fwd
         slots = batch.slots(batch.positions.view(-1, 1)).view(-1)
         rope = f.rotary(batch.positions)
@@ -124,10 +125,10 @@ class MTPModel:
         return h, linear(h[want], f.ck.lm_head)
 
     @torch.no_grad()
-    def draft(self, store, tokens, hidden, batch, want, nd: int) -> torch.Tensor:
+    def draft(self, store, tokens, hidden, batch, want, nd) -> torch.Tensor:
         """Draft logits [len(want), vocab] (each predicts the token two after its position):
         ``tokens[j]`` is the token that follows position ``batch.positions[j]``, ``hidden[j]``
-        the target's hidden state at that position."""
+        the target's hidden state at that position; ``nd`` as in ``target``."""
         m = self.head
         e = m.embed[tokens]
         e = torch.where(batch.positions.view(-1, 1) == 0, torch.zeros_like(e), e)

@@ -10,6 +10,12 @@ discarded (``mtp.discard``: its HiSparse hot copies dropped) and the next step w
 ``L + 1`` again before its layers read. The MTP layer only ever runs on confirmed tokens, so its
 rows are never rejected. Output is the plain greedy output; only the number of target forwards
 changes.
+
+A verify step's ``[t, d]`` is a decode of two query tokens (``model.Decodes``, q = 2), as in the
+vLLM classes: in HiSparse mode each index group resolves one row per running request, the union
+of its tokens' top-k, into its hot buffer (``hisparse.models.dsa.union``), and each token reads
+its own slice; only an admitted prompt reads rows back from the host pool. The draft pass does
+the same for the one or two positions each running request confirmed.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from hisparse.engine.dsa.generate import (
     new_generation,
     open_run,
 )
+from hisparse.engine.dsa.model import Decodes
 from hisparse.engine.dsa.mtp import MTPHead, MTPModel, discard
 from hisparse.models.dsa.weights import Checkpoint
 
@@ -36,6 +43,8 @@ from hisparse.models.dsa.weights import Checkpoint
 # second time and a rejected position is scheduled twice by the target: the pool and the key
 # stride are sized for that (a request schedules under 4x its context).
 _SCHEDULED_PER_POSITION = 4
+# Query tokens of a decode: the pending token and one draft.
+_Q = 2
 
 
 @dataclass
@@ -72,7 +81,9 @@ def generate_mtp(
     if mode == "hisparse":
         ctx *= _SCHEDULED_PER_POSITION
     nmax = max(1, min(max_batch or len(prompts), len(prompts)))
-    store, fwd = open_run(ck, mode, row_format, device, ctx, nmax, hot_size, key_format, backend)
+    store, fwd = open_run(
+        ck, mode, row_format, device, ctx, nmax, hot_size, key_format, backend, q=_Q
+    )
     out = new_generation(SpecGeneration(mode), len(prompts))
     t0 = time.perf_counter()
     inner = store
@@ -94,6 +105,11 @@ class _Loop:
         self.length: Dict[int, int] = {}  # request -> positions whose target rows are confirmed
         self.draft: Dict[int, Optional[int]] = {}  # request -> its draft token (None: none)
 
+    def _decodes(self, counts, nrun: int) -> Decodes:
+        """The leading ``nrun`` rows (one or two tokens each) as decodes of up to two tokens."""
+        at = [b * _Q + j for b in range(nrun) for j in range(counts[b])]
+        return Decodes(nrun, len(at), _Q, _upload(at, torch.int64, self.dev))
+
     def _forward_inputs(self, toks, pos, counts, blocks):
         """(tokens, batch, each row's end in the token list) of rows of ``counts`` tokens."""
         req = [b for b, n in enumerate(counts) for _ in range(n)]
@@ -111,13 +127,11 @@ class _Loop:
         waiting = list(range(len(self.prompts)))
         running: List[int] = []
         while waiting or running:
-            # Requests without a draft (one token left) are one-token decodes: first.
-            single = [r for r in running if self.draft[r] is None]
-            verify = [r for r in running if self.draft[r] is not None]
-            rows = single + verify
+            # Running requests (one token, or the pending token and its draft) decode first.
+            rows = list(running)
             if waiting and len(running) < self.nmax:
                 rows.append(waiting.pop(0))
-            running = self._step(rows, len(single), len(single) + len(verify))
+            running = self._step(rows, len(running))
 
     def _tokens(self, rows: List[int], nrun: int):
         """(tokens, positions, tokens per row) of a verify step: each running row's pending
@@ -138,19 +152,21 @@ class _Loop:
             counts.append(len(pos) - sum(counts))
         return toks, pos, counts
 
-    def _step(self, rows: List[int], nd: int, nrun: int) -> List[int]:
-        out, store = self.out, self.store
-        toks, pos, counts = self._tokens(rows, nrun)
-        blocks = store.begin({f"req-{r}": c for r, c in zip(rows, counts)})
-        tokens, batch, ends = self._forward_inputs(toks, pos, counts, blocks)
-        # Logits of every verified token: a row's last two (verify), else its last.
+    def _wanted(self, rows: List[int], nrun: int, ends: List[int]) -> List[int]:
+        """Logits of every verified token: a row's last two (verify), else its last."""
         want = []
         for b, r in enumerate(rows):
             two = b < nrun and self.draft[r] is not None
             want += [ends[b] - 2, ends[b] - 1] if two else [ends[b] - 1]
-        hidden, logits = self.m.target(
-            store, tokens, batch, _upload(want, torch.int64, self.dev), nd
-        )
+        return want
+
+    def _step(self, rows: List[int], nrun: int) -> List[int]:
+        out, store = self.out, self.store
+        toks, pos, counts = self._tokens(rows, nrun)
+        blocks = store.begin({f"req-{r}": c for r, c in zip(rows, counts)})
+        tokens, batch, ends = self._forward_inputs(toks, pos, counts, blocks)
+        want = _upload(self._wanted(rows, nrun, ends), torch.int64, self.dev)
+        hidden, logits = self.m.target(store, tokens, batch, want, self._decodes(counts, nrun))
         store.end()
         out.target_steps += 1
         top = logits.topk(2, dim=-1).values
@@ -164,13 +180,13 @@ class _Loop:
                 out.first_logits[r] = logits[j].float().cpu()
                 self._emit(r, picked[j], gaps[j])
                 nxt = list(self.prompts[r][1:]) + [picked[j]]
-                drafts.append((r, nxt, list(range(counts[b])), list(range(first, ends[b]))))
+                drafts.append((r, nxt, list(range(counts[b])), list(range(first, ends[b])), True))
                 j += 1
             elif self.draft[r] is None:
                 n = self.length[r]
                 self.length[r] = n + 1
                 self._emit(r, picked[j], gaps[j])
-                drafts.append((r, [picked[j]], [n], [first]))
+                drafts.append((r, [picked[j]], [n], [first], False))
                 j += 1
             else:
                 n, d = self.length[r], self.draft[r]
@@ -180,14 +196,14 @@ class _Loop:
                     self._emit(r, d, gaps[j])
                     self._emit(r, picked[j + 1], gaps[j + 1])
                     self.length[r] = n + 2
-                    drafts.append((r, [d, picked[j + 1]], [n, n + 1], [first, first + 1]))
+                    drafts.append((r, [d, picked[j + 1]], [n, n + 1], [first, first + 1], False))
                 else:
                     self._emit(r, picked[j], gaps[j])
                     self.length[r] = n + 1
                     key = blocks[b] * self.m.fwd.max_context + n + 1
                     out.rejected_keys.append(key)
                     discard(store, f"req-{r}", [key])
-                    drafts.append((r, [picked[j]], [n], [first]))
+                    drafts.append((r, [picked[j]], [n], [first], False))
                 j += 2
             left = self.max_new - len(out.tokens[r])
             if left <= 0:
@@ -207,14 +223,14 @@ class _Loop:
     def _draft_pass(self, drafts, hidden: torch.Tensor) -> None:
         if not drafts:
             return
-        drafts.sort(key=lambda d: len(d[1]) > 1)  # one-token rows are decodes: first
-        nd = sum(len(d[1]) == 1 for d in drafts)
+        drafts.sort(key=lambda d: d[4])  # the running requests' one or two tokens: decodes first
         toks = [t for d in drafts for t in d[1]]
         pos = [p for d in drafts for p in d[2]]
         counts = [len(d[1]) for d in drafts]
         src = _upload([i for d in drafts for i in d[3]], torch.int64, self.dev)
         blocks = self.store.begin({f"req-{d[0]}": len(d[1]) for d in drafts})
         tokens, batch, ends = self._forward_inputs(toks, pos, counts, blocks)
+        nd = self._decodes(counts, sum(not d[4] for d in drafts))
         last = _upload([e - 1 for e in ends], torch.int64, self.dev)
         logits = self.m.draft(self.store, tokens, hidden[src], batch, last, nd)
         self.store.end()

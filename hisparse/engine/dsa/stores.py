@@ -19,6 +19,7 @@ from typing import List
 import torch
 
 from hisparse.models.dsa.config import DSAConfig
+from hisparse.models.dsa.union import token_ids, union_rows
 
 BLOCK = 16
 
@@ -65,7 +66,7 @@ class ResidentRows:
     def save(self, layer: int, rows: torch.Tensor, keys: torch.Tensor) -> None:
         self.rows[layer].index_copy_(0, keys, rows)
 
-    def decode_rows(self, layer: int, keys: torch.Tensor, defer_misses: bool = False):
+    def decode_rows(self, layer: int, keys: torch.Tensor, defer_misses: bool = False, decodes=None):
         return self.rows[layer], keys, None
 
     def prefill_rows(self, layer: int, keys: torch.Tensor):
@@ -95,7 +96,9 @@ class HiSparseRows:
         device: torch.device,
         hot_size: int,
         max_requests: int = 1,
+        decode_tokens: int = 1,
     ) -> None:
+        """``decode_tokens``: query tokens one decode may have (2 for an MTP verify step)."""
         from hisparse.connector import HiSparseConfig, HiSparseConnectorImpl
 
         self.cfg, self.device, self.max_context = cfg, device, max_context
@@ -107,6 +110,7 @@ class HiSparseRows:
             hot_size=hot_size,
             max_num_seqs=max_requests,
             block_size=BLOCK,
+            decode_tokens=decode_tokens,
         )
         self.worker = HiSparseConnectorImpl(config, "worker")
         hot = {
@@ -142,15 +146,18 @@ class HiSparseRows:
         # keys stay on the rows' device: the save path a CUDA vLLM takes (no host sync)
         self.worker.save_kv_layer(self.names[layer], rows, None, slot_mapping=keys)
 
-    def decode_rows(self, layer: int, keys: torch.Tensor, defer_misses: bool = False):
+    def decode_rows(self, layer: int, keys: torch.Tensor, defer_misses: bool = False, decodes=None):
         """The decodes' rows, resolved into the hot buffers (the batch's leading state rows):
-        (hot rows, ids, the misses left to attention's row read where ``defer_misses``)."""
+        (hot rows, ids, the misses left to attention's row read where ``defer_misses``).
+        ``decodes`` (``model.Decodes``, decodes of several tokens): one union row of its tokens'
+        top-k per request, each token reading its own slice (``hisparse.models.dsa.union``)."""
         name = self.names[layer]
-        lead = self.cfg.is_full(layer)
-        top_k = keys.to(torch.int32) if lead else None
-        ids = self.worker.resolve(name, top_k, defer_misses=defer_misses)
+        q, at = (decodes.q, decodes.at) if decodes is not None else (1, None)
+        rows = decodes.rows if decodes is not None else keys.shape[0]
+        top_k = union_rows(keys, at, rows, q) if self.cfg.is_full(layer) else None
+        got = self.worker.resolve(name, top_k, defer_misses=defer_misses)
         self.worker.wait_for_layer_load(name)
-        return self.worker.hot_rows(name), ids, self.worker.miss_plan(name)
+        return self.worker.hot_rows(name), token_ids(got, at, q), self.worker.miss_plan(name)
 
     def prefill_rows(self, layer: int, keys: torch.Tensor):
         """Prefill tokens' rows, gathered from the host pool (ordered after this step's saves)."""

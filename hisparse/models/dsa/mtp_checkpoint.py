@@ -4,13 +4,15 @@ speculative-decoding tests of the engine (``hisparse.engine.dsa.mtp``) and of vL
 (``hisparse.vllm.dsa.mtp``).
 
     write_mtp_checkpoint(out_dir, "deepseek_v32", agree=True)
+    write_mtp_checkpoint(out_dir, "glm_moe_dsa", agree=True, fp8_block=(128, 128))  # block-FP8
 """
 
 from __future__ import annotations
 
 import json
+import tempfile
 from pathlib import Path
-from typing import Union
+from typing import Optional, Sequence, Union
 
 import torch
 
@@ -22,12 +24,27 @@ from hisparse.models.dsa.random_checkpoint import random_weights, write_random_c
 DAMP = 0.005
 
 
-def write_mtp_checkpoint(out: Union[str, Path], arch: str, agree: bool, seed: int = 3) -> Path:
+def write_mtp_checkpoint(
+    out: Union[str, Path],
+    arch: str,
+    agree: bool,
+    seed: int = 3,
+    fp8_block: Optional[Sequence[int]] = None,
+) -> Path:
     """A tiny checkpoint with one MTP layer ``model.layers.{num_hidden_layers}.*``. ``agree``:
     the MTP layer is the last target layer's copy, ``eh_proj`` passes the next token's embedding
     (at the embedding's scale) and the shared head is the target's norm and LM head, over a
-    damped target; otherwise every MTP weight is random (drafts are mostly rejected)."""
+    damped target; otherwise every MTP weight is random (drafts are mostly rejected).
+    ``fp8_block``: the same checkpoint in DeepSeek's block-FP8 format with blocks of that size
+    (``fp8_weights.quantize_checkpoint``: the target's and the MTP layer's attention, indexer
+    and MLP / expert projections; ``eh_proj``, norms, embeddings and heads stay float32)."""
     out = Path(out)
+    if fp8_block is not None:
+        from hisparse.models.dsa.fp8_weights import quantize_checkpoint
+
+        with tempfile.TemporaryDirectory(prefix="hisparse-mtp-") as tmp:
+            src = write_mtp_checkpoint(Path(tmp) / "src", arch, agree, seed)
+            return quantize_checkpoint(src, out, fp8_block)
     write_random_checkpoint(out, arch, seed=seed, num_nextn_predict_layers=1)
     hf = json.loads((out / "config.json").read_text())
     w = random_weights(hf, seed)

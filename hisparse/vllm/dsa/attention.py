@@ -31,10 +31,10 @@ from hisparse.models.dsa import indexer as dsa_index
 from hisparse.models.dsa.config import DSAConfig
 from hisparse.models.dsa.core import CHUNK_ELEMS, SparseMLACore, TokenBatch
 from hisparse.models.dsa.kernels import flashmla
+from hisparse.models.dsa.union import token_ids, union_rows
 from hisparse.models.rows import KV_DIM, LATENT_DIM, ROPE_DIM
 from hisparse.vllm.cache_layers import CacheLayer
 from hisparse.vllm.compat import tensor_parallel_peers
-from hisparse.vllm.dsa.union import token_ids, union_rows
 
 
 @dataclass

@@ -33,11 +33,11 @@ from vllm.model_executor.models.deepseek_v2 import DeepseekV2MLP, DeepseekV2MoE
 
 from hisparse.models.dsa.config import DSAConfig
 from hisparse.models.dsa.core import TokenBatch, token_rows
+from hisparse.models.dsa.union import decode_token_rows
 from hisparse.models.rows import ROW_FORMATS
 from hisparse.vllm.cache_layers import SparseMLACache
 from hisparse.vllm.dsa import attention_op  # noqa: F401  (registers hisparse::dsa_attention)
 from hisparse.vllm.dsa.attention import DSAAttention, Step
-from hisparse.vllm.dsa.union import decode_token_rows
 from hisparse.vllm.dsa.weights import load_dsa_weights
 from hisparse.vllm.model_connector import active_connector, uses_hisparse_connector
 

@@ -1,5 +1,7 @@
 """A decode of several query tokens (speculative decoding: the pending token and its drafts)
-resolved through the hot buffers as one row per request: the union of its tokens' top-k.
+resolved through the hot buffers as one row per request: the union of its tokens' top-k. Used by
+the vLLM classes (``hisparse.vllm.dsa.attention``) and the DSA engine's MTP verify steps
+(``hisparse.engine.dsa.stores.HiSparseRows``).
 
 The resolve keeps one hot copy per key of a state row, so the tokens of one request cannot be
 resolved as separate rows of one step (they share the state row; a later row would evict what
