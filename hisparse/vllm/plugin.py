@@ -1,4 +1,5 @@
-"""The ``vllm.general_plugins`` entry point: registers the reference model's architecture.
+"""The ``vllm.general_plugins`` entry point: registers hisparse's model architectures (the
+DeepSeek-V3.2 / GLM-5 classes and the reference model).
 
 vLLM calls ``register()`` in every process it starts (engine core, workers, API server). It names
 the model class by its import path and installs hisparse's few vLLM patches
