@@ -63,13 +63,14 @@ def make_row(kernel: str, shape: str, unit: str, work: float, ours: dict, baseli
     row.update(
         ours_impl=ours["impl"], ours_us=ours["us"], ours_spread_us=ours.get("spread_us"),
         ours_err=ours.get("err"), ours_rate=rate(work, ours["us"], unit),
+        ours_timing=ours.get("timing"),
     )  # fmt: skip
     b_us = baseline.get("us")
     row.update(
         baseline=baseline["impl"], baseline_commit=baseline.get("commit"),
         baseline_absent=baseline.get("absent"), baseline_us=b_us,
         baseline_spread_us=baseline.get("spread_us"), baseline_err=baseline.get("err"),
-        baseline_rate=rate(work, b_us, unit),
+        baseline_rate=rate(work, b_us, unit), baseline_timing=baseline.get("timing"),
     )  # fmt: skip
     row["ours_of_peak"] = row["ours_rate"] / peak if row["ours_rate"] else None
     row["ours_vs_baseline"] = ours["us"] / b_us if b_us and ours["us"] else None
@@ -188,12 +189,37 @@ class Timer:
         return statistics.median(a.elapsed_time(b) * 1e3 for a, b in ev)
 
     def compare(self, fns: dict, pre=None) -> dict:
-        """{name: (median us, [min, max])} over ``repeats`` medians, the names interleaved."""
+        """{name: (median us, [min, max])} over ``repeats`` medians, the names interleaved; each
+        call a CUDA graph replay where it captures (no host launch time inside the timing,
+        as in the captured decode step), else eager (``self.how`` says which)."""
+        run = {k: self.graph(fn) or fn for k, fn in fns.items()}
+        self.how = {k: "eager" if run[k] is fns[k] else "graph" for k in fns}
         got = {k: [] for k in fns}
         for _ in range(self.repeats):
-            for k, fn in fns.items():
+            for k, fn in run.items():
                 got[k].append(self.once(fn, pre))
-        return {k: (statistics.median(v), [min(v), max(v)]) for k, v in got.items()}
+        med = {k: (statistics.median(v), [min(v), max(v)]) for k, v in got.items()}
+        return Times(med, self.how)
+
+    @staticmethod
+    def graph(fn):
+        """``fn`` captured as a CUDA graph (after warm calls on a side stream): its replay."""
+        try:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                fn()
+                fn()
+            torch.cuda.current_stream().wait_stream(side)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                fn()
+            torch.cuda.synchronize()
+            return g.replay
+        except Exception as e:  # noqa: BLE001 (timed eagerly then, and said so)
+            print(f"graph capture failed, timed eagerly: {type(e).__name__}: {e}", flush=True)
+            torch.cuda.synchronize()
+            return None
 
 
 def err(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -204,7 +230,15 @@ def err(got: torch.Tensor, want: torch.Tensor) -> float:
 
 def _timed(t: dict, name: str, impl: str, e: float | None, **kw) -> dict:
     us, spread = t[name]
-    return dict(impl=impl, us=us, spread_us=spread, err=e, **kw)
+    return dict(impl=impl, us=us, spread_us=spread, err=e, timing=t.how.get(name), **kw)
+
+
+class Times(dict):
+    """Timer.compare's result with how each was timed (graph replay or eager)."""
+
+    def __init__(self, got: dict, how: dict) -> None:
+        super().__init__(got)
+        self.how = how
 
 
 # ---------------------------------------------------------------------------- baselines
@@ -494,7 +528,8 @@ def main(argv=None) -> int:
     g = torch.Generator(device="cuda").manual_seed(0)
     res = dict(
         device=torch.cuda.get_device_name(), torch=torch.__version__, commit=args.commit,
-        method=f"Each call alone after a 256 MB write (cold L2), CUDA events; median of "
+        method="Each call alone after a 256 MB write (cold L2), CUDA events around its CUDA "
+        "graph's replay (eager where a call does not capture: the row's timing field); median of "
         f"{args.reps} calls, {args.repeats} such medians interleaved with the baseline's: their "
         "median (min-max). Outputs checked against a float64 reference over the same bytes "
         f"(max error / max value < {TOL}) before timing.",

@@ -20,20 +20,23 @@ cd deepgemm
 ln -sfn ../../third-party/cutlass/include/cute deep_gemm/include/cute
 ln -sfn ../../third-party/cutlass/include/cutlass deep_gemm/include/cutlass
 t0=$(date +%s)
-python3 - > build.log 2>&1 <<'PY' || { tail -40 build.log >&2; exit 1; }
+python3 - > build.log 2>&1 <<'PY' || { grep -m 20 -B2 -A6 "error" build.log >&2; exit 1; }
 import os
 from setuptools import setup
 from torch.utils.cpp_extension import BuildExtension, CUDAExtension
 import torch
 
-cuda = os.environ["CUDA_HOME"]
+cuda, here = os.environ["CUDA_HOME"], os.getcwd()
 abi = int(torch.compiled_with_cxx11_abi())
 flags = ["-std=c++17", "-O3", "-fPIC", "-Wno-psabi", "-Wno-deprecated-declarations",
          f"-D_GLIBCXX_USE_CXX11_ABI={abi}"]
 ext = CUDAExtension(
-    "deep_gemm._C", ["csrc/python_api.cpp"],
-    include_dirs=[f"{cuda}/include", f"{cuda}/include/cccl", "deep_gemm/include",
-                  "third-party/cutlass/include", "third-party/fmt/include"],
+    "deep_gemm._C", [os.path.join(here, "csrc/python_api.cpp")],
+    # absolute: ninja compiles from the build folder
+    include_dirs=[f"{cuda}/include", f"{cuda}/include/cccl"] + [
+        os.path.join(here, d)
+        for d in ("deep_gemm/include", "third-party/cutlass/include", "third-party/fmt/include")
+    ],
     libraries=["cudart", "nvrtc"], library_dirs=[f"{cuda}/lib64"],
     extra_compile_args={"cxx": flags},
 )
