@@ -10,8 +10,9 @@ Ordering: a signal is ``fence.sc.sys`` then a release store at system scope; it 
 rows' copy in stream order, so a reader that sees the flag (acquire load at system scope) and
 then reads, in a later kernel of its stream, sees the rows. A wait gives up when the control
 block's ``abort`` slot is set (a watchdog saw a rank die) or after ``timeout_ns`` (a stalled
-rank; it then sets ``abort`` itself so the other ranks stop waiting too), and leaves a status
-for the host's watchdog: ``[code, step, what]``, code written last.
+rank; it then sets ``abort`` itself so the other ranks stop waiting too), leaves a status for
+the host's watchdog (``[code, step, what]``, code written last) and traps: nothing after it
+runs on rows of another step, and the rank's CUDA context is lost (it is leaving anyway).
 """
 
 from __future__ import annotations
@@ -27,9 +28,9 @@ OK, ABORTED, TIMED_OUT = 0, 2, 3
 
 if triton is not None:
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["offset"])
     def _signal(flag, step, offset):
-        value = tl.load(step) + offset
+        value = tl.load(step) + tl.cast(offset, tl.int64)
         tl.inline_asm_elementwise(
             "fence.sc.sys; st.release.sys.global.b64 [$1], $2; mov.u32 $0, 0;",
             "=r,l,l",
@@ -39,10 +40,10 @@ if triton is not None:
             pack=1,
         )
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["offset", "what", "abort_value", "timeout_ns"])
     def _wait(flag, step, offset, abort, status, what, abort_value, timeout_ns):
-        target = tl.load(step) + offset
-        timeout_ns = timeout_ns.to(tl.int64)
+        target = tl.load(step) + tl.cast(offset, tl.int64)
+        timeout_ns = tl.cast(timeout_ns, tl.int64)
         # 0: the flag reached the target; 2: abort was set; 3: timed out.
         code = tl.inline_asm_elementwise(
             """{
@@ -80,10 +81,15 @@ if triton is not None:
         )
         if code != 0:
             tl.store(status + 8, target)
-            tl.store(status + 16, what.to(tl.int64))
+            tl.store(status + 16, tl.cast(what, tl.int64))
             if code == 3:
-                _store_release(abort, abort_value.to(tl.int64))
+                _store_release(abort, tl.cast(abort_value, tl.int64))
             _store_release(status, code.to(tl.int64))
+            # Nothing after the wait may run: it would read rows of another step. The context
+            # is lost; the watchdog reports the status and the rank leaves.
+            tl.inline_asm_elementwise(
+                "trap; mov.u32 $0, 0;", "=r,r", [code], dtype=tl.int32, is_pure=False, pack=1
+            )
 
     @triton.jit
     def _store_release(ptr, value):

@@ -21,6 +21,7 @@ from hisparse.connector.config import HiSparseConfig
 from hisparse.models.checkpoint import CONFIG_KEY, config_from_hf
 from hisparse.models.dsa.config import DSAConfig
 from hisparse.models.rows import ROW_FORMATS
+from hisparse.runtime import fence_kernels
 from hisparse.runtime.host_pool import available_host_bytes
 from hisparse.runtime.pool_fence import arch_shares_pool
 from hisparse.vllm.dsa import DSA_ARCHITECTURES
@@ -102,10 +103,12 @@ def serves_hisparse_model(vllm_config: Any) -> bool:
 
 def _pools(cfg: Any, workers: int, device_is_host: bool) -> int:
     """Host pools the workers allocate: one shared by the TP ranks where they share it
-    (hisparse.connector.tp_pool), else one each."""
+    (hisparse.connector.tp_pool: on x86-64 CPUs, and on CUDA where Triton orders it), else one
+    each."""
     if workers <= 1 or cfg.share_host_pool is False:
         return max(1, workers)
-    return 1 if device_is_host and arch_shares_pool() else workers
+    shares = arch_shares_pool() if device_is_host else fence_kernels.triton is not None
+    return 1 if shares else workers
 
 
 def _pool_cap(cfg: HiSparseConfig, ram_left: int) -> tuple:

@@ -68,6 +68,8 @@ def main() -> None:
         top = torch.tensor([keys], dtype=torch.int32, device=dev)
         at = w.resolve("l0", top).long()[0]
         at1 = w.resolve("l1", None).long()[0]
+        for name in NAMES:  # the gathers run on the copy stream, as attention would wait
+            w.wait_for_layer_load(name)
         got.append(torch.stack([w.hot_view("l0")[at], w.hot_view("l1")[at1]]).cpu())
         w.end_step()
     torch.save(torch.stack(got), where / f"rank{rank}.pt")

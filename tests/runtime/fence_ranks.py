@@ -11,7 +11,8 @@ so each side really waits for the other. MODE:
 * ``graph``: STEPS replays; rank 1 prints ``mismatched bytes: N`` and rank 0 ``steps: N``;
 * ``nofence``: the same, with rank 1's waits left out (the control: it must see mismatches);
 * ``loop``: replays until killed, printing ``replaying`` once (for the fault tests); a failed
-  wait makes the rank leave with exit 70 and one line, as a vLLM worker does.
+  wait traps, and the watchdog makes the rank leave with exit 70 and one line, as a vLLM
+  worker does (the loop only waits for it).
 """
 
 from __future__ import annotations
@@ -38,24 +39,24 @@ WHAT = "fence test pool"
 
 
 def _meet(rank: int, where: Path):
+    """Rank 0 creates the segment and its fence (the header a reader checks), then publishes it;
+    rank 1 attaches; both pin it. As ``tp_pool`` does over a TP group, through files here."""
     info_file, joined = where / "info.pkl", where / "joined"
+    timeout = float(os.environ.get("FENCE_TIMEOUT_S", "60"))
     if rank == 0:
         pool = SharedHostPool.create(LAYERS * ROWS * ROW, control_bytes(2, LAYERS), what=WHAT)
+        fence = PoolFence(pool.control, 0, 2, LAYERS, timeout, pool_bytes=pool.num_bytes)
         tmp = where / "info.tmp"
         tmp.write_bytes(pickle.dumps(pool.info))
         tmp.rename(info_file)
         _until(joined.exists)
+        pool.close_fd()
     else:
         _until(info_file.exists)
         pool = SharedHostPool.attach(pickle.loads(info_file.read_bytes()), what=WHAT)
-    pool.pin(what=WHAT)
-    timeout = float(os.environ.get("FENCE_TIMEOUT_S", "60"))
-    fence = PoolFence(pool.control, rank, 2, LAYERS, timeout, pool_bytes=pool.num_bytes)
-    if rank == 1:
+        fence = PoolFence(pool.control, 1, 2, LAYERS, timeout, pool_bytes=pool.num_bytes)
         joined.touch()
-    else:
-        _until(lambda: fence.pid(1) != 0)
-        pool.close_fd()
+    pool.pin(what=WHAT)
     dev = DeviceFence(
         fence, pool.control_address, torch.device("cuda"), on_fault=tp_pool._leave_with
     )
@@ -117,9 +118,13 @@ def main() -> None:
         step()
     if mode == "loop":
         print("replaying", flush=True)
-        while True:
-            graph.replay()
-            torch.cuda.synchronize()
+        try:
+            while True:
+                graph.replay()
+                torch.cuda.synchronize()
+        except RuntimeError:  # a wait gave up and trapped: the watchdog reports it and exits
+            time.sleep(30)
+            raise
     for _ in range(steps):
         graph.replay()
     torch.cuda.synchronize()

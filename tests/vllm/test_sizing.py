@@ -12,6 +12,7 @@ import pytest
 from hisparse.models.checkpoint import model_config
 from hisparse.models.dsa.random_checkpoint import random_config
 from hisparse.models.rows import ROW_FORMATS
+from hisparse.vllm import sizing
 from hisparse.vllm.sizing import HiSparseSizingError, plan, refuse_early, token_row_bytes
 
 GIB = 1 << 30
@@ -219,6 +220,14 @@ def test_tp_ranks_sharing_one_pool_are_capped_once_and_unshared_pools_each():
     assert shared.pool_cap_bytes == own.pool_cap_bytes == 4 * GIB  # 0.5 x (16 - 2 x 4) GiB
     assert 2 * own.host_pool_bytes <= own.pool_cap_bytes < 2 * shared.host_pool_bytes
     assert "in each of 2 TP ranks" in own.line() and "TP ranks" not in shared.line()
+    on_gpus = plan(
+        _dsa_config("glm_moe_dsa"),
+        specs,
+        [4 * GIB] * 2,
+        device_is_host=False,
+        ram_available=16 * GIB,
+    )
+    assert on_gpus.pools == (1 if sizing.fence_kernels.triton is not None else 2)
 
 
 def test_a_cap_below_one_request_on_vllm_cpu_names_the_kv_budget_it_lost_to():
