@@ -510,6 +510,55 @@ def bench_connector_host(reps, batches=(1, 8), layers=4, top_k=64, row_bytes=656
     return rows_out
 
 
+def bench_fence(reps, timer, layers=61):
+    """The shared pool's GPU flags (hisparse.runtime.device_fence), one rank alone: per layer a
+    signal and a wait that is already met (what a reader pays when rank 0 is ahead), captured as
+    one step of ``layers`` layers; and the host time to enqueue them eagerly."""
+    from hisparse.runtime.device_fence import DeviceFence
+    from hisparse.runtime.pool_fence import PoolFence, control_bytes
+    from hisparse.runtime.shared_pool import SharedHostPool
+
+    pool = SharedHostPool.create(1 << 20, control_bytes(2, layers), what="bench pool")
+    pool.pin(what="bench pool")
+    fence = PoolFence(pool.control, 0, 2, layers, 60.0)
+    dev = DeviceFence(fence, pool.control_address, torch.device("cuda"), on_fault=print)
+    # rank 0's step waits for rank 1's done flag: set it far ahead so every wait is met
+    fence._set(fence.done_flag(1), 1 << 40)
+
+    def step():
+        dev.begin_step()
+        for layer in range(layers):
+            dev.layer_written(layer)
+            dev._wait(fence.written_flag(layer), 0, 0, layer)
+
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        step()
+        stream.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(10):
+            step()
+        host_us = (time.perf_counter() - t0) / (10 * layers * 2) * 1e6
+        stream.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            step()
+    gpu = [timer.time_us(graph.replay, flush=False) / layers for _ in range(reps)]
+    pool.release()
+    out = dict(
+        layers=layers,
+        graph_us_per_layer=median(gpu),
+        graph_us_per_layer_p10_p90=[pct(gpu, 10), pct(gpu, 90)],
+        host_us_per_launch=host_us,
+    )
+    print(
+        f"  fence: {out['graph_us_per_layer']:.2f} us per layer (signal + met wait, captured), "
+        f"{host_us:.1f} us host per eager launch",
+        flush=True,
+    )
+    return out
+
+
 def bench_memcpy(pool, reps, chunk=64 << 20):
     """Bulk pinned host -> device copies of `chunk` bytes at spread offsets of the pool: the
     ceiling."""
@@ -796,6 +845,11 @@ def main(argv=None):
         help="only the connector's host time per layer call (one thread; --device's build)",
     )
     ap.add_argument(
+        "--fence-only",
+        action="store_true",
+        help="only the shared pool's GPU flags (cuda): per-layer cost captured, host launch time",
+    )
+    ap.add_argument(
         "--pools-gib",
         default=None,
         help="comma-separated host pool sizes in GiB (cuda default 1,32; cpu 1)",
@@ -837,6 +891,13 @@ def main(argv=None):
             [timer.time_us(lambda: torch.cuda._sleep(1)) for _ in range(reps)]
         )
         print(f"[{name}] timer floor (trivial kernel): {res['timer_floor_us']:.1f} us", flush=True)
+    if args.fence_only:
+        if dev != "cuda":
+            sys.exit("--fence-only needs --device cuda")
+        res["fence"] = bench_fence(reps, timer)
+        if args.json:
+            _write_json(args.json, res)
+        return 0
     print(f"[{name}] connector host time per layer call (one thread)", flush=True)
     res["connector_host"] = bench_connector_host(max(30, reps))
     if dev == "cuda":
