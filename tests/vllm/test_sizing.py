@@ -202,31 +202,16 @@ def test_dsa_without_our_connector_or_class_keeps_vllms_sizing():
 
 def test_tp_ranks_sharing_one_pool_are_capped_once_and_unshared_pools_each():
     specs = _dsa_specs("glm_moe_dsa", workers=2)
-    shared = plan(
-        _dsa_config("glm_moe_dsa"),
-        specs,
-        [4 * GIB] * 2,
-        device_is_host=True,
-        ram_available=16 * GIB,
-    )
-    own = plan(
-        _dsa_config("glm_moe_dsa", {"share_host_pool": False}),
-        specs,
-        [4 * GIB] * 2,
-        device_is_host=True,
-        ram_available=16 * GIB,
-    )
+
+    def tp2(over=None, *, host=True):
+        cfg = _dsa_config("glm_moe_dsa", over) if over else _dsa_config("glm_moe_dsa")
+        return plan(cfg, specs, [4 * GIB] * 2, device_is_host=host, ram_available=16 * GIB)
+
+    shared, own, on_gpus = tp2(), tp2({"share_host_pool": False}), tp2(host=False)
     assert shared.pools == 1 and own.pools == 2
     assert shared.pool_cap_bytes == own.pool_cap_bytes == 4 * GIB  # 0.5 x (16 - 2 x 4) GiB
     assert 2 * own.host_pool_bytes <= own.pool_cap_bytes < 2 * shared.host_pool_bytes
     assert "in each of 2 TP ranks" in own.line() and "TP ranks" not in shared.line()
-    on_gpus = plan(
-        _dsa_config("glm_moe_dsa"),
-        specs,
-        [4 * GIB] * 2,
-        device_is_host=False,
-        ram_available=16 * GIB,
-    )
     assert on_gpus.pools == (1 if sizing.fence_kernels.triton is not None else 2)
 
 
