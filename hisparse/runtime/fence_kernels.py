@@ -28,17 +28,20 @@ OK, ABORTED, TIMED_OUT = 0, 2, 3
 
 if triton is not None:
 
-    @triton.jit(do_not_specialize=["offset"])
-    def _signal(flag, step, offset):
-        value = tl.load(step) + tl.cast(offset, tl.int64)
+    @triton.jit
+    def _store_release(ptr, value):
         tl.inline_asm_elementwise(
             "fence.sc.sys; st.release.sys.global.b64 [$1], $2; mov.u32 $0, 0;",
             "=r,l,l",
-            [flag, value],
+            [ptr, value],
             dtype=tl.int32,
             is_pure=False,
             pack=1,
         )
+
+    @triton.jit(do_not_specialize=["offset"])
+    def _signal(flag, step, offset):
+        _store_release(flag, tl.load(step) + tl.cast(offset, tl.int64))
 
     @triton.jit(do_not_specialize=["offset", "what", "abort_value", "timeout_ns"])
     def _wait(flag, step, offset, abort, status, what, abort_value, timeout_ns):
@@ -90,17 +93,6 @@ if triton is not None:
             tl.inline_asm_elementwise(
                 "trap; mov.u32 $0, 0;", "=r,r", [code], dtype=tl.int32, is_pure=False, pack=1
             )
-
-    @triton.jit
-    def _store_release(ptr, value):
-        tl.inline_asm_elementwise(
-            "fence.sc.sys; st.release.sys.global.b64 [$1], $2; mov.u32 $0, 0;",
-            "=r,l,l",
-            [ptr, value],
-            dtype=tl.int32,
-            is_pure=False,
-            pack=1,
-        )
 
 
 class _Address:
