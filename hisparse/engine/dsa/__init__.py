@@ -6,8 +6,11 @@ vLLM classes run).
 * ``model``    -- one forward step of a batch of requests over a row store;
 * ``stores``   -- ``ResidentRows`` (every row on the device) and ``HiSparseRows`` (the connector:
   host pool, per-group resolve, hot buffers);
-* ``generate`` -- batched greedy generation in either mode (requests join and leave) and the
-  resident-vs-HiSparse parity run (``hisparse demo --model DIR``);
+* ``hybrid`` / ``residency`` -- ``HybridRows``: device pages under a block budget, whole requests
+  spilled to the connector's host pool beyond it (and back), decoding in one batch with the
+  resident ones;
+* ``generate`` -- batched greedy generation in any of the three modes (requests join and
+  leave) and the resident-vs-HiSparse parity run (``hisparse demo --model DIR``);
 * ``mtp`` / ``mtp_generate`` -- the checkpoint's MTP layer as the draft of greedy speculative
   decoding.
 """

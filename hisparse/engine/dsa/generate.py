@@ -10,6 +10,7 @@ the top-k selection matters.
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import List, Optional, Sequence
@@ -17,6 +18,7 @@ from typing import List, Optional, Sequence
 import torch
 
 from hisparse.engine.dsa.graphs import DecodeGraphs
+from hisparse.engine.dsa.hybrid import HybridRows, check_device_blocks
 from hisparse.engine.dsa.model import DSAForward
 from hisparse.engine.dsa.stores import BLOCK, HiSparseRows, ResidentRows
 from hisparse.models.dsa.weights import (
@@ -28,7 +30,9 @@ from hisparse.models.dsa.weights import (
 from hisparse.models.rows import ROW_FORMATS
 from hisparse.ops.limits import default_hot_size
 
-MODES = ("resident", "hisparse")
+MODES = ("resident", "hisparse")  # the parity run's two
+HYBRID = "hybrid"  # device pages while a budget allows, spilled whole beyond (hybrid.py)
+LOG = logging.getLogger(__name__)
 TEXTS = (
     "The quick brown fox jumps over the lazy dog while the cat watches from the warm window. ",
     "Sparse attention reads a few rows of a long context; the rest stay in host memory. ",
@@ -46,6 +50,7 @@ class Generation:
     seconds: float = 0.0
     counters: dict = field(default_factory=dict)  # the connector's totals (hisparse mode)
     graph_replays: int = 0  # decode steps replayed from a CUDA graph
+    spills: int = 0  # hybrid: running requests spilled to the host pool (counters: the rest)
 
 
 def check_options(row_format: str, mode: str = "resident") -> None:
@@ -54,8 +59,8 @@ def check_options(row_format: str, mode: str = "resident") -> None:
         raise CheckpointError(
             f"--row-format must be one of {sorted(ROW_FORMATS)}, got {row_format!r}"
         )
-    if mode not in MODES:
-        raise CheckpointError(f"mode must be one of {MODES}, got {mode!r}")
+    if mode not in MODES + (HYBRID,):
+        raise CheckpointError(f"mode must be one of {MODES + (HYBRID,)}, got {mode!r}")
 
 
 def byte_prompts(ck: Checkpoint, count: int, texts: Sequence[str] = TEXTS) -> List[List[int]]:
@@ -88,20 +93,26 @@ def generate(
     step_hook=None,
     graphs: Optional[bool] = None,
     misses: str = "auto",
+    device_blocks: Optional[int] = None,
 ) -> Generation:
     """Greedy tokens of every prompt (no stop token: every prompt gets ``max_new``).
     ``step_hook(fn)``: runs each forward (a test wraps it, e.g. in a sync check). ``graphs``:
     replay decode steps from CUDA graphs (``hisparse.engine.dsa.graphs``; default on CUDA).
-    ``misses``: how HiSparse's misses reach the row read (``SparseMLACore``'s setting)."""
+    ``misses``: how HiSparse's misses reach the row read (``SparseMLACore``'s setting).
+    ``device_blocks``: mode "hybrid"'s device budget, in blocks of ``BLOCK`` rows."""
     check_options(row_format, mode)
+    try:
+        check_device_blocks(device_blocks, mode)
+    except ValueError as e:
+        raise CheckpointError(str(e)) from None
+    graphs = _graphs(mode, device, graphs)
     nmax = max(1, min(max_batch or len(prompts), len(prompts)))
     ctx = _context(prompts, max_new)
     store, fwd = open_run(
-        ck, mode, row_format, device, ctx, nmax, hot_size, key_format, backend, misses
-    )
+        ck, mode, row_format, device, ctx, nmax, hot_size, key_format, backend, misses,
+        device_blocks=device_blocks,
+    )  # fmt: skip
     out = new_generation(Generation(mode), len(prompts))
-    if graphs is None:
-        graphs = device.type == "cuda"
     runner = DecodeGraphs(fwd, store) if graphs else None
     forward = runner.step if runner else (lambda *a: fwd.step(store, *a))
     t0 = time.perf_counter()
@@ -110,20 +121,38 @@ def generate(
     finally:
         out.counters = store.close()
         out.graph_replays = runner.replays if runner else 0
+        out.spills = out.counters.get("spills", 0)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     out.seconds = time.perf_counter() - t0
     return out
 
 
+def _graphs(mode: str, device: torch.device, graphs: Optional[bool]) -> bool:
+    """Whether decode steps replay from CUDA graphs: by default on CUDA, never for hybrid."""
+    if mode != HYBRID:
+        return device.type == "cuda" if graphs is None else graphs
+    if graphs:
+        raise CheckpointError("graphs=True: hybrid residency steps run eagerly (no CUDA graphs)")
+    if device.type == "cuda":
+        LOG.info("hybrid residency: decode steps run eagerly (CUDA graphs are not captured)")
+    return False
+
+
 def open_run(
-    ck, mode, row_format, device, ctx, nmax, hot_size, key_format, backend, misses="auto", q=1
-):
+    ck, mode, row_format, device, ctx, nmax, hot_size, key_format, backend, misses="auto", q=1,
+    *, device_blocks=None,
+):  # fmt: skip
     """(row store of ``mode``, forward pass) for ``nmax`` requests of ``ctx`` tokens whose
     decodes have up to ``q`` query tokens (the hot size grows to hold q x top-k)."""
     rb = ROW_FORMATS[row_format].row_bytes
     if mode == "resident":
         store = ResidentRows(ck.cfg, rb, ctx, device, nmax)
+    elif mode == HYBRID:
+        if q != 1:
+            raise CheckpointError("hybrid residency decodes one token per request (q = 1)")
+        hot = hot_size or default_hot_size(ck.cfg.index_topk)
+        store = HybridRows(ck.cfg, rb, ctx, device, hot, nmax, device_blocks)
     else:
         hot = hot_size or max(default_hot_size(ck.cfg.index_topk), q * ck.cfg.index_topk)
         store = HiSparseRows(ck.cfg, rb, ctx, device, hot, nmax, decode_tokens=q)

@@ -113,10 +113,7 @@ class HiSparseRows:
             decode_tokens=decode_tokens,
         )
         self.worker = HiSparseConnectorImpl(config, "worker")
-        hot = {
-            n: torch.zeros(max_requests * hot_size, row_bytes, dtype=torch.uint8, device=device)
-            for n in self.names
-        }
+        hot = self._kv_buffers(max_requests, hot_size, row_bytes)
         # An index group is a full indexer layer and the shared layers after it (GLM-5).
         groups = [
             [n for i, n in enumerate(self.names) if cfg.leader(i) == lead]
@@ -129,6 +126,15 @@ class HiSparseRows:
         self.finished: set = set()
         self.stats: List = []
         self.closed = False
+
+    def _kv_buffers(self, max_requests: int, hot_size: int, row_bytes: int) -> dict:
+        """Each layer's registered row buffer: here its hot buffers only."""
+        return {
+            n: torch.zeros(
+                max_requests * hot_size, row_bytes, dtype=torch.uint8, device=self.device
+            )
+            for n in self.names
+        }
 
     def begin(self, scheduled: dict) -> List[int]:
         """A step of ``scheduled`` {request id: new tokens} (decodes first): each one's state

@@ -1,0 +1,115 @@
+"""Hybrid residency in the DSA engine (``generate(..., mode="hybrid", device_blocks=N)``) on the
+CPU: with a device budget that forces spills mid-generation, spilled admissions and returns,
+the tokens are bit-identical to resident for both architectures in f32 and fp8 rows; a spill
+that skips a layer's rows changes them (the test sees what the spill writes); the policy's
+choices and the budget's one-line errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hisparse.engine.dsa.generate import byte_prompts, generate
+from hisparse.engine.dsa.hybrid import HybridRows
+from hisparse.engine.dsa.residency import Residency
+from hisparse.models.dsa.random_checkpoint import write_random_checkpoint
+from hisparse.models.dsa.weights import CheckpointError, load_checkpoint
+from tests.engine.dsa.helpers import ARCHS, one_thread
+
+CPU = torch.device("cpu")
+# Five requests through a batch of three, 40 tokens each, under 12 device blocks of 16 rows
+# (all would need 26): some are admitted spilled, one is spilled while it decodes, spilled
+# ones come back when others finish.
+PROMPTS, NEW, BATCH, BUDGET = 5, 40, 3, 12
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("dsa_hybrid")
+    return {a: load_checkpoint(write_random_checkpoint(root / a, a, seed=3), CPU) for a in ARCHS}
+
+
+def _run(ck, mode: str, row_format: str = "f32", **kw):
+    with one_thread():
+        prompts = byte_prompts(ck, PROMPTS)
+        return generate(ck, mode, row_format, CPU, prompts, NEW, max_batch=BATCH, **kw)
+
+
+@pytest.mark.parametrize("row_format", ["f32", "fp8"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_hybrid_tokens_are_bit_identical_to_resident(checkpoints, arch, row_format):
+    ck = checkpoints[arch]
+    res = _run(ck, "resident", row_format)
+    hy = _run(ck, "hybrid", row_format, device_blocks=BUDGET)
+    c = hy.counters
+    assert hy.spills >= 1 and c["spills"] == hy.spills, c  # spilled while decoding
+    assert c["spilled_requests"] > hy.spills, c  # and admitted spilled
+    assert c["returns"] >= 1 and c["peak_spilled"] >= 1, c
+    assert c["spilled_rows"] > 0 and c["returned_rows"] > 0, c
+    assert c["misses"] > 0 and c["hits"] > 0, c  # spilled requests decoded from hot buffers
+    assert hy.tokens == res.tokens, f"{arch} {row_format}: {c}"
+    assert len(set(res.tokens[0])) > 3, res.tokens[0]
+
+
+def test_a_budget_that_holds_everything_never_spills(checkpoints):
+    ck = checkpoints["deepseek_v32"]
+    hy = _run(ck, "hybrid", device_blocks=64)
+    assert hy.spills == 0 and hy.counters["spilled_requests"] == 0, hy.counters
+    assert "hits" not in hy.counters  # the connector never ran a step
+    assert hy.tokens == _run(ck, "resident").tokens
+
+
+def test_a_spill_that_skips_a_layer_changes_the_tokens(checkpoints, monkeypatch):
+    """Negative control: the spilled request reads back exactly what the spill wrote."""
+    real = HybridRows._write_spill
+
+    def lossy(self, layer, rows, keys):
+        if layer != 1:
+            real(self, layer, rows, keys)
+
+    ck = checkpoints["glm_moe_dsa"]
+    res = _run(ck, "resident")
+    monkeypatch.setattr(HybridRows, "_write_spill", lossy)
+    hy = _run(ck, "hybrid", device_blocks=BUDGET)
+    assert hy.spills >= 1
+    assert hy.tokens != res.tokens
+
+
+@pytest.mark.parametrize("bad", [0, -3, 2.5, "12", True, None])
+def test_a_bad_budget_is_refused_in_one_line_naming_it(checkpoints, bad):
+    with pytest.raises(CheckpointError) as e:
+        _run(checkpoints["deepseek_v32"], "hybrid", device_blocks=bad)
+    msg = str(e.value)
+    assert "device_blocks" in msg and "\n" not in msg, msg
+
+
+def test_a_budget_outside_hybrid_and_graphs_for_hybrid_are_refused(checkpoints):
+    ck = checkpoints["deepseek_v32"]
+    with pytest.raises(CheckpointError, match="device_blocks applies to mode 'hybrid' only"):
+        _run(ck, "resident", device_blocks=8)
+    with pytest.raises(CheckpointError, match="graphs=True"):
+        _run(ck, "hybrid", device_blocks=8, graphs=True)
+
+
+def test_residency_policy():
+    r = Residency(num_pages=8, block=16)
+    assert r.admit(0, 40)  # 3 pages leave 5 free, >= one per resident request (itself) + 1
+    assert r.admit(1, 33)  # 3 pages leave 2 free, >= 1 + 1
+    assert len(r.free) == 2
+    assert not r.admit(2, 16)  # 1 page would leave 1 < 2 + 1: admitted spilled
+    assert r.spill_order == [2]
+    assert r.grow(0, 49) == [] and len(r.pages[0]) == 4  # a free page
+    assert r.grow(1, 49) == [] and not r.free
+    # no page free: the latest-admitted resident request (1) is spilled, its pages freed
+    spilled = r.grow(0, 65)
+    assert [s for s, _ in spilled] == [1] and len(r.pages[0]) == 5
+    assert r.spill_order == [2, 1] and not r.resident(1)
+    # the latest admitted is the grower itself: it spills, nothing else moves
+    r2 = Residency(num_pages=2, block=16)
+    assert r2.admit(0, 16)
+    assert [s for s, _ in r2.grow(0, 17)] == []
+    assert [s for s, _ in r2.grow(0, 33)] == [0] and not r2.resident(0)
+    # returns: oldest spill first, one page more than held, headroom kept, not the skipped
+    r.release(0)
+    assert r.returns({1: 49, 2: 16}, skip={2}) == [1] and len(r.pages[1]) == 4
+    assert r.returns({2: 16}, skip=()) == [2]
