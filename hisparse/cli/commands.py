@@ -71,6 +71,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
         from hisparse.cli import demo_model
 
         return demo_model.main(args)
+    if getattr(args, "device_blocks", None) is not None:
+        raise CommandError("argument --device-blocks: needs --model (the DSA engine)", 2)
     cfg = check_engine_flags(args._parser, args)
     _require_backend(args.device)
     from hisparse.cli import demo

@@ -36,6 +36,14 @@ def add_checkpoint_flags(p: argparse.ArgumentParser) -> None:
         default=24,
         help="greedy tokens per prompt (default: 24)",
     )
+    g.add_argument(
+        "--device-blocks",
+        type=int_range(1, 1 << 24),
+        default=None,
+        metavar="N",
+        help="also run hybrid residency under a device budget of N blocks of 16 rows (requests "
+        "beyond it spilled to the host pool) and require its tokens equal too (default: off)",
+    )
 
 
 def _hits(c: dict) -> str:
@@ -56,7 +64,15 @@ def _summary(s: dict) -> list:
         ("hot buffers", _hits(s["hisparse_counters"])),
         ("sample", repr(s["sample"])),
         ("tokens equal", f"{s['tokens_equal']}/{s['prompts']} prompts"),
-    ]
+    ] + ([("hybrid", _hybrid(s))] if "hybrid_counters" in s else [])
+
+
+def _hybrid(s: dict) -> str:
+    c = s["hybrid_counters"]
+    return (
+        f"{s['device_blocks']} device blocks: {c['spilled_requests']} requests spilled "
+        f"({c['spills']} while decoding), {c['returns']} returned"
+    )
 
 
 def main(args) -> int:
@@ -75,12 +91,14 @@ def main(args) -> int:
             num_prompts=args.prompts,
             max_new=args.new_tokens,
             hot_size=args.hot_size,
+            device_blocks=args.device_blocks,
         )
     except CheckpointError as e:
         raise CommandError(str(e), 2) from None
     for k, v in _summary(s):
         print(f"{k:<16} {v}")
-    verdict = "PASS: resident and HiSparse tokens identical" if s["parity"] else "FAIL"
+    modes = "resident, HiSparse and hybrid" if "hybrid_counters" in s else "resident and HiSparse"
+    verdict = f"PASS: {modes} tokens identical" if s["parity"] else "FAIL"
     print(f"{'parity':<16} {verdict}", file=sys.stdout if s["parity"] else sys.stderr)
     if args.json:
         with open(args.json, "w") as f:

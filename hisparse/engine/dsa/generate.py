@@ -242,9 +242,16 @@ def parity(
     num_prompts: int = 3,
     max_new: int = 16,
     hot_size: Optional[int] = None,
+    device_blocks: Optional[int] = None,
 ) -> dict:
-    """Resident vs HiSparse on the checkpoint: the summary ``hisparse demo --model`` prints."""
+    """Resident vs HiSparse on the checkpoint: the summary ``hisparse demo --model`` prints.
+    ``device_blocks``: also hybrid residency under that budget, its tokens equal too."""
     check_options(row_format)
+    modes = MODES + ((HYBRID,) if device_blocks is not None else ())
+    try:
+        check_device_blocks(device_blocks, modes[-1])
+    except ValueError as e:
+        raise CheckpointError(str(e)) from None
     top_k = checkpoint_config(model_dir)[0].index_topk
     if hot_size is not None and hot_size < top_k:
         raise CheckpointError(
@@ -252,10 +259,14 @@ def parity(
         )
     ck = load_checkpoint(model_dir, device)
     prompts = byte_prompts(ck, num_prompts)
-    runs = {m: generate(ck, m, row_format, device, prompts, max_new, hot_size) for m in MODES}
+    runs = {
+        m: generate(ck, m, row_format, device, prompts, max_new, hot_size,
+                    device_blocks=device_blocks if m == HYBRID else None)
+        for m in modes
+    }  # fmt: skip
     res, his = runs["resident"], runs["hisparse"]
-    equal = sum(a == b for a, b in zip(res.tokens, his.tokens))
-    return {
+    equal = sum(all(g.tokens[i] == t for g in runs.values()) for i, t in enumerate(res.tokens))
+    out = {
         "model": str(model_dir),
         "arch": ck.cfg.arch,
         "indexer_types": list(ck.cfg.indexer_types),
@@ -273,3 +284,6 @@ def parity(
         "sample": bytes(t for t in res.tokens[0] if t < 256).decode("latin-1"),
         "tokens": {m: g.tokens for m, g in runs.items()},
     }
+    if HYBRID in runs:
+        out.update(device_blocks=device_blocks, hybrid_counters=runs[HYBRID].counters)
+    return out
