@@ -211,13 +211,17 @@ class HybridRows(HiSparseRows):
         n = self.held[s]
         rows = [self.res.row(s, p) for p in range(n)]
         dst, keys = self._upload([rows, self._keys(s, n)])
-        for layer, name in enumerate(self.names):
-            self.buffers[layer].index_copy_(0, dst, self.worker.load_host_rows(name, keys))
+        for layer in range(self.cfg.num_layers):
+            self._read_back(layer, dst, keys)
         for i, page in enumerate(self.res.pages[s]):
             self.pt[s, i] = page
         self._leave_connector(s)
         self.counts["returns"] += 1
         self.counts["returned_rows"] += n * self.cfg.num_layers
+
+    def _read_back(self, layer: int, dst: torch.Tensor, keys: torch.Tensor) -> None:
+        rows = self.worker.load_host_rows(self.names[layer], keys)
+        self.buffers[layer].index_copy_(0, dst, rows)
 
     def _leave_connector(self, s: int) -> None:
         crid = self.conn_id.pop(s)

@@ -1,8 +1,8 @@
 """Hybrid residency in the DSA engine (``generate(..., mode="hybrid", device_blocks=N)``) on the
 CPU: with a device budget that forces spills mid-generation, spilled admissions and returns,
 the tokens are bit-identical to resident for both architectures in f32 and fp8 rows; a spill
-that skips a layer's rows changes them (the test sees what the spill writes); the policy's
-choices and the budget's one-line errors."""
+or a return that skips a layer's rows changes them (the test sees what the moves copy); the
+policy's choices, the budget's one-line errors and ``demo --model DIR --device-blocks N``."""
 
 from __future__ import annotations
 
@@ -61,19 +61,22 @@ def test_a_budget_that_holds_everything_never_spills(checkpoints):
     assert hy.tokens == _run(ck, "resident").tokens
 
 
-def test_a_spill_that_skips_a_layer_changes_the_tokens(checkpoints, monkeypatch):
-    """Negative control: the spilled request reads back exactly what the spill wrote."""
-    real = HybridRows._write_spill
+@pytest.mark.parametrize("move", ["_write_spill", "_read_back"])
+def test_a_spill_or_return_that_skips_a_layer_changes_the_tokens(checkpoints, monkeypatch, move):
+    """Negative controls: a spilled request reads back exactly what the spill wrote to the host
+    pool (``_write_spill``), a returned one exactly what its return copied into its device
+    pages (``_read_back``); either move skipping layer 1 changes the tokens."""
+    real = getattr(HybridRows, move)
 
-    def lossy(self, layer, rows, keys):
+    def lossy(self, layer, *args):
         if layer != 1:
-            real(self, layer, rows, keys)
+            real(self, layer, *args)
 
     ck = checkpoints["glm_moe_dsa"]
     res = _run(ck, "resident")
-    monkeypatch.setattr(HybridRows, "_write_spill", lossy)
+    monkeypatch.setattr(HybridRows, move, lossy)
     hy = _run(ck, "hybrid", device_blocks=BUDGET)
-    assert hy.spills >= 1
+    assert hy.spills >= 1 and hy.counters["returns"] >= 1
     assert hy.tokens != res.tokens
 
 

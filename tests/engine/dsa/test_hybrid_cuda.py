@@ -53,3 +53,33 @@ def test_hybrid_tokens_equal_resident_tokens_on_cuda(checkpoints, arch, row_form
     # the policy decides from token counts only: the same moves on both devices
     moves = ("spills", "spilled_requests", "spilled_rows", "returns", "returned_rows")
     assert {k: c[k] for k in moves} == {k: cpu.counters[k] for k in moves}
+
+
+def test_a_hybrid_forward_never_syncs(tmp_path, caplog):
+    """Every forward of a hybrid run (resident and spilled requests in one batch) under
+    ``set_sync_debug_mode("error")``; dense layers, as in test_cuda.py (the reference MoE reads
+    its experts' ids on the host). The run says in a log line that it steps eagerly."""
+    d = write_random_checkpoint(
+        tmp_path / "dense", "glm_moe_dsa", seed=1, first_k_dense_replace=4,
+        mlp_layer_types=["dense"] * 4,
+    )  # fmt: skip
+    ck = load_checkpoint(d, GPU)
+    calls = []
+
+    def strict(fn):
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            out = fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        calls.append(1)
+        return out
+
+    prompts = byte_prompts(ck, 4)
+    with caplog.at_level("INFO", logger="hisparse.engine.dsa.generate"):
+        run = generate(
+            ck, "hybrid", "fp8", GPU, prompts, 4, max_batch=3, step_hook=strict, device_blocks=6
+        )
+    assert "run eagerly" in caplog.text
+    assert calls and all(len(t) == 4 for t in run.tokens)
+    assert run.counters["spilled_requests"] >= 1, run.counters  # a mixed batch ran
