@@ -75,7 +75,7 @@ class HybridRows(HiSparseRows):
         self.conn_id: Dict[int, str] = {}  # spilled slot -> the connector's request id
         self.fresh: set = set()  # spilled slots the connector has not seen since the spill
         self.spill_gen: Dict[str, int] = {}
-        self.pt = torch.zeros(max_requests, max_context // BLOCK, dtype=torch.int64)
+        self.pt = torch.zeros(max_requests, -(-max_context // BLOCK), dtype=torch.int64)
         self.pt_dev = self.pt.to(device)
         names = ("spills", "spilled_requests", "spilled_rows", "returns", "returned_rows")
         self.counts = dict.fromkeys(names + ("peak_spilled",), 0)
@@ -131,9 +131,10 @@ class HybridRows(HiSparseRows):
                 if resident:
                     dev_src.append(t)
                     dev_dst.append(self.res.row(s, p))
-                    self.pt[s, p // BLOCK] = self.res.pages[s][p // BLOCK]
                 host_keys.append(-1 if resident else s * self.max_context + p)
                 t += 1
+            if resident:  # the page table's row of it, read by the decodes' row ids
+                self.pt[s, : len(self.res.pages[s])] = torch.tensor(self.res.pages[s])
             if lo:  # a decode
                 (res_dec if resident else sp_dec).append(b)
             elif not resident:
@@ -213,8 +214,6 @@ class HybridRows(HiSparseRows):
         dst, keys = self._upload([rows, self._keys(s, n)])
         for layer in range(self.cfg.num_layers):
             self._read_back(layer, dst, keys)
-        for i, page in enumerate(self.res.pages[s]):
-            self.pt[s, i] = page
         self._leave_connector(s)
         self.counts["returns"] += 1
         self.counts["returned_rows"] += n * self.cfg.num_layers
