@@ -1,5 +1,6 @@
-"""Greedy generation for a DSA checkpoint directory in either mode, and the resident-vs-HiSparse
-parity run behind ``hisparse demo --model DIR``.
+"""Greedy generation for a DSA checkpoint directory in any mode (resident, hisparse, hybrid),
+and the resident-vs-HiSparse (and, with a device budget, hybrid) parity run behind ``hisparse
+demo --model DIR``.
 
 Requests run batched, as a server runs them: each step decodes every running request and
 admits (prefills) at most one waiting one while fewer than ``max_batch`` run, so requests of
