@@ -89,3 +89,32 @@ def compare_with_transformers(model_dir, device: torch.device, mode: str = "resi
         f"transformers, max first-step logit diff {worst:.1e}"
     )
     return line, failures
+
+
+def dense_checkpoint(tmp_path, device):
+    """A GLM-5 checkpoint of dense layers only, loaded on ``device``: the sync checks use it, since
+    the engine's reference MoE reads its experts' ids on the host (the vLLM classes use vLLM's
+    fused MoE)."""
+    from hisparse.models.dsa.random_checkpoint import write_random_checkpoint
+
+    d = write_random_checkpoint(
+        tmp_path / "dense", "glm_moe_dsa", seed=1, first_k_dense_replace=4,
+        mlp_layer_types=["dense"] * 4,
+    )  # fmt: skip
+    return load_checkpoint(d, device)
+
+
+def strict_hook(calls: list):
+    """A ``step_hook`` that runs each forward under ``set_sync_debug_mode("error")`` (a host
+    sync in the step raises) and counts it in ``calls``."""
+
+    def strict(fn):
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            out = fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        calls.append(1)
+        return out
+
+    return strict

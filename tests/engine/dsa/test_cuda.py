@@ -27,7 +27,9 @@ from tests.devices import needs_cuda
 from tests.engine.dsa.helpers import (
     ARCHS,
     compare_with_transformers,
+    dense_checkpoint,
     one_thread,
+    strict_hook,
     tie_aware_mismatch,
 )
 
@@ -162,21 +164,9 @@ def test_a_decode_step_never_syncs(tmp_path, mode, graphs):
     the step (a ``.item()``, a ``.cpu()``, a blocking copy) raises. The checkpoint's layers are
     dense: the engine's reference MoE reads its experts' ids on the host (the vLLM classes use
     vLLM's fused MoE)."""
-    d = write_random_checkpoint(
-        tmp_path / "dense", "glm_moe_dsa", seed=1, first_k_dense_replace=4,
-        mlp_layer_types=["dense"] * 4,
-    )  # fmt: skip
-    ck = load_checkpoint(d, GPU)
+    ck = dense_checkpoint(tmp_path, GPU)
     calls = []
-
-    def strict(fn):
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            out = fn()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-        calls.append(1)
-        return out
+    strict = strict_hook(calls)
 
     prompts = byte_prompts(ck, 4)
     run = generate(ck, mode, "fp8", GPU, prompts, 4, max_batch=3, step_hook=strict, graphs=graphs)

@@ -14,7 +14,7 @@ from hisparse.engine.dsa.generate import byte_prompts, generate
 from hisparse.models.dsa.random_checkpoint import write_random_checkpoint
 from hisparse.models.dsa.weights import load_checkpoint
 from tests.devices import needs_cuda
-from tests.engine.dsa.helpers import ARCHS, one_thread
+from tests.engine.dsa.helpers import ARCHS, dense_checkpoint, one_thread, strict_hook
 
 pytestmark = [pytest.mark.cuda, needs_cuda]
 
@@ -59,21 +59,9 @@ def test_a_hybrid_forward_never_syncs(tmp_path, caplog):
     """Every forward of a hybrid run (resident and spilled requests in one batch) under
     ``set_sync_debug_mode("error")``; dense layers, as in test_cuda.py (the reference MoE reads
     its experts' ids on the host). The run says in a log line that it steps eagerly."""
-    d = write_random_checkpoint(
-        tmp_path / "dense", "glm_moe_dsa", seed=1, first_k_dense_replace=4,
-        mlp_layer_types=["dense"] * 4,
-    )  # fmt: skip
-    ck = load_checkpoint(d, GPU)
+    ck = dense_checkpoint(tmp_path, GPU)
     calls = []
-
-    def strict(fn):
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            out = fn()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-        calls.append(1)
-        return out
+    strict = strict_hook(calls)
 
     prompts = byte_prompts(ck, 4)
     with caplog.at_level("INFO", logger="hisparse.engine.dsa.generate"):
