@@ -7,7 +7,7 @@
 # the spread between runs), "core" (the DSA core vLLM runs: its CUDA tests, then
 # bench_decode_tpot at 32k, 64k and 128k with capacity) and "fusedattn" (the
 # fused sparse-MLA kernel alone, then the step with it) and "flashmla" (FlashMLA's sparse FP8
-# decode built and timed beside the core's attention, then the core's step with it) and
+# decode built, its CUDA tests, then the core's step with it) and
 # "kernels" (FlashMLA and DeepGEMM built where not yet importable, the captured step's kernels by
 # category at 32k, then each kernel beside its baseline: kernels_vs_baselines_h200.{json,md});
 # each fits one 10-minute device call.
@@ -79,7 +79,6 @@ fi
 if has flashmla; then  # needs the sources under benchmarks/baselines/src (its README.md)
   bash benchmarks/baselines/build_flashmla.sh > "$OUT/flashmla_build.txt" 2>&1 || { tail -20 "$OUT/flashmla_build.txt"; status=1; }
   export PYTHONPATH="$PWD/benchmarks/baselines/src/flashmla:$PYTHONPATH"
-  timeout 240 python3 benchmarks/baselines/bench_flashmla.py --json "$OUT/flashmla_baseline_h200.json" || status=1
   # the core with FlashMLA importable: its tests, then the step (auto measures and takes it)
   timeout 120 python3 -m pytest -q -p no:cacheprovider -m cuda tests/models/dsa/test_flashmla_cuda.py 2>&1 | tail -2 || status=1
   timeout 150 python3 benchmarks/bench_decode_tpot.py --capacity --json "$OUT/engine_tpot_flashmla_h200.json" || status=1

@@ -1,10 +1,11 @@
 """FlashMLA's sparse FP8 decode (DeepSeek's kernel; a CUDA vLLM ships it) as the core's attention
 over FP8 rows, where a build of it is importable, and the measurement that picks it.
 
-Why: on an H200 it was 2.4-4.4x faster than the project's kernels over the same rows
-(benchmarks/results/flashmla_baseline_h200.json). Its "FP8 with scale" cache layout is the
-project's fp8 row byte for byte (512 fp8 values, 4 float32 scales, 64 bf16 rope values), so it
-reads the resident store and the hot buffers as they are, with the same ids (-1: padding).
+Why: on an H200 it was 1.2-2.6x faster than the project's kernels over the same rows, both timed
+as graph replays (benchmarks/results/kernels_vs_baselines_h200.md). Its "FP8 with scale" cache
+layout is the project's fp8 row byte for byte (512 fp8 values, 4 float32 scales, 64 bf16 rope
+values), so it reads the resident store and the hot buffers as they are, with the same ids (-1:
+padding).
 
 Sources, tried in order: modules registered by ``add_source`` (the vLLM integration registers
 vLLM's own FlashMLA ops), then the standalone ``flash_mla`` package. Each must offer FlashMLA's
