@@ -17,6 +17,10 @@ runs on rows of another step, and the rank's CUDA context is lost (it is leaving
 
 from __future__ import annotations
 
+import torch
+
+from hisparse.runtime.host_pool import HostPointer
+
 try:  # CUDA machines; a CPU-only install never launches these
     import triton
     import triton.language as tl
@@ -95,18 +99,9 @@ if triton is not None:
             )
 
 
-class _Address:
-    """A pinned host address as Triton takes a device pointer (registered host memory is mapped
-    at the same address on the device), read as int64."""
-
-    def __init__(self, address: int) -> None:
-        import torch
-
-        self.dtype = torch.int64
-        self._ptr = address
-
-    def data_ptr(self) -> int:
-        return self._ptr
+def _Address(address: int) -> HostPointer:
+    """A flag's pinned host address, read as int64."""
+    return HostPointer(address, torch.int64)
 
 
 def signal(flag_address: int, step, offset: int = 0) -> None:

@@ -11,6 +11,18 @@ import torch
 _RESERVE_BYTES = 1 << 30
 
 
+class HostPointer:
+    """Pinned host memory as Triton takes a device pointer (page-locked host memory is mapped at
+    the same address on the device), under the dtype Triton should read it as."""
+
+    def __init__(self, address: int, dtype: torch.dtype) -> None:
+        self.dtype = dtype
+        self._ptr = address
+
+    def data_ptr(self) -> int:
+        return self._ptr
+
+
 class HostPoolError(ValueError):
     """The host pool cannot be allocated as configured."""
 

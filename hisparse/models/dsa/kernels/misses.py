@@ -23,6 +23,7 @@ import torch
 
 from hisparse.models.dsa.kernels.rows import ROPE_AT, ROW_BYTES, SCALE_AT, check_rows, triton
 from hisparse.models.rows import FP8_TILE, KV_DIM, LATENT_DIM, ROPE_DIM
+from hisparse.runtime.host_pool import HostPointer
 
 if triton is not None:
     import triton.language as tl
@@ -83,16 +84,10 @@ if triton is not None:
             tl.store(pending + dst, tl.load(miss_src + at, mask=used, other=0), mask=used)
 
 
-class _HostRows:
-    """A pinned host tensor as Triton takes a device pointer (page-locked host memory is mapped
-    at the same address on the device), under the dtype Triton should read it as."""
-
-    def __init__(self, t: torch.Tensor, dtype: torch.dtype) -> None:
-        self.dtype = dtype
-        self._ptr = t.data_ptr()
-
-    def data_ptr(self) -> int:
-        return self._ptr
+def _HostRows(t: torch.Tensor, dtype: torch.dtype) -> HostPointer:
+    """The pinned host rows ``t`` as the kernel reads them (tests under Triton's interpreter
+    swap this for a view)."""
+    return HostPointer(t.data_ptr(), dtype)
 
 
 def stage_misses(pending, miss_src, miss_dst, miss_count, *, clear: bool = False) -> None:
