@@ -11,6 +11,8 @@ vLLM classes run).
   resident ones;
 * ``generate`` -- batched greedy generation in any of the three modes (requests join and
   leave) and the resident-vs-HiSparse parity run (``hisparse demo --model DIR``);
+* ``clock`` / ``budget`` -- what a benchmark reads off a run: its decode-only time, and the KV
+  bytes it holds on the device by mode (``benchmarks/bench_engine.py``'s budget);
 * ``mtp`` / ``mtp_generate`` -- the checkpoint's MTP layer as the draft of greedy speculative
   decoding.
 """

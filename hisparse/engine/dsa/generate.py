@@ -5,6 +5,9 @@ demo --model DIR``.
 Requests run batched, as a server runs them: each step decodes every running request and
 admits (prefills) at most one waiting one while fewer than ``max_batch`` run, so requests of
 different lengths join and leave the batch; each runs in its own block / connector state row.
+``prefill_first``: a step that admits decodes nothing, so every request is admitted before the
+batch decodes (a benchmark's fixed batch). A run records its decode-only time (``clock``), each
+step's size, and the KV bytes it holds on the device (``budget``).
 Prompts are byte tokens (ids below the vocabulary), at least four times ``index_topk`` long so
 the top-k selection matters.
 """
@@ -14,14 +17,17 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import List, Optional, Sequence
+from itertools import accumulate
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 
+from hisparse.engine.dsa.budget import context_rows, held
+from hisparse.engine.dsa.clock import DecodeClock
 from hisparse.engine.dsa.graphs import DecodeGraphs
 from hisparse.engine.dsa.hybrid import HybridRows, check_device_blocks
 from hisparse.engine.dsa.model import DSAForward
-from hisparse.engine.dsa.stores import BLOCK, HiSparseRows, ResidentRows
+from hisparse.engine.dsa.stores import HiSparseRows, ResidentRows
 from hisparse.models.dsa.weights import (
     Checkpoint,
     CheckpointError,
@@ -52,6 +58,11 @@ class Generation:
     counters: dict = field(default_factory=dict)  # the connector's totals (hisparse mode)
     graph_replays: int = 0  # decode steps replayed from a CUDA graph
     spills: int = 0  # hybrid: running requests spilled to the host pool (counters: the rest)
+    decode_seconds: float = 0.0  # the timed decode-only steps (clock.DecodeClock)
+    decode_steps: int = 0
+    decode_tokens: int = 0
+    steps: List[Tuple[int, int]] = field(default_factory=list)  # (decodes, prefill tokens)
+    device_bytes: dict = field(default_factory=dict)  # budget.held: rows, index_keys
 
 
 def check_options(row_format: str, mode: str = "resident") -> None:
@@ -75,8 +86,7 @@ def byte_prompts(ck: Checkpoint, count: int, texts: Sequence[str] = TEXTS) -> Li
 
 
 def _context(prompts: Sequence[Sequence[int]], new: int) -> int:
-    longest = max(len(p) for p in prompts) + new
-    return -(-longest // BLOCK) * BLOCK
+    return context_rows(max(len(p) for p in prompts) + new)
 
 
 def generate(
@@ -95,12 +105,14 @@ def generate(
     graphs: Optional[bool] = None,
     misses: str = "auto",
     device_blocks: Optional[int] = None,
+    prefill_first: bool = False,
 ) -> Generation:
     """Greedy tokens of every prompt (no stop token: every prompt gets ``max_new``).
     ``step_hook(fn)``: runs each forward (a test wraps it, e.g. in a sync check). ``graphs``:
     replay decode steps from CUDA graphs (``hisparse.engine.dsa.graphs``; default on CUDA).
     ``misses``: how HiSparse's misses reach the row read (``SparseMLACore``'s setting).
-    ``device_blocks``: mode "hybrid"'s device budget, in blocks of ``BLOCK`` rows."""
+    ``device_blocks``: mode "hybrid"'s device budget, in blocks of ``BLOCK`` rows.
+    ``prefill_first``: admit every request before the batch decodes (module docstring)."""
     check_options(row_format, mode)
     try:
         check_device_blocks(device_blocks, mode)
@@ -114,15 +126,18 @@ def generate(
         device_blocks=device_blocks,
     )  # fmt: skip
     out = new_generation(Generation(mode), len(prompts))
+    out.device_bytes = held(store, fwd)
     runner = DecodeGraphs(fwd, store) if graphs else None
     forward = runner.step if runner else (lambda *a: fwd.step(store, *a))
+    clock = DecodeClock(device)
     t0 = time.perf_counter()
     try:
-        _run(fwd, store, forward, prompts, max_new, nmax, out, step_hook or (lambda fn: fn()))
+        _run(fwd, store, forward, prompts, max_new, nmax, out, step_hook, clock, prefill_first)
     finally:
         out.counters = store.close()
         out.graph_replays = runner.replays if runner else 0
         out.spills = out.counters.get("spills", 0)
+    out.decode_seconds, out.decode_steps, out.decode_tokens = clock.totals()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     out.seconds = time.perf_counter() - t0
@@ -178,19 +193,21 @@ def _upload(values, dtype, device) -> torch.Tensor:
     return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
 
 
-def _run(fwd: DSAForward, store, forward, prompts, max_new: int, nmax: int, out, hook):
+def _run(fwd: DSAForward, store, forward, prompts, max_new, nmax, out, hook, clock, first):
     waiting = list(range(len(prompts)))
     running: List[int] = []  # requests that decode next step, in admission order
     lengths = {}  # request -> tokens in its context so far
     dev = fwd.device
     while waiting or running:
-        rows = list(running)  # decodes first, then at most one prefill
-        if waiting and len(running) < nmax:
-            rows.append(waiting.pop(0))
-        prefill = rows[len(running) :]
-        nd = len(running)
-        new = {r: 1 for r in running}
+        admit = bool(waiting) and len(running) < nmax
+        idle = running if admit and first else []  # prefill_first: they decode later
+        rows = ([] if idle else list(running)) + ([waiting.pop(0)] if admit else [])
+        nd = len(rows) - admit
+        prefill = rows[nd:]
+        new = {r: 1 for r in rows[:nd]}
         new.update({r: len(prompts[r]) for r in prefill})
+        clock.before(nd, len(prefill))
+        out.steps.append((nd, sum(len(prompts[r]) for r in prefill)))
         blocks = store.begin({f"req-{r}": new[r] for r in rows})
         toks, pos, req = [], [], []
         for b, r in enumerate(rows):
@@ -203,7 +220,7 @@ def _run(fwd: DSAForward, store, forward, prompts, max_new: int, nmax: int, out,
                 pos.append(lengths[r])
                 lengths[r] += 1
             req += [b] * new[r]
-        last = [i - 1 for i in _cumsum([new[r] for r in rows])]
+        last = [i - 1 for i in accumulate(new[r] for r in rows)]
         batch = fwd.batch(
             _upload(pos, torch.int64, dev),
             _upload(req, torch.int64, dev),
@@ -211,12 +228,12 @@ def _run(fwd: DSAForward, store, forward, prompts, max_new: int, nmax: int, out,
             _upload(blocks, torch.int64, dev),
         )
         args = (_upload(toks, torch.int64, dev), batch, _upload(last, torch.int64, dev), nd)
-        logits = hook(lambda: forward(*args))
+        logits = hook(lambda: forward(*args)) if hook else forward(*args)
         store.end()
         top = logits.topk(2, dim=-1).values
         gaps = (top[:, 0] - top[:, 1]).tolist()
         picked = logits.argmax(dim=-1).tolist()
-        running = []
+        running = list(idle)
         for b, r in enumerate(rows):
             if not out.tokens[r]:
                 out.first_logits[r] = logits[b].float().cpu()
@@ -226,14 +243,7 @@ def _run(fwd: DSAForward, store, forward, prompts, max_new: int, nmax: int, out,
                 running.append(r)
             else:
                 store.finish(f"req-{r}")
-
-
-def _cumsum(xs):
-    total, out = 0, []
-    for x in xs:
-        total += x
-        out.append(total)
-    return out
+    clock.stop()
 
 
 def parity(
