@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from hisparse.engine.graph import MODES, CoreStep, GraphConfig, MemoryBudget, measure
-from hisparse.models.dsa.core import ATTENTION, MISSES, SparseMLACore
+from hisparse.models.dsa.core import ATTENTION, INDEXER, MISSES, SparseMLACore
 
 CORE = SparseMLACore.__module__  # what CoreStep's layers run (checked in run())
 
@@ -40,15 +40,20 @@ def _config(args) -> GraphConfig:
     )
 
 
-def run(args, batch: int, modes, resident_limit: int) -> dict:
-    step = CoreStep(
+def _step(args, batch: int, modes) -> CoreStep:
+    return CoreStep(
         _config(args), batch, modes, "cuda", attention=args.attention, misses=args.misses,
-        miss=args.miss,
+        indexer=args.indexer, miss=args.miss,
     )  # fmt: skip
+
+
+def run(args, batch: int, modes, resident_limit: int) -> dict:
+    step = _step(args, batch, modes)
     assert type(step.core) is SparseMLACore and step.core.kernel_rows and step.core.kernel_index
     row = measure(step, args.rounds, args.steps)
     row["fits_resident_budget"] = batch <= resident_limit
     row["attention"] = step.core.attention  # what "auto" chose
+    row["indexer"] = step.core.indexer
     if "hisparse" in modes:  # where the misses reached the row read at this batch
         row["misses_read"] = "in_read" if step.core.reads_misses(batch) else "gather"
     del step
@@ -60,10 +65,7 @@ def profile(args, batch: int, top: int) -> None:
     """GPU time per eager step and layer by kernel and by the torch op that launched it."""
     from torch.profiler import ProfilerActivity, profile
 
-    step = CoreStep(
-        _config(args), batch, MODES, "cuda", attention=args.attention, misses=args.misses,
-        miss=args.miss,
-    )  # fmt: skip
+    step = _step(args, batch, MODES)
     for mode in MODES:
         for _ in range(2):
             step.stage()
@@ -102,10 +104,10 @@ def _split_hooks(step: CoreStep) -> list:
     """(owner, attribute, category) of the calls whose kernels make each category; a call
     inside another (the indexer's scores inside the selection) takes its own."""
     from hisparse import ops
-    from hisparse.models.dsa.kernels import indexer, misses, rows
+    from hisparse.models.dsa.kernels import misses, rows
 
     hooks = [
-        (indexer, "paged_scores", "indexer"),
+        (step.core, "_scores_fn", "indexer"),  # the Triton kernel or DeepGEMM's
         (step.core, "store_keys", "indexer"),
         (step.core, "select", "top-k"),  # what select runs beside the scores: topk, sort, slots
         (rows, "gather_decode", "row read / misses"),
@@ -154,7 +156,8 @@ _MISSING = object()
 # By name, for a kernel the profiler linked to no call: Triton's launches (no aten op around
 # them; on the H200 the profiler tied none of them to the enclosing record_function)
 _BY_NAME = (
-    ("_paged_scores", "indexer"), ("_store_fp8_keys", "indexer"), ("resolve", "resolve"),
+    ("_paged_scores", "indexer"), ("paged_mqa_logits", "indexer"), ("_store_fp8_keys", "indexer"),
+    ("resolve", "resolve"),
     ("_sort_keys", "top-k"), ("_slots", "top-k"), ("gather_decode", "row read / misses"),
     ("_read_with_misses", "row read / misses"), ("_stage", "row read / misses"),
     ("masked_softmax", "attention"), ("_sparse_mla", "attention"), ("_combine", "attention"),
@@ -223,15 +226,13 @@ def kernel_split(args, batches: list) -> dict:
     between the smallest and the largest batch."""
     got = {}
     for b in batches:
-        step = CoreStep(
-            _config(args), b, MODES, "cuda", attention=args.attention, misses=args.misses,
-            miss=args.miss,
-        )  # fmt: skip
+        step = _step(args, b, MODES)
         row = measure(step, args.rounds, args.steps)
         row["per_layer"] = {m: split_step(step, m, args.split_steps) for m in MODES}
         for m in MODES:
             row["per_layer"][m]["graph_us"] = round(row[f"{m}_ms_per_step"] * 1e3 / args.layers, 2)
         row["attention"] = step.core.attention
+        row["indexer"] = step.core.indexer
         row["misses_read"] = "in_read" if step.core.reads_misses(b) else "gather"
         got[b] = row
         print(json.dumps(row), flush=True)
@@ -296,6 +297,10 @@ def main(argv=None) -> int:
     p.add_argument(
         "--attention", choices=ATTENTION, default="auto",
         help="the core's sparse MLA; auto: FlashMLA where importable and faster, else bmm",
+    )  # fmt: skip
+    p.add_argument(
+        "--indexer", choices=INDEXER, default="auto",
+        help="the indexer's scores; auto: DeepGEMM's where importable and faster, else Triton",
     )  # fmt: skip
     p.add_argument(
         "--misses", choices=MISSES, default="auto",

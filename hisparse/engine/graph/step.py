@@ -111,6 +111,7 @@ class CoreStep:
         *,
         attention: str = "bmm",
         misses: str = "auto",
+        indexer: str = "auto",
         miss: float = 0.05,
     ) -> None:
         if not batch >= 1:
@@ -121,7 +122,9 @@ class CoreStep:
         dev = torch.device(device)
         self.cfg, self.batch, self.modes, self.device = cfg, batch, tuple(modes), dev
         self.dsa = cfg.dsa_config()
-        self.core = SparseMLACore(self.dsa, "fp8", dev, attention=attention, misses=misses)
+        self.core = SparseMLACore(
+            self.dsa, "fp8", dev, attention=attention, misses=misses, indexer=indexer
+        )
         g = torch.Generator(device=dev).manual_seed(cfg.seed + batch)
         self.layers = [Layer(self.core, cfg, batch, modes, g, dev) for _ in range(cfg.layers)]
         self.final_norm = torch.ones(cfg.hidden, dtype=DT, device=dev)

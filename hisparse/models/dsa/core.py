@@ -9,12 +9,13 @@ step has no Python loop over requests and reads nothing back to the host. Two ba
   top-k over exactly its own context, as transformers does: ``topk``'s choice among equal scores
   (ReLU zeros are common) depends on the length of the row it ranks.
 * ``triton`` (CUDA): the production formats' kernels (``hisparse.models.dsa.kernels``): the
-  paged FP8 indexer where keys are fp8; where rows are fp8, the one-pass FP8 row read with
-  batched products (``attention="bmm"``, which can also fetch a HiSparse step's misses), the
-  fused sparse MLA kernel (``"fused"``) or FlashMLA's decode where importable (``"flashmla"``;
-  ``"auto"`` measures it against "bmm"), the row encoding, and (``kernel_rows`` passed to the
-  projections) the norms and rotary embeddings in one launch each. Unquantized formats keep
-  the torch math on CUDA too: they exist to compare with references.
+  paged FP8 indexer where keys are fp8 (or DeepGEMM's paged logits where importable:
+  ``indexer="deepgemm"``; ``"auto"`` measures it first); where rows are fp8, the one-pass FP8
+  row read with batched products (``attention="bmm"``, which can also fetch a HiSparse step's
+  misses), the fused sparse MLA kernel (``"fused"``) or FlashMLA's decode where importable
+  (``"flashmla"``; ``"auto"`` measures it against "bmm"), the row encoding, and (``kernel_rows``
+  passed to the projections) the norms and rotary embeddings in one launch each. Unquantized
+  formats keep the torch math on CUDA too: they exist to compare with references.
 
 Resident and HiSparse attend through the same call on the same row bytes in the same order (the
 selection is sorted by position), so both modes give the same bits on one device. Which rows is
@@ -32,8 +33,8 @@ from hisparse.models.dsa import attention as mla
 from hisparse.models.dsa import index_keys
 from hisparse.models.dsa.config import DSAConfig
 from hisparse.models.dsa.indexer import causal_top_k
+from hisparse.models.dsa.kernels import deepgemm, flashmla
 from hisparse.models.dsa.kernels import elementwise as ew
-from hisparse.models.dsa.kernels import flashmla
 from hisparse.models.dsa.kernels import indexer as idx_kernel
 from hisparse.models.dsa.kernels import misses as miss_kernel
 from hisparse.models.dsa.kernels import mla as mla_kernel
@@ -47,6 +48,7 @@ CHUNK_ELEMS = 1 << 24
 # Larger than any position: sorts padding (-1) after every selected position.
 _PAD_SORT = torch.iinfo(torch.int64).max
 ATTENTION = ("auto", "bmm", "fused", "flashmla")
+INDEXER = ("auto", "triton", "deepgemm")
 # How a HiSparse step's misses reach the row read: copied into the hot buffer by the resolve
 # op's gather first, or fetched by the row read itself (``kernels.misses``); "auto" takes the
 # in-read from IN_READ_FROM requests up, where it measured faster (docs/results.md).
@@ -68,6 +70,7 @@ class SparseMLACore:
         backend: str = "auto",
         attention: str = "auto",
         misses: str = "auto",
+        indexer: str = "auto",
     ) -> None:
         if row_format not in ROW_FORMATS:
             raise ValueError(f"row_format must be one of {sorted(ROW_FORMATS)}, got {row_format!r}")
@@ -79,6 +82,8 @@ class SparseMLACore:
             raise ValueError(f"attention must be one of {ATTENTION}, got {attention!r}")
         if misses not in MISSES:
             raise ValueError(f"misses must be one of {MISSES}, got {misses!r}")
+        if indexer not in INDEXER:
+            raise ValueError(f"indexer must be one of {INDEXER}, got {indexer!r}")
         can = row_kernels.available(device)
         if backend == "triton" and not can:
             raise ValueError(f"backend='triton' needs Triton and a CUDA device, not {device}")
@@ -100,6 +105,9 @@ class SparseMLACore:
             if self._flash is not None:
                 attention = flashmla.choose(device, cfg.num_heads, cfg.index_topk, _bmm_attention)
         self.attention = attention
+        self.indexer, self._scores_fn = deepgemm.pick(  # "auto": measured (deepgemm.choose)
+            indexer, self.kernel_index, cfg, device, idx_kernel.paged_scores
+        )
         self._splits: dict = {}  # kv_b_proj weight -> (W_uk, W_uv), kernel path
 
     def encode_rows(self, values: torch.Tensor) -> torch.Tensor:
@@ -132,9 +140,10 @@ class SparseMLACore:
             hw = head_w.float() * (cfg.index_n_heads**-0.5 * cfg.index_head_dim**-0.5)
             b = batch
             q16 = q.to(torch.bfloat16)  # read once per tile of keys: half the bytes of float32
-            scores = idx_kernel.paged_scores(
-                q16, hw, cache, b.block_table, b.block_size, b.req, b.positions
-            )
+            scores_fn = self._scores_fn  # DeepGEMM's SM90 kernel reads blocks of 64 keys only
+            if b.block_size != deepgemm.BLOCK:
+                scores_fn = idx_kernel.paged_scores
+            scores = scores_fn(q16, hw, cache, b.block_table, b.block_size, b.req, b.positions)
             # unsorted: the positions are sorted next; ranking the values too cost a sort
             best, idx = scores.topk(min(cfg.index_topk, scores.shape[1]), dim=-1, sorted=False)
             return select_kernel.selection_slots(

@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import importlib
 import logging
-import statistics
 from typing import Optional
 
 import torch
 
+from hisparse.models.dsa.kernels.probe import replay_us
 from hisparse.models.rows import LATENT_DIM
 
 log = logging.getLogger("hisparse")
@@ -101,7 +101,7 @@ def find() -> Optional[FlashMLADecode]:
     return None
 
 
-def choose(device, heads: int, top_k: int, bmm, reps: int = 20) -> str:
+def choose(device, heads: int, top_k: int, bmm) -> str:
     """ "flashmla" where a source exists and it beat ``bmm`` (the project's attention, called as
     ``bmm(q, src, ids, scale)``) at every probe batch, else "bmm"; measured once per device and
     shape, said in one log line."""
@@ -113,7 +113,7 @@ def choose(device, heads: int, top_k: int, bmm, reps: int = 20) -> str:
         log.info("hisparse: sparse MLA by the Triton kernels (no FlashMLA importable)")
         _CHOICE[key] = "bmm"
         return "bmm"
-    times = {b: _probe(flash, bmm, device, heads, top_k, b, reps) for b in PROBE_BATCHES}
+    times = {b: _probe(flash, bmm, device, heads, top_k, b) for b in PROBE_BATCHES}
     won = all(f < t for f, t in times.values())
     _CHOICE[key] = "flashmla" if won else "bmm"
     said = ", ".join(f"{f:.0f} vs {t:.0f} us at batch {b}" for b, (f, t) in times.items())
@@ -124,8 +124,8 @@ def choose(device, heads: int, top_k: int, bmm, reps: int = 20) -> str:
     return _CHOICE[key]
 
 
-def _probe(flash, bmm, device, heads, top_k, batch, reps) -> tuple:
-    """Median microseconds of (FlashMLA, bmm) on random rows, ``top_k`` of 4 x ``top_k`` each."""
+def _probe(flash, bmm, device, heads, top_k, batch) -> tuple:
+    """Replayed microseconds of (FlashMLA, bmm) on random rows, ``top_k`` of 4 x ``top_k`` each."""
     from hisparse.models.rows import encode_rows
 
     g = torch.Generator(device=device).manual_seed(0)
@@ -133,15 +133,4 @@ def _probe(flash, bmm, device, heads, top_k, batch, reps) -> tuple:
     src = encode_rows(torch.randn(n_rows, 576, device=device, generator=g), "fp8")
     ids = torch.randperm(n_rows, device=device, generator=g)[: batch * top_k].view(batch, -1)
     q = torch.randn(batch, heads, 576, device=device, generator=g).bfloat16()
-    out = []
-    for fn in (flash, bmm):
-        fn(q, src, ids, 0.1)  # compile, plan
-        ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-              for _ in range(reps)]  # fmt: skip
-        for a, b in ev:
-            a.record()
-            fn(q, src, ids, 0.1)
-            b.record()
-        torch.cuda.synchronize(device)
-        out.append(statistics.median(a.elapsed_time(b) * 1e3 for a, b in ev))
-    return tuple(out)
+    return tuple(replay_us(lambda fn=fn: fn(q, src, ids, 0.1)) for fn in (flash, bmm))
