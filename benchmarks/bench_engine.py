@@ -1,39 +1,46 @@
-"""The headline: decode tokens/s against concurrency under one fixed GPU KV budget, on the
-reference engine: all KV resident, HiSparse always-host, and HiSparse hybrid residency, up to well
-past the point where resident runs out of memory. Every point runs --repeats times (default 3):
-median and min-max.
+"""The headline: decode tokens/s against concurrency under one fixed GPU KV budget, on the DSA
+engine (``hisparse.engine.dsa``: DeepSeek-V3.2 / GLM-5 checkpoints): all KV resident, HiSparse
+always-host, and HiSparse hybrid residency, up to the most requests HiSparse fits. Every point
+runs --repeats times (default 3): median and min-max.
 
-    # H200 (about 6 minutes with the defaults):
+    # H200 (about 4 minutes with the defaults):
     python benchmarks/bench_engine.py --device cuda
-    # CPU, small mode (CI-sized):
+    # CPU, small mode (CI-sized, well under a minute):
     python benchmarks/bench_engine.py --device cpu --small
 
-Method. One engine configuration; the GPU KV budget pays, per running request, for everything
-the engine keeps on the device for it: resident = every KV row of its context in every layer +
-its indexer keys; always-host = a hot buffer of `hot_size` rows and a device window of
-`recent_window` rows per layer + its indexer keys (the full KV sits in the pinned host pool);
-hybrid = device KV pages for as many requests as fit at full context, hot buffers + windows for
-the rest (`hot_slots`), indexer keys for all; what is left of the budget becomes more pages. The
-budget therefore fits `n_res` resident and `n_hs` HiSparse requests. At each concurrency c all c
-requests are admitted together (prefill), then decode to the end; decode tokens/s is measured over
-the decode-only steps (a device sync only where they start and end). Resident beyond `n_res` does
-not fit: the point is reported as out of memory, and a server would stay at its `n_res` plateau,
-so ratios past it are against resident's best median. Repeats are interleaved (mode by mode
-within each repeat) so that drift of a shared machine hits every mode alike. Parity: every run's
-tokens are compared with the first resident run at that level, or, past `n_res`, with the first
-always-host run (itself checked against resident where both fit).
-`--profile C` adds a torch.profiler breakdown of decode steps at concurrency C (where the step
-time goes). Writes benchmarks/results/<name>.json, .md and .png (after every level).
+The model: a seeded tiny checkpoint of --arch (``hisparse.models.dsa.random_checkpoint``: real
+latent sizes, 656-B FP8 rows, --layers layers, index top-k --top-k) written for the run, or
+--model DIR (a real or exported checkpoint). Every request has a prompt of --prompt-len byte
+tokens and decodes --output-len tokens; all c requests are admitted (one prefill per step)
+before the batch decodes, so every decode step decodes all c (``generate(prefill_first=True)``).
+
+Method. The GPU KV budget pays, per running request, for everything the engine keeps on the
+device for it (``hisparse.engine.dsa.budget``): resident = every row of its context in every
+layer + its index keys; always-host = a hot buffer of --hot-size rows per layer + its index keys
+(its rows sit in the pinned host pool); hybrid = hot buffers and index keys for every request
+(the store gives each a connector state row), and what is left of the budget as device blocks,
+where requests stay resident while they fit (spilled whole beyond). Each run's buffers are
+checked against this. Resident beyond its capacity does not fit: the point is reported as out of
+memory, and ratios past it are against resident's best median. Decode tokens/s is taken over the
+decode-only steps after the first two (``hisparse.engine.dsa.clock``: the first step of a batch
+size runs eagerly, the second captures its CUDA graph), a device sync only where they start and
+end. Resident and always-host replay CUDA graphs on CUDA (their best configuration); hybrid runs
+eagerly (the engine does not capture it); each row records which. Repeats are interleaved (mode
+by mode within each repeat) so that drift of a shared machine hits every mode alike. Parity:
+every run's tokens equal the first resident run's at that level, or, past resident's capacity,
+the first always-host run's. `--profile MODE:C` adds a torch.profiler breakdown of decode steps
+at concurrency C. Writes <out-dir>/<name>.json, .md and .png (after every level).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import math
 import os
 import platform
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -42,42 +49,30 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from hisparse.engine import EngineConfig, run_workload  # noqa: E402
+from hisparse.engine.dsa import generate as gen  # noqa: E402
+from hisparse.engine.dsa.budget import DeviceKV, context_rows  # noqa: E402
+from hisparse.engine.dsa.clock import UNTIMED_DECODES  # noqa: E402
 
-GPU_DEFAULTS = dict(
-    num_layers=8,
-    index_share=2,
-    hidden=64,
-    indexer_dim=16,
-    top_k=512,
-    hot_size=1024,
-    prompt_len=8192,
-    output_len=128,
-    recent_window=8,
-    drift=0.05,
-    metrics_interval=2000,
-    length_jitter=0.0,
+GPU = dict(
+    arch="deepseek_v32",
+    layers=4,
+    top_k=256,
+    hot_size=512,
+    prompt_len=4096,
+    output_len=64,
+    budget_gib=0.3,
+    concurrency=(1, 16),
 )
-GPU_BUDGET_GIB = 2.0
-GPU_CONCURRENCY = (1, 16, 128)  # plus both capacities (44 and 221 with the defaults)
-SMALL_DEFAULTS = dict(
-    num_layers=4,
-    index_share=2,
-    hidden=32,
-    indexer_dim=16,
-    top_k=32,
-    hot_size=64,
-    prompt_len=256,
-    output_len=32,
-    recent_window=8,
-    drift=0.05,
-    metrics_interval=2000,
-    length_jitter=0.0,
+SMALL = dict(
+    arch="deepseek_v32",
+    layers=4,
+    top_k=16,
+    hot_size=32,
+    prompt_len=96,
+    output_len=16,
+    budget_gib=1.5 / 1024,
+    concurrency=(1, 2, 8),
 )
-SMALL_BUDGET_GIB = 4.0 / 1024
-SMALL_CONCURRENCY = (1, 2, 4, 8, 16)
-
-
 MODES = ("resident", "hisparse", "hybrid")  # "hisparse" = always-host (the name older results use)
 LABELS = {
     "resident": "all KV resident",
@@ -101,91 +96,80 @@ def _git_commit() -> str:
         return "unknown"
 
 
-def indexer_bytes(cfg: EngineConfig) -> int:
-    return cfg.max_context * cfg.num_groups * cfg.indexer_dim * (8 if cfg.dtype == "float64" else 4)
+def load_model(args, device: torch.device):
+    """The checkpoint: --model, or a seeded tiny one of --arch written to a temporary dir."""
+    from hisparse.models.dsa.random_checkpoint import write_random_checkpoint
+    from hisparse.models.dsa.weights import load_checkpoint
+
+    if args.model:
+        return load_checkpoint(args.model, device)
+    with tempfile.TemporaryDirectory(prefix="bench_engine_") as tmp:
+        ctx = context_rows(args.prompt_len + args.output_len)
+        d = write_random_checkpoint(
+            tmp, args.arch, seed=0, num_hidden_layers=args.layers, index_topk=args.top_k,
+            max_position_embeddings=ctx,
+        )  # fmt: skip
+        return load_checkpoint(d, device)
 
 
-def per_request_device_bytes(cfg: EngineConfig, mode: str) -> int:
-    """Device bytes the engine allocates per state row (= per running request), resident or
-    always-host."""
-    if mode == "resident":
-        return cfg.max_context * cfg.num_layers * cfg.row_bytes + indexer_bytes(cfg)
-    window = max(1, cfg.recent_window)
-    return cfg.num_layers * (cfg.hot_size + window) * cfg.row_bytes + indexer_bytes(cfg)
+def prompts(ck, count: int, length: int):
+    """``count`` prompts of ``length`` byte tokens, each its own text at its own offset."""
+    out = []
+    for i in range(count):
+        text = gen.TEXTS[i % len(gen.TEXTS)].encode()
+        data = text * (length // len(text) + 2)
+        start = (13 * i) % len(text)
+        out.append([b % ck.spec.vocab_size for b in data[start : start + length]])
+    return out
 
 
-def hybrid_sizing(cfg: EngineConfig, c: int, budget: int):
-    """(device_pages, hot_slots) for c requests under the budget: as many requests as fit at
-    full context get pages, the rest hot buffers; the remainder of the budget becomes pages.
-    None when not even all-hot fits."""
-    L, rb, bs = cfg.num_layers, cfg.row_bytes, cfg.block_size
-    page = bs * L * rb
-    hot = L * (cfg.hot_size + max(1, cfg.recent_window)) * rb
-    full = cfg.pages_per_request * page
-    kv = budget - c * indexer_bytes(cfg)
-    if kv < c * hot:
-        return None
-    r = min(c, (kv - c * hot) // (full - hot)) if full > hot else c
-    slots = c - r
-    pages = (kv - slots * hot) // page
-    return int(pages), int(slots)
-
-
-def engine_config(cfg: EngineConfig, mode: str, c: int, budget: int) -> EngineConfig:
-    c_cfg = cfg.replace(num_requests=c, max_running=c)
-    if mode == "hybrid":
-        pages, slots = hybrid_sizing(cfg, c, budget)
-        return c_cfg.replace(residency="hybrid", device_pages=pages, hot_slots=slots)
-    return c_cfg
-
-
-def run_point(cfg: EngineConfig, mode: str, c: int, device: str, budget: int):
-    c_cfg = engine_config(cfg, mode, c, budget)
-    r = run_workload(c_cfg, mode="resident" if mode == "resident" else "hisparse", device=device)
-    s = r.stats
-    used = s.device_kv_bytes + s.indexer_bytes
-    if mode == "hybrid":
-        assert used <= budget, (used, budget, c)
-    else:
-        assert used == c * per_request_device_bytes(cfg, mode), (used, c, mode)
+def run_point(ck, args, mode: str, c: int, device, kv: DeviceKV, budget: int):
+    blocks = kv.hybrid_blocks(c, budget) if mode == "hybrid" else None
+    g = gen.generate(
+        ck,
+        mode,
+        args.row_format,
+        device,
+        prompts(ck, c, args.prompt_len),
+        args.output_len,
+        args.hot_size,
+        device_blocks=blocks,
+        prefill_first=True,
+    )
+    used = sum(g.device_bytes.values())
+    want = kv.total(mode, c, blocks or 0)
+    assert used == want <= budget, (mode, c, used, want, budget)  # the accounting is the run's
+    assert g.decode_steps == args.output_len - 1 - UNTIMED_DECODES, g.decode_steps
+    assert g.decode_tokens == c * g.decode_steps, (g.decode_tokens, c)
+    hits, misses = g.counters.get("hits", 0), g.counters.get("misses", 0)
     row = dict(
         mode=mode,
         concurrency=c,
         status="ok",
-        decode_tokens_per_s=s.decode_tokens_per_s,
-        tokens_per_s=s.tokens_per_s,
-        wall_s=s.wall_s,
-        decode_wall_s=s.decode_wall_s,
-        steps=s.steps,
+        decode_tokens_per_s=g.decode_tokens / g.decode_seconds,
+        decode_s=g.decode_seconds,
+        decode_steps=g.decode_steps,
+        wall_s=g.seconds,
         device_bytes=used,
-        hit_rate=s.hit_rate if mode != "resident" else None,
-        h2d_bytes=s.host_to_device_bytes,
-        host_pool_bytes=s.host_pool_bytes,
-        topk_overlap=s.topk_overlap,
-        generated_tokens=s.generated_tokens,
+        execution="graphs" if g.graph_replays else "eager",
+        graph_replays=g.graph_replays,
+        hit_rate=hits / (hits + misses) if hits + misses else None,
+        h2d_bytes=g.counters.get("host_to_device_bytes", 0),
     )
     if mode == "hybrid":
-        row.update(
-            device_pages=c_cfg.device_pages,
-            hot_slots=c_cfg.hot_slots,
-            spilled_requests=s.spilled_requests,
-            mid_request_spills=s.mid_request_spills,
-            returned_requests=s.returned_requests,
-            spilled_bytes=s.spilled_bytes,
-            peak_spilled=s.peak_spilled,
-        )
-    return row, r.tokens
+        keep = ("spills", "spilled_requests", "returns", "peak_spilled")
+        row.update(device_blocks=blocks, **{k: g.counters.get(k, 0) for k in keep})
+    return row, g.tokens
 
 
 def summarize(res: dict) -> dict:
     """Per (mode, level): median, min, max of decode tok/s over the repeats."""
     out: dict = {}
     for row in res["rows"]:
-        if row["status"] != "ok":
-            continue
-        out.setdefault(row["mode"], {}).setdefault(row["concurrency"], []).append(
-            row["decode_tokens_per_s"]
-        )
+        if row["status"] == "ok":
+            out.setdefault(row["mode"], {}).setdefault(row["concurrency"], []).append(
+                row["decode_tokens_per_s"]
+            )
     return {
         m: {
             c: dict(median=statistics.median(v), min=min(v), max=max(v), n=len(v))
@@ -195,89 +179,96 @@ def summarize(res: dict) -> dict:
     }
 
 
-def _cell(st) -> str:
-    if st is None:
-        return "out of memory"
-    return f"{st['median']:,.0f} ({st['min']:,.0f}–{st['max']:,.0f})"
+def ratios(res: dict) -> dict:
+    """Per level: each HiSparse mode's median ÷ resident's median at that level (where resident
+    fits) or resident's best median (beyond), and the per-repeat range where both ran."""
+    summ = summarize(res)
+    rs = summ.get("resident", {})
+    best = max((v["median"] for v in rs.values()), default=None)
+    by = {
+        (r["mode"], r["concurrency"], r.get("repeat")): r["decode_tokens_per_s"]
+        for r in res["rows"]
+        if r["status"] == "ok"
+    }
+    out: dict = {}
+    for m in ("hybrid", "hisparse"):
+        for c, st in summ.get(m, {}).items():
+            ref = rs[c]["median"] if c in rs else best
+            if not ref:
+                continue
+            per = [
+                by[m, c, k] / by["resident", c, k]
+                for k in range(res["repeats"])
+                if (m, c, k) in by and ("resident", c, k) in by
+            ]
+            out.setdefault(str(c), {})[f"{m}/resident"] = dict(
+                median=st["median"] / ref,
+                against="same level" if c in rs else "resident's best",
+                per_repeat_min=min(per, default=None),
+                per_repeat_max=max(per, default=None),
+            )
+    return out
 
 
 def markdown(res: dict) -> str:
-    cfg = res["config"]
-    summ = summarize(res)
-    cap = res["capacity"]
-    best_res = max((v["median"] for v in summ.get("resident", {}).values()), default=0.0)
+    cfg, cap, summ, rat = res["config"], res["capacity"], summarize(res), res["ratios"]
+    ex = {
+        m: sorted({r["execution"] for r in res["rows"] if r["mode"] == m and "execution" in r})
+        for m in MODES
+    }
+    runs = ", ".join(f"{LABELS[m]} {'/'.join(e)}" for m, e in ex.items() if e)
     lines = [
-        f"# Decode throughput vs concurrency under a {res['budget_gib']:g} GiB device KV budget",
+        f"# DSA engine: decode throughput vs concurrency under a {_size(res['budget_bytes'])} device KV budget",
         "",
         f"{res['env']['device_name']} ({res['device']}), torch {res['env']['torch']}, {res['env']['when']}, "
-        f"commit {res['env'].get('commit', 'unknown')}. "
-        f"Engine: {cfg['num_layers']} layers (index share {cfg['index_share']}), top-k {cfg['top_k']}, "
-        f"hot buffer {cfg['hot_size']} rows, {res['row_bytes']}-B rows, prompt {cfg['prompt_len']}, "
-        f"output {cfg['output_len']} tokens.",
+        f"commit {res['env']['commit']}. Model: {cfg['model']} ({cfg['arch']}, {cfg['layers']} layers, "
+        f"{cfg['full_layers']} with an indexer), index top-k {cfg['top_k']}, hot buffer {cfg['hot_size']} rows, "
+        f"{cfg['row_format']} rows ({cfg['row_bytes']} B), {cfg['key_bytes']}-B index keys, prompt "
+        f"{cfg['prompt_len']}, output {cfg['output_len']} tokens.",
         f"Per request on the device: resident {res['per_request_bytes']['resident'] / 2**20:.2f} MiB, "
-        f"HiSparse {res['per_request_bytes']['hisparse'] / 2**20:.2f} MiB, so the budget fits "
-        f"**{cap['resident']}** resident and **{cap['hisparse']}** HiSparse requests. Hybrid keeps as many "
-        "requests in device pages as fit at full context and gives the rest hot buffers.",
+        f"HiSparse {res['per_request_bytes']['hisparse'] / 2**20:.2f} MiB (hot buffers + index keys), so the "
+        f"budget fits **{cap['resident']}** resident and **{cap['hisparse']}** HiSparse requests. Hybrid gets "
+        "hot buffers and keys for every request and the rest of the budget as device blocks.",
+        f"Decode steps ran: {runs} (graphs = CUDA graph replays; hybrid is eager-only).",
         "",
-        f"Decode tokens/s, median (min–max) of {res['repeats']} runs per point; ratios are of medians, "
-        f"against resident at the same concurrency where it fits and against resident's best median "
-        f"({best_res:,.0f} tok/s) beyond.",
+        f"Decode tokens/s over the decode-only steps after the first {UNTIMED_DECODES}, median (min–max) of "
+        f"{res['repeats']} runs per point; ratios are of medians against resident at the same concurrency "
+        "where it fits (per-repeat range in brackets), against resident's best median beyond.",
         "",
         "| concurrency | resident | always-host | hybrid | hybrid ÷ resident | always-host ÷ resident "
-        "| hybrid: paged / hot slots, requests spilled | hit rate (host, hybrid) | parity |",
+        "| hybrid: blocks, peak spilled | hit rate (host, hybrid) | parity |",
         "|---:|---:|---:|---:|---:|---:|---:|---:|:---:|",
     ]
-    levels = sorted({row["concurrency"] for row in res["rows"]})
-    for c in levels:
-        r, h, y = (summ.get(m, {}).get(c) for m in MODES)
-        ref = r["median"] if r else best_res
-
-        def ratio(x):
-            return f"{x['median'] / ref:.2f}×" if x and ref else "-"
-
-        hy_rows = [
-            x
-            for x in res["rows"]
-            if x["mode"] == "hybrid" and x["concurrency"] == c and x["status"] == "ok"
+    for c in sorted({r["concurrency"] for r in res["rows"]}):
+        cells = [_cell(summ.get(m, {}).get(c)) if m in res["modes"] else "not run" for m in MODES]
+        rr = [_ratio(rat.get(str(c), {}).get(f"{m}/resident")) for m in ("hybrid", "hisparse")]
+        ok = [r for r in res["rows"] if r["concurrency"] == c and r["status"] == "ok"]
+        hy = [r for r in ok if r["mode"] == "hybrid"]
+        split = f"{hy[0]['device_blocks']}, {max(r['peak_spilled'] for r in hy)}" if hy else "-"
+        hr = [
+            [r["hit_rate"] for r in ok if r["mode"] == m and r["hit_rate"] is not None]
+            for m in ("hisparse", "hybrid")
         ]
-        split = "-"
-        if hy_rows:
-            x = hy_rows[0]
-            split = f"{c - x['hot_slots']} / {x['hot_slots']}, {x['spilled_requests']}"
-        hrs = []
-        for m in ("hisparse", "hybrid"):
-            hr = [
-                x["hit_rate"]
-                for x in res["rows"]
-                if x["mode"] == m
-                and x["concurrency"] == c
-                and x["status"] == "ok"
-                and x["hit_rate"] is not None
-            ]
-            hrs.append(
-                f"{100 * hr[0]:.1f} %"
-                if hr and (m == "hisparse" or hy_rows and hy_rows[0]["hot_slots"])
-                else "-"
-            )
+        hrs = ", ".join(f"{100 * statistics.median(h):.1f} %" if h else "-" for h in hr)
         par = res["parity"].get(str(c))
         ps = "-" if par is None else ("OK" if par else "FAILED")
-        lines.append(
-            f"| {c} | {_cell(r)} | {_cell(h)} | {_cell(y)} | {ratio(y)} | {ratio(h)} | {split} "
-            f"| {hrs[0]}, {hrs[1]} | {ps} |"
-        )
-    top = {m: max(summ.get(m, {}).values(), key=lambda v: v["median"], default=None) for m in MODES}
-    if best_res and (top["hisparse"] or top["hybrid"]):
-        best = [f"resident {best_res:,.0f} tok/s"]
-        for m, label in (("hisparse", "always-host"), ("hybrid", "hybrid")):
-            if top[m]:
-                v = top[m]["median"]
-                best.append(f"{label} {v:,.0f} tok/s (**{v / best_res:.2f}×**)")
-        lines += ["", "Best medians: " + ", ".join(best) + "."]
+        lines.append(f"| {c} | {' | '.join(cells)} | {' | '.join(rr)} | {split} | {hrs} | {ps} |")
+    fit = [
+        v["hybrid/resident"]
+        for c, v in rat.items()
+        if "hybrid/resident" in v and v["hybrid/resident"]["against"] == "same level"
+    ]
+    if fit:
+        lo = min(x["median"] for x in fit)
+        lines += [
+            "",
+            f"Hybrid ÷ resident where resident fits: {lo:.2f}× at worst (the issue's target: ≥ 0.95×).",
+        ]
     steps = {}
-    for x in res["rows"]:
-        if x["status"] == "ok" and x.get("decode_wall_s") and x.get("steps", 0) > 1:
-            steps.setdefault((x["mode"], x["concurrency"]), []).append(
-                1e3 * x["decode_wall_s"] / (x["steps"] - 1)
+    for r in res["rows"]:
+        if r["status"] == "ok":
+            steps.setdefault((r["mode"], r["concurrency"]), []).append(
+                1e3 * r["decode_s"] / r["decode_steps"]
             )
     if steps:
         lines += [
@@ -287,27 +278,42 @@ def markdown(res: dict) -> str:
             "| concurrency | " + " | ".join(LABELS[m] for m in MODES) + " |",
             "|---:|" + "---:|" * len(MODES),
         ]
-        for c in levels:
+        for c in sorted({c for _, c in steps}):
             cells = [
-                f"{statistics.median(steps[(m, c)]):.1f}" if (m, c) in steps else "-" for m in MODES
+                f"{statistics.median(steps[m, c]):.2f}" if (m, c) in steps else "-" for m in MODES
             ]
             lines.append(f"| {c} | " + " | ".join(cells) + " |")
-    for note in res.get("notes", []):
-        lines += ["", note]
-    if res.get("profile"):
-        lines += ["", "## Where a decode step's time goes", ""]
-        for p in res["profile"]:
-            lines += [
-                f"### {LABELS[p['mode']]}, concurrency {p['concurrency']}: {p['steps']} decode steps, "
-                f"{p['wall_ms_per_step']:.2f} ms wall per step, {p['device_ms_per_step']:.2f} ms of "
-                f"device kernels+copies per step, {p['host_ops_per_step']:.0f} host-side ops per step",
-                "",
-                "```",
-                p["table"],
-                "```",
-                "",
-            ]
+    for p in res.get("profile", []):
+        lines += [
+            "",
+            f"## {LABELS[p['mode']]}, concurrency {p['concurrency']}: {p['steps']} decode steps, "
+            f"{p['wall_ms_per_step']:.2f} ms wall and {p['device_ms_per_step']:.2f} ms of device work per step",
+            "",
+            "```",
+            p["table"],
+            "```",
+        ]
     return "\n".join(lines) + "\n"
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**30:g} GiB" if n >= 2**30 else f"{n / 2**20:g} MiB"
+
+
+def _cell(st) -> str:
+    return (
+        "out of memory"
+        if st is None
+        else f"{st['median']:,.0f} ({st['min']:,.0f}–{st['max']:,.0f})"
+    )
+
+
+def _ratio(r) -> str:
+    if not r:
+        return "-"
+    if r["per_repeat_min"] is None:
+        return f"{r['median']:.2f}×"
+    return f"{r['median']:.2f}× ({r['per_repeat_min']:.2f}–{r['per_repeat_max']:.2f})"
 
 
 def plot(res: dict, path: str) -> None:
@@ -321,51 +327,31 @@ def plot(res: dict, path: str) -> None:
     colors = {"resident": "tab:grey", "hisparse": "tab:blue", "hybrid": "tab:green"}
     for mode in MODES:
         pts = sorted(summ.get(mode, {}).items())
-        if not pts:
-            continue
-        cs = [c for c, _ in pts]
-        med = [v["median"] for _, v in pts]
-        lo = [v["median"] - v["min"] for _, v in pts]
-        hi = [v["max"] - v["median"] for _, v in pts]
-        ax.errorbar(
-            cs,
-            med,
-            yerr=[lo, hi],
-            fmt="o-",
-            color=colors[mode],
-            capsize=3,
-            label=f"{LABELS[mode]} (median, min–max)",
-        )
+        if pts:
+            med = [v["median"] for _, v in pts]
+            err = [
+                [v["median"] - v["min"] for _, v in pts],
+                [v["max"] - v["median"] for _, v in pts],
+            ]
+            ax.errorbar(
+                [c for c, _ in pts],
+                med,
+                yerr=err,
+                fmt="o-",
+                color=colors[mode],
+                capsize=3,
+                label=f"{LABELS[mode]} (median, min–max)",
+            )
     n_res = res["capacity"]["resident"]
-    rs = summ.get("resident", {})
-    cs_all = sorted({x["concurrency"] for x in res["rows"]})
-    if rs and cs_all and cs_all[-1] > n_res:
-        best = max(v["median"] for v in rs.values())
-        ax.plot(
-            [n_res, cs_all[-1]],
-            [best] * 2,
-            "--",
-            color="tab:grey",
-            lw=1,
-            label=f"resident capped at {n_res} running (KV budget)",
-        )
-        ax.plot(
-            [n_res, cs_all[-1]],
-            [3 * best] * 2,
-            ":",
-            color="tab:red",
-            lw=1,
-            label="3× resident's best",
-        )
     if n_res:
-        ax.axvline(n_res, color="tab:red", lw=0.8, ls=":")
+        ax.axvline(n_res, color="tab:red", lw=0.8, ls=":", label=f"resident's capacity ({n_res})")
     ax.set_xscale("log", base=2)
-    ax.set_xlabel("concurrent requests")
-    ax.set_ylabel("decode tokens/s")
+    ax.set(xlabel="concurrent requests", ylabel="decode tokens/s")
     ax.set_ylim(bottom=0)
+    cfg = res["config"]
     ax.set_title(
-        f"Reference engine, {res['budget_gib']:g} GiB device KV budget "
-        f"({res['env']['device_name']}), {res['repeats']} runs per point",
+        f"DSA engine ({cfg['arch']}, {cfg['layers']} layers, prompt {cfg['prompt_len']}), "
+        f"{_size(res['budget_bytes'])} KV budget ({res['env']['device_name']})",
         fontsize=9,
     )
     ax.legend(fontsize=7, loc="upper left")
@@ -375,6 +361,9 @@ def plot(res: dict, path: str) -> None:
 
 
 def write(res: dict, stem: str) -> str:
+    import json
+
+    res["ratios"] = ratios(res)
     with open(stem + ".json", "w") as f:
         json.dump(res, f, indent=1)
     md = markdown(res)
@@ -384,65 +373,67 @@ def write(res: dict, stem: str) -> str:
     return md
 
 
-def profile_point(
-    cfg: EngineConfig, mode: str, c: int, device: str, budget: int, steps: int = 24
-) -> dict:
-    """torch.profiler over `steps` decode steps (after the prefill step) at concurrency c."""
+def profile_point(ck, args, mode: str, c: int, device, kv: DeviceKV, budget: int, steps=16):
+    """torch.profiler over ``steps`` timed decode steps at concurrency c."""
     from torch.profiler import ProfilerActivity, profile
 
-    c_cfg = engine_config(cfg, mode, c, budget)
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
-    prof = profile(activities=acts)
-    state = {"step": 0, "t0": None, "t1": None}
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    prof, n, t = profile(activities=acts), [0], []
+    first = c + UNTIMED_DECODES  # the prefills, then the untimed decodes
 
-    def on_step(_tokens):
-        state["step"] += 1
-        if state["step"] == 2:  # after the prefill step and one decode step
-            if device == "cuda":
-                torch.cuda.synchronize()
-            prof.start()
-            state["t0"] = time.perf_counter()
-        elif state["step"] == 2 + steps:
-            if device == "cuda":
-                torch.cuda.synchronize()
-            state["t1"] = time.perf_counter()
-            prof.stop()
+    def hook(fn):
+        if n[0] in (first, first + steps):
+            torch.cuda.synchronize() if device.type == "cuda" else None
+            t.append(time.perf_counter())
+            prof.start() if n[0] == first else prof.stop()
+        n[0] += 1
+        return fn()
 
-    run_workload(
-        c_cfg.replace(output_len=steps + 4),
-        mode="resident" if mode == "resident" else "hisparse",
-        device=device,
-        progress=on_step,
+    blocks = kv.hybrid_blocks(c, budget) if mode == "hybrid" else None
+    gen.generate(
+        ck,
+        mode,
+        args.row_format,
+        device,
+        prompts(ck, c, args.prompt_len),
+        UNTIMED_DECODES + steps + 2,
+        args.hot_size,
+        device_blocks=blocks,
+        prefill_first=True,
+        step_hook=hook,
     )
     ka = prof.key_averages()
-    dev_attr = (
-        "self_device_time_total"
-        if hasattr(ka[0], "self_device_time_total")
-        else "self_cuda_time_total"
-    )
-    dev_us = sum(getattr(e, dev_attr, 0) for e in ka)
-    n_ops = sum(e.count for e in ka if not e.key.startswith(("cuda", "Memcpy", "Memset")))
-    sort = "self_device_time_total" if device == "cuda" else "self_cpu_time_total"
-    try:
-        table = ka.table(sort_by=sort, row_limit=18, max_name_column_width=48)
-    except Exception:
-        table = ka.table(sort_by="self_cpu_time_total", row_limit=18, max_name_column_width=48)
-    wall = (state["t1"] - state["t0"]) if state["t1"] else float("nan")
+    dev = sum(getattr(e, "self_device_time_total", 0) for e in ka)
+    sort = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
     return dict(
         mode=mode,
         concurrency=c,
         steps=steps,
-        wall_ms_per_step=1e3 * wall / steps,
-        device_ms_per_step=dev_us / 1e3 / steps,
-        host_ops_per_step=n_ops / steps,
-        table=table,
+        wall_ms_per_step=1e3 * (t[1] - t[0]) / steps,
+        device_ms_per_step=dev / 1e3 / steps,
+        table=ka.table(sort_by=sort, row_limit=18, max_name_column_width=48),
     )
 
 
-def main(argv=None) -> int:
+def parse(argv):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cuda")
     ap.add_argument("--small", action="store_true", help="the small CPU-sized configuration")
+    ap.add_argument(
+        "--model", default=None, help="a DSA checkpoint directory (default: a tiny seeded one)"
+    )
+    ap.add_argument(
+        "--arch",
+        choices=("deepseek_v32", "glm_moe_dsa"),
+        default=None,
+        help="the tiny checkpoint's",
+    )
+    ap.add_argument("--layers", type=int, default=None, help="the tiny checkpoint's layers")
+    ap.add_argument("--top-k", type=int, default=None, help="the tiny checkpoint's index top-k")
+    ap.add_argument("--row-format", choices=("fp8", "bf16", "f32"), default="fp8")
+    ap.add_argument("--hot-size", type=int, default=None)
+    ap.add_argument("--prompt-len", type=int, default=None)
+    ap.add_argument("--output-len", type=int, default=None)
     ap.add_argument("--budget-gib", type=float, default=None, help="device KV budget (GiB)")
     ap.add_argument(
         "--concurrency",
@@ -452,21 +443,14 @@ def main(argv=None) -> int:
     ap.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of {MODES}")
     ap.add_argument("--repeats", type=int, default=3, help="runs per point (default 3)")
     ap.add_argument(
-        "--max-seconds",
-        type=float,
-        default=None,
-        help="start no new level after this many seconds (the results so far are kept)",
+        "--max-seconds", type=float, default=None, help="start no new level after this many seconds"
     )
     ap.add_argument(
         "--profile",
         default=None,
         metavar="MODE:C,...",
-        help="after the sweep, profile decode steps of these points, e.g. resident:44,hybrid:221",
+        help="after the sweep, profile decode steps of these points",
     )
-    ap.add_argument("--prompt-len", type=int, default=None)
-    ap.add_argument("--output-len", type=int, default=None)
-    ap.add_argument("--top-k", type=int, default=None)
-    ap.add_argument("--hot-size", type=int, default=None)
     ap.add_argument("--out-dir", default=str(ROOT / "benchmarks" / "results"))
     ap.add_argument(
         "--name", default=None, help="output file stem (default engine_concurrency[_small])"
@@ -476,156 +460,180 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         ap.error("--device cuda: no CUDA GPU visible (use --device cpu --small)")
-    modes = tuple(m for m in MODES if m in args.modes.split(","))
-    if not modes or set(args.modes.split(",")) - set(MODES):
-        ap.error(f"--modes must be a comma-separated subset of {MODES}")
-    if args.repeats < 1:
-        ap.error("--repeats must be >= 1")
-    small = args.small or args.device == "cpu"
-    base = dict(SMALL_DEFAULTS if small else GPU_DEFAULTS)
-    for flag, key in (
-        ("prompt_len", "prompt_len"),
-        ("output_len", "output_len"),
-        ("top_k", "top_k"),
-        ("hot_size", "hot_size"),
+    args.small = args.small or args.device == "cpu"
+    if args.model and (args.arch or args.layers or args.top_k):
+        ap.error("--arch, --layers and --top-k shape the tiny checkpoint; --model brings its own")
+    given = args.concurrency
+    for k, v in (SMALL if args.small else GPU).items():
+        if getattr(args, k) is None and not (
+            args.model and k in ("arch", "layers", "top_k", "hot_size")
+        ):
+            setattr(args, k, v)
+    args.levels = tuple(int(x) for x in given.split(",")) if given else ()
+    args.modes = [m for m in MODES if m in args.modes.split(",")]
+    args.profile = [
+        (m, int(c)) for m, _, c in (x.partition(":") for x in (args.profile or "").split(",") if x)
+    ]
+    if (
+        not args.modes
+        or args.repeats < 1
+        or args.budget_gib <= 0
+        or any(c < 1 for c in args.levels)
     ):
-        v = getattr(args, flag)
-        if v is not None:
-            base[key] = v
-    budget_gib = (
-        args.budget_gib
-        if args.budget_gib is not None
-        else (SMALL_BUDGET_GIB if small else GPU_BUDGET_GIB)
+        ap.error(f"need a subset of {MODES}, --repeats >= 1, --budget-gib > 0, levels >= 1")
+    if args.output_len <= UNTIMED_DECODES + 1 or any(m not in MODES for m, _ in args.profile):
+        ap.error(
+            f"need --output-len > {UNTIMED_DECODES + 1} and --profile items MODE:C, MODE in {MODES}"
+        )
+    return args
+
+
+def setup(ck, args, device) -> dict:
+    """The run's record before any point: model, budget, capacities, environment."""
+    from hisparse.ops.limits import default_hot_size
+
+    args.hot_size = args.hot_size or default_hot_size(ck.cfg.index_topk)
+    if args.prompt_len + args.output_len > ck.spec.max_positions:
+        raise SystemExit(
+            f"prompt + output exceed the checkpoint's {ck.spec.max_positions} positions"
+        )
+    kv = DeviceKV.of(
+        ck.cfg, args.row_format, context_rows(args.prompt_len + args.output_len), args.hot_size
     )
-    if budget_gib <= 0:
-        ap.error("--budget-gib must be > 0")
-    levels = (
-        tuple(int(x) for x in args.concurrency.split(","))
-        if args.concurrency
-        else (SMALL_CONCURRENCY if small else GPU_CONCURRENCY)
+    budget = int(args.budget_gib * 2**30)
+    name = (
+        torch.cuda.get_device_name(0)
+        if device.type == "cuda"
+        else platform.processor() or platform.machine()
     )
-    if any(c < 1 for c in levels):
-        ap.error("--concurrency levels must be >= 1")
-    profile = []
-    for item in args.profile.split(",") if args.profile else []:
-        m, _, c = item.partition(":")
-        if m not in MODES or not c.isdigit() or int(c) < 1:
-            ap.error(f"--profile items are MODE:C with MODE in {MODES}, got {item!r}")
-        profile.append((m, int(c)))
+    config = dict(
+        model=args.model or "tiny seeded checkpoint (seed 0)",
+        arch=ck.cfg.arch,
+        layers=kv.layers,
+        full_layers=kv.full_layers,
+        top_k=ck.cfg.index_topk,
+        hot_size=args.hot_size,
+        row_format=args.row_format,
+        row_bytes=kv.row_bytes,
+        key_bytes=kv.key_bytes,
+        prompt_len=args.prompt_len,
+        output_len=args.output_len,
+        context=kv.context,
+    )
+    return (
+        dict(
+            engine="hisparse.engine.dsa",
+            device=args.device,
+            budget_gib=args.budget_gib,
+            budget_bytes=budget,
+            config=config,
+            per_request_bytes={m: kv.total(m, 1) for m in ("resident", "hisparse")},
+            capacity={m: kv.capacity(m, budget) for m in MODES},
+            repeats=args.repeats,
+            modes=args.modes,
+            untimed_decodes=UNTIMED_DECODES,
+            rows=[],
+            parity={},
+            profile=[],
+            env=dict(
+                torch=torch.__version__,
+                device_name=name,
+                threads=torch.get_num_threads(),
+                commit=_git_commit(),
+                when=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+            ),
+        ),
+        kv,
+        budget,
+    )
+
+
+def level(ck, args, device, kv, budget, res, c: int) -> None:
+    """Every mode at concurrency c, --repeats times interleaved; parity against the first run."""
+    fits = {m: c <= res["capacity"][m] for m in args.modes}
+    for m in args.modes:
+        if not fits[m]:
+            res["rows"].append(
+                dict(mode=m, concurrency=c, status="out of memory", decode_tokens_per_s=None)
+            )
+            print(f"  c={c:4d} {m:<8}: out of memory", flush=True)
+    ref, ok = None, True
+    for rep in range(args.repeats):
+        for m in (m for m in args.modes if fits[m]):
+            row, tokens = run_point(ck, args, m, c, device, kv, budget)
+            row["repeat"] = rep
+            res["rows"].append(row)
+            ref = tokens if ref is None else ref
+            if args.parity and tokens != ref:
+                ok = False
+                print(f"  c={c} {m} repeat {rep}: PARITY FAILED", flush=True)
+            hr = "" if row["hit_rate"] is None else f", hit rate {100 * row['hit_rate']:.1f} %"
+            hy = (
+                f", {row['device_blocks']} blocks, peak {row['peak_spilled']} spilled"
+                if m == "hybrid"
+                else ""
+            )
+            print(
+                f"  c={c:4d} {m:<8} #{rep}: {row['decode_tokens_per_s']:10,.0f} decode tok/s "
+                f"({row['execution']}, {row['wall_s']:.1f} s{hr}{hy})",
+                flush=True,
+            )
+    if args.parity and sum(fits.values()) >= 2:
+        res["parity"][str(c)] = ok
+
+
+def main(argv=None) -> int:
+    args = parse(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    cfg = EngineConfig(num_requests=1, max_running=1, **base)
-    budget = int(budget_gib * 2**30)
-    per = {m: per_request_device_bytes(cfg, m) for m in ("resident", "hisparse")}
-    cap = {m: budget // per[m] for m in per}
-    name = args.name or ("engine_concurrency_small" if small else "engine_concurrency")
-    if args.device == "cuda":
-        dev_name = torch.cuda.get_device_name(0)
-    else:
-        dev_name = platform.processor() or platform.machine()
-    res = dict(
-        device=args.device,
-        budget_gib=budget_gib,
-        config=cfg.to_dict(),
-        row_bytes=cfg.row_bytes,
-        per_request_bytes=per,
-        capacity=cap,
-        repeats=args.repeats,
-        modes=list(modes),
-        rows=[],
-        parity={},
-        profile=[],
-        env=dict(
-            torch=torch.__version__,
-            device_name=dev_name,
-            threads=torch.get_num_threads(),
-            commit=_git_commit(),
-            when=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        ),
-    )
+    device = torch.device(args.device)
+    ck = load_model(args, device)
+    res, kv, budget = setup(ck, args, device)
+    cap, per = res["capacity"], res["per_request_bytes"]
     print(
-        f"budget {budget_gib:g} GiB: resident fits {cap['resident']} requests "
-        f"({per['resident'] / 2**20:.2f} MiB each), HiSparse {cap['hisparse']} "
-        f"({per['hisparse'] / 2**20:.2f} MiB each)",
+        f"budget {_size(budget)}: resident fits {cap['resident']} requests ({per['resident'] / 2**20:.2f} MiB "
+        f"each), HiSparse {cap['hisparse']} ({per['hisparse'] / 2**20:.2f} MiB each)",
         flush=True,
     )
-    # warm-up (CUDA context, kernels, allocator) outside the measurements
-    warm = cfg.replace(prompt_len=min(cfg.prompt_len, 64), output_len=4)
-    for mode in modes:
-        run_workload(
-            engine_config(warm, mode, 2, budget) if mode == "hybrid" else warm,
-            mode="resident" if mode == "resident" else "hisparse",
-            device=args.device,
+    for m in args.modes:  # warm-up (kernels compiled, allocator, cuBLAS) outside the measurements
+        gen.generate(
+            ck,
+            m,
+            args.row_format,
+            device,
+            prompts(ck, 2, 2 * ck.cfg.index_topk),
+            UNTIMED_DECODES + 2,
+            args.hot_size,
+            device_blocks=64 if m == "hybrid" else None,
+            prefill_first=True,
         )
-    extra = {cap[m] for m in cap if 0 < cap[m]} if not args.concurrency else set()
+    extra = set() if args.levels else {cap[m] for m in ("resident", "hisparse") if cap[m] > 0}
     # the capacities (the headline points) first, so that --max-seconds drops the others
-    levels = sorted(extra, reverse=True) + sorted(set(levels) - extra)
+    levels = sorted(extra, reverse=True) + sorted(set(args.levels or args.concurrency) - extra)
     os.makedirs(args.out_dir, exist_ok=True)
-    stem = os.path.join(args.out_dir, name)
-    t_all = time.perf_counter()
-    md = ""
+    stem = os.path.join(
+        args.out_dir,
+        args.name or ("engine_concurrency_small" if args.small else "engine_concurrency"),
+    )
+    t_all, md = time.perf_counter(), ""
     for c in levels:
         if args.max_seconds is not None and time.perf_counter() - t_all > args.max_seconds:
             print(f"  c={c}: skipped (--max-seconds {args.max_seconds:g} reached)", flush=True)
             res.setdefault("skipped_levels", []).append(c)
             continue
-        fits = {
-            m: (c <= cap["resident"] if m == "resident" else c <= cap["hisparse"]) for m in modes
-        }
-        for m in modes:
-            if not fits[m]:
-                res["rows"].append(
-                    dict(mode=m, concurrency=c, status="out of memory", decode_tokens_per_s=None)
-                )
-                print(f"  c={c:4d} {m:<8}: out of memory", flush=True)
-        ref_tokens, ok = None, True
-        for rep in range(args.repeats):
-            for m in modes:
-                if not fits[m]:
-                    continue
-                row, tokens = run_point(cfg, m, c, args.device, budget)
-                row["repeat"] = rep
-                res["rows"].append(row)
-                if args.parity:
-                    if ref_tokens is None:
-                        ref_tokens = tokens
-                    elif tokens != ref_tokens:
-                        ok = False
-                        print(f"  c={c} {m} repeat {rep}: PARITY FAILED", flush=True)
-                extra_s = ""
-                if row["hit_rate"] is not None and (m == "hisparse" or row.get("hot_slots")):
-                    extra_s = f", hit rate {100 * row['hit_rate']:.1f} %"
-                if m == "hybrid":
-                    extra_s += (
-                        f", {c - row['hot_slots']} paged / {row['hot_slots']} hot slots, "
-                        f"{row['spilled_requests']} spilled"
-                    )
-                print(
-                    f"  c={c:4d} {m:<8} #{rep}: {row['decode_tokens_per_s']:10,.0f} decode tok/s "
-                    f"({row['wall_s']:.1f} s{extra_s})",
-                    flush=True,
-                )
-        if args.parity and sum(fits.values()) >= 2:
-            res["parity"][str(c)] = ok
+        level(ck, args, device, kv, budget, res, c)
         res["total_s"] = time.perf_counter() - t_all
         md = write(res, stem)  # after every level: a cut-short run still leaves its results
-    for m, c in profile:
-        if c > (cap["resident"] if m == "resident" else cap["hisparse"]):
+    for m, c in args.profile:
+        if c > cap[m]:
             print(f"  profile c={c} {m}: does not fit the budget, skipped", flush=True)
             continue
-        p = profile_point(cfg, m, c, args.device, budget)
-        res["profile"].append(p)
-        print(
-            f"  profile c={c} {m}: {p['wall_ms_per_step']:.2f} ms/step wall, "
-            f"{p['device_ms_per_step']:.2f} ms/step device",
-            flush=True,
-        )
-        res["total_s"] = time.perf_counter() - t_all
+        res["profile"].append(profile_point(ck, args, m, c, device, kv, budget))
         md = write(res, stem)
-    print()
-    print(md)
+    print("\n" + md)
     print(f"wrote {stem}.json, .md, .png ({res.get('total_s', 0):.0f} s)")
-    return 0 if all(res["parity"].values()) else 1
+    ratios_ok = all(math.isfinite(v["median"]) for r in res["ratios"].values() for v in r.values())
+    return 0 if res["rows"] and all(res["parity"].values()) and ratios_ok else 1
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 
 import pytest
 
@@ -94,51 +95,67 @@ def test_bench_sweep_plot_and_json(tmp_path, capsys):
     assert all(0 < r["hit_rate"] < 1 for r in sweep)
 
 
-def test_bench_engine_small_mode(tmp_path):
+def _bench_engine():
     spec = importlib.util.spec_from_file_location(
         "bench_engine", ROOT / "benchmarks" / "bench_engine.py"
     )
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    rc = mod.main(
-        [
-            "--device",
-            "cpu",
-            "--small",
-            "--concurrency",
-            "1,8,16",
-            "--out-dir",
-            str(tmp_path),
-            "--name",
-            "t",
-        ]
-    )
-    assert rc == 0
+    return mod
+
+
+def test_bench_engine_small_mode(tmp_path):
+    """The headline benchmark's --small CPU run on the DSA engine: resident fits 2 requests but
+    not 8, HiSparse both; every run's device bytes match the budget's accounting (the script
+    asserts it), tokens agree at every level, the ratios against resident are finite."""
+    args = ["--device", "cpu", "--small", "--concurrency", "2,8", "--repeats", "2"]
+    assert _bench_engine().main([*args, "--out-dir", str(tmp_path), "--name", "t"]) == 0
     res = json.loads((tmp_path / "t.json").read_text())
+    assert res["engine"] == "hisparse.engine.dsa" and res["config"]["row_format"] == "fp8"
     cap = res["capacity"]
-    assert 1 <= cap["resident"] < 8 <= cap["hisparse"] < 16
-    rows = {(r["mode"], r["concurrency"]): r for r in res["rows"]}
-    assert rows[("resident", 8)]["status"] == "out of memory"
-    assert (
-        rows[("hisparse", 8)]["status"] == "ok" and rows[("hisparse", 8)]["decode_tokens_per_s"] > 0
-    )
-    assert rows[("hisparse", 16)]["status"] == "out of memory"
-    assert res["parity"] and all(res["parity"].values())
-    assert (tmp_path / "t.md").read_text().startswith("# Decode throughput")
+    assert 2 <= cap["resident"] < 8 <= cap["hisparse"] and cap["hybrid"] >= 8
+    ok = [r for r in res["rows"] if r["status"] == "ok"]
+    assert sorted({(r["mode"], r["concurrency"]) for r in ok}) == [
+        ("hisparse", 2), ("hisparse", 8), ("hybrid", 2), ("hybrid", 8), ("resident", 2),
+    ]  # fmt: skip
+    assert [
+        r["status"] for r in res["rows"] if r["mode"] == "resident" and r["concurrency"] == 8
+    ] == ["out of memory"]
+    assert len(ok) == 10 and {r["execution"] for r in ok} == {"eager"}  # no CUDA graphs on a CPU
+    for r in ok:
+        assert r["decode_tokens_per_s"] > 0 and r["device_bytes"] <= res["budget_bytes"]
+    hy8 = [r for r in ok if r["mode"] == "hybrid" and r["concurrency"] == 8]
+    assert all(r["peak_spilled"] > 0 for r in hy8)  # past resident's capacity hybrid spills
+    assert res["parity"] == {"2": True, "8": True}
+    rat = res["ratios"]
+    assert rat["2"]["hybrid/resident"]["against"] == "same level"
+    assert rat["8"]["hybrid/resident"]["against"] == "resident's best"
+    for level in rat.values():
+        for v in level.values():
+            assert math.isfinite(v["median"]) and v["median"] > 0, v
+    md = (tmp_path / "t.md").read_text()
+    assert md.startswith("# DSA engine: decode throughput") and "Hybrid ÷ resident where" in md
     assert (tmp_path / "t.png").stat().st_size > 1000
 
 
-def test_bench_engine_mode_subset_writes_its_table(tmp_path):
-    """A run of only some modes (e.g. resident against hybrid) still writes its markdown: the
-    best-medians line names only the modes that ran."""
-    spec = importlib.util.spec_from_file_location(
-        "bench_engine", ROOT / "benchmarks" / "bench_engine.py"
-    )
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    args = ["--device", "cpu", "--small", "--concurrency", "1,8", "--repeats", "1"]
+def test_bench_engine_parity_fails_a_run_whose_tokens_differ(tmp_path, monkeypatch):
+    """A mode subset writes its table with the other modes marked not run; a hybrid run whose
+    tokens differ from resident's fails the level's parity and the exit status."""
+    mod = _bench_engine()
+    real = mod.gen.generate
+
+    def tampered(ck, mode, *a, **k):
+        g = real(ck, mode, *a, **k)
+        if mode == "hybrid":
+            g.tokens[0][-1] += 1
+        return g
+
+    monkeypatch.setattr(mod.gen, "generate", tampered)
+    args = ["--device", "cpu", "--small", "--concurrency", "1", "--repeats", "1"]
     rc = mod.main([*args, "--modes", "resident,hybrid", "--out-dir", str(tmp_path), "--name", "s"])
-    assert rc == 0
+    assert rc == 1
+    res = json.loads((tmp_path / "s.json").read_text())
+    assert res["parity"] == {"1": False}
     md = (tmp_path / "s.md").read_text()
-    best = [line for line in md.splitlines() if line.startswith("Best medians:")]
-    assert len(best) == 1 and "hybrid" in best[0] and "always-host" not in best[0], best
+    row = next(line for line in md.splitlines() if line.startswith("| 1 |"))  # the main table
+    assert "not run" in row and row.endswith("| FAILED |"), row
