@@ -25,7 +25,7 @@ from typing import Dict, List, Optional
 import torch
 
 from hisparse.engine.dsa.residency import Residency
-from hisparse.engine.dsa.stores import BLOCK, HiSparseRows
+from hisparse.engine.dsa.stores import BLOCK, HiSparseRows, injected_fault, layer_buffers
 from hisparse.models.dsa.config import DSAConfig
 
 
@@ -81,13 +81,11 @@ class HybridRows(HiSparseRows):
         self.counts = dict.fromkeys(names + ("peak_spilled",), 0)
         self._conn_step = False
         self._plan: Optional[dict] = None
+        self.spill_fault = injected_fault("spill")  # a negative control's, never on otherwise
 
     def _kv_buffers(self, max_requests: int, hot_size: int, row_bytes: int) -> dict:
         rows = self.page_rows + max_requests * hot_size
-        return {
-            n: torch.zeros(rows, row_bytes, dtype=torch.uint8, device=self.device)
-            for n in self.names
-        }
+        return dict(zip(self.names, layer_buffers(len(self.names), rows, row_bytes, self.device)))
 
     # ---- each step, before the forward -------------------------------------------------
     def begin(self, scheduled: dict) -> List[int]:
@@ -195,8 +193,9 @@ class HybridRows(HiSparseRows):
         """A resident request's rows [0, held) of every layer, out of ``pages`` into the host
         pool through the connector's save."""
         n = self.held[s]
-        rows = [pages[p // BLOCK] * BLOCK + p % BLOCK for p in range(n)]
-        src, keys = self._upload([rows, self._keys(s, n)])
+        m = n - 1 if self.spill_fault else n  # stores.inject_faults: the last row never leaves
+        rows = [pages[p // BLOCK] * BLOCK + p % BLOCK for p in range(m)]
+        src, keys = self._upload([rows, self._keys(s, m)])
         for layer in range(self.cfg.num_layers):
             self._write_spill(layer, self.buffers[layer].index_select(0, src), keys)
         self.counts["spills"] += 1

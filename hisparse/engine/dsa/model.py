@@ -8,10 +8,16 @@ row format, their index keys to the layer's key cache, the top-k comes from the 
 indexer (full layers) or its index-group leader's (shared layers), and attention decodes exactly
 the bytes the store hands back. Request b's tokens have slots ``block[b] * max_context +
 position`` (one block of ``max_context`` per request).
+
+``observe`` is a test seam, off unless its block is active: the parity eval (``evals/parity``)
+records every layer's attention output and the final hidden states through it, to compare two
+runs bit for bit beyond their tokens.
 """
 
 from __future__ import annotations
 
+import contextlib
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import List, Optional, Union
 
@@ -35,6 +41,29 @@ class Decodes:
     tokens: int
     q: int = 1
     at: Optional[torch.Tensor] = None
+
+
+_OBSERVER: ContextVar = ContextVar("hisparse_dsa_step_observer", default=None)
+
+
+@contextlib.contextmanager
+def observe(observer):
+    """While the block is active every ``DSAForward.step`` calls ``observer.layer(i, out)`` with
+    layer i's attention output (after ``o_proj``, every token of the step in batch order) and
+    ``observer.final(hidden, store)`` with the final hidden state of each request's sampled
+    token. Eager steps only: a replayed CUDA graph calls nothing (``generate(graphs=False)``)."""
+    token = _OBSERVER.set(observer)
+    try:
+        yield observer
+    finally:
+        _OBSERVER.reset(token)
+
+
+def _observer():
+    obs = _OBSERVER.get()
+    if obs is not None and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError("observe(): a CUDA graph capture records nothing; run eagerly")
+    return obs
 
 
 def as_decodes(decodes: Union[int, Decodes]) -> Decodes:
@@ -92,18 +121,22 @@ class DSAForward:
         slots = batch.slots(batch.positions.view(-1, 1)).view(-1)
         rope = self.rotary(batch.positions)
         x = self.ck.embed[tokens]
-        sel = None
+        sel, obs = None, _observer()
         eps, fused = self.spec.rms_norm_eps, self.core.kernel_rows
         dense = self.device.type == "cuda"  # the MoE without host reads: capturable
         for i in range(self.cfg.num_layers):
             h = norm(x, self.ck.norms[i]["input_layernorm.weight"], eps, kernels=fused)
             o, sel = self._attention(i, h, rope, store, batch, slots, num_decodes, sel)
+            if obs is not None:
+                obs.layer(i, o)
             x = x + o
             post = self.ck.norms[i]["post_attention_layernorm.weight"]
             h = norm(x, post, eps, kernels=fused)
             w = self.ck.ffn[i]
             x = x + (mlp(h, w) if self.spec.dense[i] else moe(h, w, self.spec, dense=dense))
         out = norm(x[last], self.ck.norm, eps, kernels=fused)
+        if obs is not None:
+            obs.final(out, store)
         return linear(out, self.ck.lm_head)
 
     def _attention(self, i: int, h, rope, store, batch: TokenBatch, slots, nd, sel):

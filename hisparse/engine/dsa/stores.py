@@ -10,11 +10,16 @@
 Both hand attention (source rows, row ids) for the selected keys in the caller's order, so two
 runs agree bit for bit exactly when the rows are right. Keys are ``block * max_context +
 position``; a request's block is its slot in the resident store, its state row with HiSparse.
+
+``inject_faults`` is a test seam for the parity eval's negative controls (``evals/parity``): the
+faults exist to show that the eval would see them, and are off unless its block is active.
 """
 
 from __future__ import annotations
 
-from typing import List
+import contextlib
+from contextvars import ContextVar
+from typing import List, Optional
 
 import torch
 
@@ -22,6 +27,45 @@ from hisparse.models.dsa.config import DSAConfig
 from hisparse.models.dsa.union import token_ids, union_rows
 
 BLOCK = 16
+BINDING_FAULTS = ("base_offset",)
+SPILL_FAULTS = ("off_by_one",)
+_FAULTS: ContextVar = ContextVar("hisparse_dsa_faults", default=None)
+
+
+@contextlib.contextmanager
+def inject_faults(binding: Optional[str] = None, spill: Optional[str] = None):
+    """Stores built inside the block carry the faults. ``binding="base_offset"``: every layer's
+    row buffer is the first rows of one allocation (the upstream per-layer binding bug: layers
+    overwrite each other; the connector refuses such buffers at bind time, ``ResidentRows`` has
+    no such check). ``spill="off_by_one"``: a hybrid spill copies one row too few to the host
+    pool (``hybrid.HybridRows``)."""
+    if binding not in (None, *BINDING_FAULTS) or spill not in (None, *SPILL_FAULTS):
+        raise ValueError(
+            f"binding must be None or one of {BINDING_FAULTS}, spill None or one of "
+            f"{SPILL_FAULTS}; got {binding!r}, {spill!r}"
+        )
+    token = _FAULTS.set({"binding": binding, "spill": spill})
+    try:
+        yield
+    finally:
+        _FAULTS.reset(token)
+
+
+def injected_fault(kind: str) -> Optional[str]:
+    """The fault of ``kind`` ("binding", "spill") an active ``inject_faults`` sets, else None."""
+    faults = _FAULTS.get()
+    return faults[kind] if faults else None
+
+
+def layer_buffers(layers: int, rows: int, row_bytes: int, device: torch.device) -> list:
+    """Each layer's zeroed row buffer [rows, row_bytes] in an allocation of its own (under the
+    base-offset fault: all of them the same first rows of one allocation for every layer)."""
+    if injected_fault("binding") is None:
+        return [
+            torch.zeros(rows, row_bytes, dtype=torch.uint8, device=device) for _ in range(layers)
+        ]
+    raw = torch.zeros(layers * rows * row_bytes, dtype=torch.uint8, device=device)
+    return [raw[: rows * row_bytes].view(rows, row_bytes)] * layers
 
 
 def layer_names(n: int) -> List[str]:
@@ -49,10 +93,7 @@ class ResidentRows:
         max_requests: int = 1,
     ) -> None:
         self.max_context = max_context
-        self.rows = [
-            torch.zeros(max_requests * max_context, row_bytes, dtype=torch.uint8, device=device)
-            for _ in range(cfg.num_layers)
-        ]
+        self.rows = layer_buffers(cfg.num_layers, max_requests * max_context, row_bytes, device)
         self.free = list(range(max_requests))
         self.blocks: dict = {}
 
@@ -129,12 +170,8 @@ class HiSparseRows:
 
     def _kv_buffers(self, max_requests: int, hot_size: int, row_bytes: int) -> dict:
         """Each layer's registered row buffer: here its hot buffers only."""
-        return {
-            n: torch.zeros(
-                max_requests * hot_size, row_bytes, dtype=torch.uint8, device=self.device
-            )
-            for n in self.names
-        }
+        rows = max_requests * hot_size
+        return dict(zip(self.names, layer_buffers(len(self.names), rows, row_bytes, self.device)))
 
     def begin(self, scheduled: dict) -> List[int]:
         """A step of ``scheduled`` {request id: new tokens} (decodes first): each one's state
