@@ -4,8 +4,8 @@ The checkpoint is a tiny seeded one (``write_random_checkpoint``, the scenario's
 top-k and index groups), written once per (workload, seed) into the run's scratch directory;
 the prompts are seeded random byte tokens. A run goes through ``generate`` as any caller's
 does, eagerly (no CUDA graphs: the recorder sees every step), inside the engine's two test
-seams: ``model.observe`` (each layer's attention output, the final hidden states, the store's
-device rows) and, for a negative control, ``stores.inject_faults``.
+seams: ``model.observe`` (each layer's attention output, the final hidden states) and, for a
+negative control, ``stores.inject_faults``.
 """
 
 from __future__ import annotations
@@ -35,7 +35,9 @@ class Run:
     attention: Optional[Dict[int, torch.Tensor]] = None
     final_hidden: Optional[torch.Tensor] = None  # every step's sampled tokens [rows, hidden]
     counters: dict = field(default_factory=dict)  # the store's: connector and hybrid moves
-    device_kv_bytes: int = 0  # the store's device latent-row buffers (index keys not counted)
+    # the store's device row buffers (generate's budget.held: resident rows, or the buffers
+    # registered with the connector: hot buffers, hybrid's pages); index keys not counted
+    device_kv_bytes: int = 0
     seconds: float = 0.0
 
 
@@ -45,26 +47,12 @@ class _Recorder:
     def __init__(self) -> None:
         self.layers: Dict[int, List[torch.Tensor]] = {}
         self.hidden: List[torch.Tensor] = []
-        self.device_kv_bytes = 0
 
     def layer(self, i: int, out: torch.Tensor) -> None:
         self.layers.setdefault(i, []).append(out.detach().to("cpu", torch.float32, copy=True))
 
-    def final(self, hidden: torch.Tensor, store) -> None:
+    def final(self, hidden: torch.Tensor) -> None:
         self.hidden.append(hidden.detach().to("cpu", torch.float32, copy=True))
-        if not self.device_kv_bytes:
-            self.device_kv_bytes = device_kv_bytes(store)
-
-
-def device_kv_bytes(store) -> int:
-    """Bytes of the store's device row allocations: resident rows, or every buffer registered
-    with the connector (hot buffers; hybrid's pages too). Shared allocations count once."""
-    if hasattr(store, "worker"):
-        bufs = [store.worker.hot_rows(n) for n in store.names]
-    else:
-        bufs = store.rows
-    storages = {b.untyped_storage().data_ptr(): b.untyped_storage().nbytes() for b in bufs}
-    return sum(storages.values())
 
 
 def prompts(w: Workload, seed: int, vocab: int) -> List[List[int]]:
@@ -130,8 +118,8 @@ def run(
             device_blocks=w.device_blocks if mode == "hybrid" else None,
         )  # fmt: skip
     out = Run(mode, g.tokens, counters=dict(g.counters), seconds=time.monotonic() - t)
+    out.device_kv_bytes = int(g.device_bytes.get("rows", 0))
     if record:
         out.attention = {i: torch.cat(v) for i, v in sorted(rec.layers.items())}
         out.final_hidden = torch.cat(rec.hidden) if rec.hidden else None
-        out.device_kv_bytes = rec.device_kv_bytes
     return out

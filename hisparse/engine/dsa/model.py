@@ -50,8 +50,8 @@ _OBSERVER: ContextVar = ContextVar("hisparse_dsa_step_observer", default=None)
 def observe(observer):
     """While the block is active every ``DSAForward.step`` calls ``observer.layer(i, out)`` with
     layer i's attention output (after ``o_proj``, every token of the step in batch order) and
-    ``observer.final(hidden, store)`` with the final hidden state of each request's sampled
-    token. Eager steps only: a replayed CUDA graph calls nothing (``generate(graphs=False)``)."""
+    ``observer.final(hidden)`` with the final hidden state of each request's sampled token.
+    Eager steps only: a replayed CUDA graph calls nothing (``generate(graphs=False)``)."""
     token = _OBSERVER.set(observer)
     try:
         yield observer
@@ -136,7 +136,7 @@ class DSAForward:
             x = x + (mlp(h, w) if self.spec.dense[i] else moe(h, w, self.spec, dense=dense))
         out = norm(x[last], self.ck.norm, eps, kernels=fused)
         if obs is not None:
-            obs.final(out, store)
+            obs.final(out)
         return linear(out, self.ck.lm_head)
 
     def _attention(self, i: int, h, rope, store, batch: TokenBatch, slots, nd, sel):
