@@ -38,7 +38,8 @@ export HISPARSE_VLLM_CONFORMANCE=1 HISPARSE_VLLM_EXPECT_INSTALLED=1 HF_HUB_OFFLI
 export VLLM_TARGET_DEVICE=cpu
 "$VENV/bin/python" -m pytest -q -p no:cacheprovider "--confcutdir=$ROOT/tests/vllm_conformance" -s \
     "$ROOT/tests/vllm_conformance/test_vllm_pipeline.py" \
-    "$ROOT/tests/vllm_conformance/test_vllm_flashmla_api.py"
+    "$ROOT/tests/vllm_conformance/test_vllm_flashmla_api.py" \
+    "$ROOT/tests/vllm_conformance/test_vllm_deepgemm_api.py"
 rc=$?
 if [ $rc -ne 0 ]; then
     echo "VLLM 0.33 PIPELINE FAILED (pytest exit $rc)"

@@ -9,8 +9,10 @@
 # fused sparse-MLA kernel alone, then the step with it) and "flashmla" (FlashMLA's sparse FP8
 # decode built, its CUDA tests, then the core's step with it) and
 # "kernels" (FlashMLA and DeepGEMM built where not yet importable, the captured step's kernels by
-# category at 32k, then each kernel beside its baseline: kernels_vs_baselines_h200.{json,md});
-# each fits one 10-minute device call.
+# category at 32k, then each kernel beside its baseline: kernels_vs_baselines_h200.{json,md}) and
+# "external" (both built where not yet importable, their adapters' CUDA tests, then the step as
+# a CUDA vLLM user gets it: attention and indexer each chosen by measurement, split by category
+# and at capacity); each fits one 10-minute device call.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/hisparse-out}
@@ -97,6 +99,23 @@ if has kernels; then  # needs the sources under benchmarks/baselines/src (its RE
     --split "$OUT/kernel_split_h200.json" --json "$OUT/kernels_vs_baselines_h200.json" \
     --md "$OUT/kernels_vs_baselines_h200.md" > "$OUT/kernels.txt" 2>&1 || status=1
   tail -3 "$OUT/kernels.txt"
+fi
+if has external; then  # needs the sources under benchmarks/baselines/src (its README.md)
+  base=$PWD/benchmarks/baselines
+  export PYTHONPATH="$base/src/flashmla:$base/src/deepgemm:$PYTHONPATH"
+  export DG_JIT_CACHE_DIR=${DG_JIT_CACHE_DIR:-/tmp/deepgemm-jit}
+  python3 -c "import flash_mla.cuda" 2>/dev/null \
+    || bash "$base/build_flashmla.sh" > "$OUT/flashmla_build.txt" 2>&1 || tail -5 "$OUT/flashmla_build.txt"
+  python3 -c "import deep_gemm" 2>/dev/null \
+    || bash "$base/build_deepgemm.sh" > "$OUT/deepgemm_build.txt" 2>&1 || tail -5 "$OUT/deepgemm_build.txt"
+  timeout 150 python3 -m pytest -q -rs -p no:cacheprovider -m cuda tests/models/dsa/test_deepgemm_cuda.py \
+    tests/models/dsa/test_flashmla_cuda.py > "$OUT/pytest_external.txt" 2>&1 || status=1
+  tail -3 "$OUT/pytest_external.txt"
+  timeout 200 python3 benchmarks/bench_decode_tpot.py --kernel-split --batches 1,64 --layers 4 \
+    --json "$OUT/kernel_split_external_h200.json" > "$OUT/kernel_split_external.txt" 2>&1 || status=1
+  timeout 200 python3 benchmarks/bench_decode_tpot.py --capacity \
+    --json "$OUT/engine_tpot_external_h200.json" > "$OUT/engine_tpot_external.txt" 2>&1 || status=1
+  tail -12 "$OUT/engine_tpot_external.txt"
 fi
 if has demo; then
   python3 -m hisparse demo --device cuda --no-progress --json "$OUT/demo_cuda.json" > "$OUT/demo.txt" 2>&1 || status=1

@@ -31,8 +31,8 @@ def _fake_module(name: str = "deep_gemm", legacy: bool = True):
         m.calls.append(("meta", block_kv, num_sms))
         return torch.zeros(num_sms + 1, 2, dtype=torch.int32)
 
-    def logits(q, kv, w, lens, bt, schedule, max_len, clean):
-        assert q.dtype == torch.float8_e4m3fn and not clean and bt.dtype == torch.int32
+    def logits(q, kv, w, lens, bt, schedule, max_len):
+        assert q.dtype == torch.float8_e4m3fn and bt.dtype == torch.int32
         B, _, H, D = q.shape
         bs = kv.shape[1]
         flat = kv.reshape(kv.shape[0], -1)
@@ -48,9 +48,14 @@ def _fake_module(name: str = "deep_gemm", legacy: bool = True):
 
     m.get_paged_mqa_logits_metadata = meta
     m.get_num_sms = lambda: 7
-    if legacy:
-        m.fp8_paged_mqa_logits = logits
-    else:
+    if legacy:  # the older API: the values, and clean_logits last
+
+        def old(q, kv, w, lens, bt, schedule, max_len, clean_logits):
+            assert clean_logits is False
+            return logits(q, kv, w, lens, bt, schedule, max_len)
+
+        m.fp8_paged_mqa_logits = old
+    else:  # the newer one (vLLM 0.33's): (values, scales), no clean_logits
         m.fp8_fp4_paged_mqa_logits = lambda q, *a: logits(q[0], *a) if q[1] is None else None
     return m
 

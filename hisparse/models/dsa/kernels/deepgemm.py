@@ -14,8 +14,8 @@ queries) by that rounding; both residency modes call the same kernel, so they st
 same bits.
 
 Sources, tried in order: the ``deep_gemm`` package, then the copy a vLLM wheel vendors. Each
-must offer ``get_paged_mqa_logits_metadata`` and ``fp8_paged_mqa_logits`` (or the newer
-``fp8_fp4_paged_mqa_logits``). Its scheduling kernel is compiled per batch size rounded up to 32
+must offer ``get_paged_mqa_logits_metadata`` and ``fp8_fp4_paged_mqa_logits`` (or the older
+``fp8_paged_mqa_logits``). Its scheduling kernel is compiled per batch size rounded up to 32
 (DeepGEMM's JIT, cached on disk), so an eager step at a new size pays one compile.
 """
 
@@ -54,9 +54,14 @@ class DeepGEMMScores:
     def __init__(self, module) -> None:
         self.name = module.__name__
         self._meta = module.get_paged_mqa_logits_metadata
-        legacy = getattr(module, "fp8_paged_mqa_logits", None)
         both = getattr(module, "fp8_fp4_paged_mqa_logits", None)
-        self._logits = legacy or (lambda q, *a: both((q, None), *a))
+        legacy = getattr(module, "fp8_paged_mqa_logits", None)
+        # Newer builds (vLLM 0.33's) take (values, scales) and no clean_logits; older ones the
+        # values and a clean_logits flag. Neither cleans what the mask below covers.
+        if both is not None:
+            self._logits = lambda q, *a: both((q, None), *a)
+        else:
+            self._logits = lambda q, *a: legacy(q, *a, False)
         self._sms = getattr(module, "get_num_sms", None)
 
     def __call__(self, q, hw, cache, block_table, block_size, req, positions) -> torch.Tensor:
@@ -71,7 +76,7 @@ class DeepGEMMScores:
         sms = self._sms() if self._sms else _device_sms(q.device)
         meta = self._meta(lens, block_size, sms)
         kv = cache.view(cache.shape[0], block_size, 1, D + 4)
-        out = self._logits(q8.view(T, 1, H, D), kv, w, lens, bt, meta, L, False)
+        out = self._logits(q8.view(T, 1, H, D), kv, w, lens, bt, meta, L)
         # past a token's own position the kernel leaves the buffer as it was
         past = torch.arange(L, device=q.device) > positions.view(T, 1)
         return out.masked_fill_(past, float("-inf"))
