@@ -23,9 +23,11 @@ from hisparse.cli.commands import (
 from hisparse.cli.demo_model import add_checkpoint_flags
 from hisparse.cli.errors import CommandError
 from hisparse.cli.flags import (
+    RETIRED,
     _Parser,
     add_model_flags,
     add_progress_flag,
+    add_retired_flags,
     add_workload_flags,
     float_range,
     int_list,
@@ -58,18 +60,36 @@ def build_parser() -> argparse.ArgumentParser:
 def _add_demo_command(sub) -> None:
     p = sub.add_parser(
         "demo",
-        help="run one workload resident vs HiSparse and check bit-exact parity",
-        description="Run one workload on the reference sparse-MLA engine twice: every KV row on "
-        "the device, then HiSparse (host pool + small hot buffers). Prints a summary; "
-        "exits 1 if tokens or final hidden states differ.",
+        help="run one workload resident vs HiSparse vs hybrid and check token parity",
+        description="Run one workload on the DSA engine in each residency mode: every latent "
+        "row on the device (resident), rows in the host pool with small hot buffers (hisparse), "
+        "device pages under a budget with requests spilled beyond it (hybrid). The model is a "
+        "tiny seeded GLM-5 / DeepSeek-V3.2 checkpoint generated for the run, or --model DIR. "
+        "Prints a summary; exits 1 if the runs' tokens differ.",
     )
-    add_workload_flags(p, requests=32, concurrency=8, prompt_len=512, output_len=96)
+    g = add_workload_flags(p, requests=16, concurrency=8, prompt_len=256, output_len=48)
+    g.add_argument(
+        "--hot-size",
+        type=int_range(1, MAX_HOT_SIZE),
+        default=None,
+        help="hot-buffer rows per request per layer, >= --top-k (default: 2 x top-k)",
+    )
+    g.add_argument(
+        "--device-blocks",
+        type=int_range(0, 1 << 24),
+        default=None,
+        metavar="N",
+        help="hybrid's device budget in blocks of 16 rows (requests beyond it spilled to the "
+        "host pool); 0 = no hybrid run (default: half the running requests' blocks)",
+    )
+    add_checkpoint_flags(p)
     o = p.add_argument_group("output")
     o.add_argument(
         "--metrics-port",
         type=port,
         default=None,
-        help="serve Prometheus /metrics on this port during the run (0 = any free port)",
+        help="serve Prometheus /metrics on this port, with the HiSparse run's counters once it "
+        "ends (0 = any free port)",
     )
     o.add_argument(
         "--json",
@@ -79,14 +99,7 @@ def _add_demo_command(sub) -> None:
         help="write the summary as JSON",
     )
     add_progress_flag(o)
-    o.add_argument(
-        "--binding-fault",
-        choices=("base_offset",),
-        default=None,
-        help="negative control: bind every layer of the HiSparse run at the allocation's "
-        "base offset (the upstream bug); parity must then FAIL",
-    )
-    add_checkpoint_flags(p)
+    add_retired_flags(p, tuple(RETIRED))
     p.set_defaults(func=cmd_demo, _parser=p)
 
 
@@ -95,9 +108,11 @@ def _add_bench_command(sub) -> None:
         "bench",
         help="op micro-benchmarks and hit rate vs hot-buffer size",
         description="Micro-benchmarks of resolve/gather, then a sweep of hit rate against "
-        "hot-buffer size on the reference workload (HiSparse mode).",
+        "hot-buffer size: the DSA engine's HiSparse mode on the demo's workload (a generated "
+        "tiny checkpoint, or --model DIR).",
     )
-    add_workload_flags(p, requests=12, concurrency=4, prompt_len=256, output_len=32, hot_size=False)
+    add_workload_flags(p, requests=8, concurrency=4, prompt_len=256, output_len=32)
+    add_checkpoint_flags(p)
     b = p.add_argument_group("bench")
     b.add_argument(
         "--hot-sizes",
@@ -128,6 +143,7 @@ def _add_bench_command(sub) -> None:
         metavar="PATH",
         help="write all results as JSON",
     )
+    add_retired_flags(p, ("--recent-window", "--metrics-interval"))
     p.set_defaults(func=cmd_bench, _parser=p)
 
 
@@ -208,10 +224,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if func is None:
         parser.print_help()
         return 2
-    if getattr(args, "command", None) == "bench" and args.hot_sizes is None:
-        k = args.top_k
-        args.hot_sizes = sorted({k, int(1.25 * k), int(1.5 * k), 2 * k, 3 * k, 4 * k} - {0})
-        args.hot_sizes = [h for h in args.hot_sizes if h <= MAX_HOT_SIZE]
     try:
         return int(func(args) or 0)
     except KeyboardInterrupt:

@@ -1,7 +1,8 @@
-"""`hisparse bench`: op micro-benchmarks, then hit rate against hot-buffer size on the reference
-workload. The op part runs the repository's ``benchmarks/bench_ops.py`` in a source checkout
-and a small built-in subset in an installed package (which has no benchmarks/); the screen says
-which one ran, then its table."""
+"""`hisparse bench`: op micro-benchmarks, then hit rate against hot-buffer size: the DSA engine
+(hisparse.engine.dsa) in HiSparse mode on `demo`'s workload, once per hot size, whose generated
+tokens must not change with it. The op part runs the repository's ``benchmarks/bench_ops.py``
+in a source checkout and a small built-in subset in an installed package (which has no
+benchmarks/); the screen says which one ran, then its table."""
 
 from __future__ import annotations
 
@@ -15,8 +16,9 @@ from typing import List
 
 import torch
 
+from hisparse.cli import demo_model, workload
+from hisparse.cli.demo_report import run_stats, tokens_digest
 from hisparse.cli.errors import CommandError
-from hisparse.engine import run_workload
 
 #: hisparse/cli/bench.py -> the repository root, where a source checkout (editable install
 #: included) keeps benchmarks/; an installed package sits in site-packages with none beside it.
@@ -150,50 +152,69 @@ def ops_table(rows: list) -> List[str]:
     return out
 
 
-def hot_size_sweep(cfg, hot_sizes: List[int], device: str, progress: bool = True) -> list:
+def hot_size_sweep(ck, p: workload.Plan, prompts, progress: bool = True) -> list:
+    """The workload in HiSparse mode once per hot size of ``p``: the connector's counters."""
+    from hisparse.engine.dsa.generate import generate
+
     out = []
-    for H in hot_sizes:
-        c = cfg.replace(hot_size=H)
-        t0 = time.perf_counter()
-        r = run_workload(c, mode="hisparse", device=device)
-        s = r.stats
+    k = p.model.cfg.index_topk
+    for H in p.hot_sizes:
+        g = generate(
+            ck, "hisparse", p.row_format, torch.device(p.device), prompts, p.new_tokens, H,
+            max_batch=p.batch,
+        )  # fmt: skip
+        s = run_stats(g)
         out.append(
             dict(
                 hot_size=H,
-                hot_over_top_k=H / c.top_k,
-                hit_rate=s.hit_rate,
-                hits=s.hits,
-                misses=s.misses,
-                host_to_device_bytes=s.host_to_device_bytes,
-                h2d_bytes_per_token=s.host_to_device_bytes / max(1, s.generated_tokens),
-                device_kv_bytes=s.device_kv_bytes,
-                tokens_per_s=s.tokens_per_s,
-                topk_overlap=s.topk_overlap,
+                hot_over_top_k=H / k,
+                **{key: s[key] for key in SWEPT},
+                h2d_bytes_per_token=s["host_to_device_bytes"] / max(1, s["generated_tokens"]),
+                tokens_sha256=tokens_digest(g.tokens),
             )
         )
         if progress:
             print(
-                f"  hot={H:6d} ({H / c.top_k:4.2f} x top-k): hit rate {100 * s.hit_rate:5.1f} %  "
-                f"misses {s.misses:8d}  H2D {s.host_to_device_bytes / 2**20:8.2f} MiB  "
-                f"({time.perf_counter() - t0:.1f} s)",
+                f"  hot={H:6d} ({H / k:4.2f} x top-k): hit rate {100 * s['hit_rate']:5.1f} %  "
+                f"misses {s['misses']:8d}  H2D {s['host_to_device_bytes'] / 2**20:8.2f} MiB  "
+                f"({g.seconds:.1f} s)",
                 flush=True,
             )
     return out
 
 
-def plot_sweep(sweep: list, cfg, path: str) -> None:
+#: The run figures (demo_report.run_stats) each sweep point keeps.
+SWEPT = ("hit_rate", "hits", "misses", "host_to_device_bytes", "device_kv_bytes", "tokens_per_s")
+
+
+def sweep_table(sweep: list) -> List[str]:
+    out = [
+        f"{'hot rows':>9} {'x top-k':>8} {'hit rate':>9} {'misses':>9} "
+        f"{'H2D/token':>11} {'device KV':>11}"
+    ]
+    for r in sweep:
+        out.append(
+            f"{r['hot_size']:>9} {r['hot_over_top_k']:>8.2f} {100 * r['hit_rate']:>8.1f}% "
+            f"{r['misses']:>9} {r['h2d_bytes_per_token'] / 1024:>7.1f} KiB "
+            f"{r['device_kv_bytes'] / 2**20:>7.2f} MiB"
+        )
+    return out
+
+
+def plot_sweep(sweep: list, p: workload.Plan, path: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    k = p.model.cfg.index_topk
     x = [r["hot_size"] for r in sweep]
     fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=120)
     ax.plot(x, [100 * r["hit_rate"] for r in sweep], "o-", color="tab:blue", label="hit rate")
-    ax.set_xlabel(f"hot-buffer rows per request per layer (top-k = {cfg.top_k})")
+    ax.set_xlabel(f"hot-buffer rows per request per layer (top-k = {k})")
     ax.set_ylabel("hit rate (%)", color="tab:blue")
     ax.set_ylim(0, 100)
-    ax.axvline(cfg.top_k, color="grey", lw=0.8, ls=":")
+    ax.axvline(k, color="grey", lw=0.8, ls=":")
     ax2 = ax.twinx()
     ax2.plot(
         x,
@@ -204,55 +225,44 @@ def plot_sweep(sweep: list, cfg, path: str) -> None:
     )
     ax2.set_ylabel("host->device KiB per generated token", color="tab:red")
     ax2.set_ylim(bottom=0)
-    ax.set_title(
-        f"HiSparse hit rate vs hot-buffer size (drift {cfg.drift:g}, "
-        f"window {cfg.recent_window}, {cfg.row_bytes}-B rows)",
-        fontsize=9,
-    )
+    ax.set_title(f"HiSparse hit rate vs hot-buffer size ({p.row_format} rows)", fontsize=9)
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fig.savefig(path)
     plt.close(fig)
 
 
-def main(args) -> int:
-    from hisparse.cli.engine_args import engine_config_from_args
-
-    if args.device == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("hisparse bench: --device cuda: torch sees no CUDA GPU (use --device cpu)")
+def main(args, p: workload.Plan) -> int:
     prev = torch.get_num_threads()
     if args.threads:
         torch.set_num_threads(args.threads)
     try:
-        cfg = engine_config_from_args(args, hot_size=max(args.hot_sizes + [args.top_k]))
-        result = {"device": args.device, "config": cfg.to_dict()}
+        result = {"device": p.device, "workload": p.to_dict()}
         if not args.skip_ops:
-            result["ops"] = op_benchmarks(args.device, args.op_reps)
+            result["ops"] = op_benchmarks(p.device, args.op_reps)
             print("\n".join(["", *ops_table(result["ops"]["rows"]), ""]), flush=True)
         print(
-            f"hit rate vs hot-buffer size: {cfg.num_requests} requests, top-k {cfg.top_k}",
-            flush=True,
+            f"hit rate vs hot-buffer size (DSA engine, HiSparse mode)\nmodel: {p.model.describe()}"
         )
-        result["sweep"] = hot_size_sweep(cfg, args.hot_sizes, args.device, args.progress)
+        print(p.describe(), flush=True)
+        ck = demo_model.load(p.model, torch.device(p.device))
+        result["sweep"] = hot_size_sweep(ck, p, workload.prompts(ck, p), args.progress)
     finally:
         torch.set_num_threads(prev)
-    print()
+    print("\n".join(["", *sweep_table(result["sweep"])]))
+    same = len({r["tokens_sha256"] for r in result["sweep"]}) <= 1
+    result["tokens_identical"] = same
     print(
-        f"{'hot rows':>9} {'x top-k':>8} {'hit rate':>9} {'misses':>9} "
-        f"{'H2D/token':>11} {'device KV':>11}"
+        "generated tokens: identical at every hot size"
+        if same
+        else "FAILED: the generated tokens differ between hot sizes (they must not depend on it)"
     )
-    for r in result["sweep"]:
-        print(
-            f"{r['hot_size']:>9} {r['hot_over_top_k']:>8.2f} {100 * r['hit_rate']:>8.1f}% "
-            f"{r['misses']:>9} {r['h2d_bytes_per_token'] / 1024:>8.1f} KiB "
-            f"{r['device_kv_bytes'] / 2**20:>7.1f} MiB"
-        )
     if args.plot:
-        plot_sweep(result["sweep"], cfg, args.plot)
+        plot_sweep(result["sweep"], p, args.plot)
         print(f"plot written to {args.plot}")
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
         print(f"results written to {args.json}")
-    return 0
+    return 0 if same else 1

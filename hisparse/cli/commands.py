@@ -1,7 +1,8 @@
 """What each `hisparse` command does once its flags parsed: `info`, `demo`, `bench`, `plan`,
 `export-model`. Cross-flag checks that argparse cannot express happen here, before any work;
-the work itself lives in hisparse.cli.demo, hisparse.cli.bench, hisparse.cli.plan and
-hisparse.models.checkpoint, imported only when their command runs (they import torch).
+the work itself lives in hisparse.cli.demo, hisparse.cli.bench (both over hisparse.cli.workload,
+on the DSA engine), hisparse.cli.plan and hisparse.models.checkpoint / dsa.random_checkpoint
+(export-model), imported only when their command runs (they import torch).
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ import platform
 
 from hisparse import __version__
 from hisparse.cli.errors import CommandError
-from hisparse.cli.flags import check_engine_flags
 
 
 def cmd_info(args: argparse.Namespace) -> int:
@@ -60,34 +60,13 @@ def _require_backend(device: str) -> None:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    if args.model is not None:  # a DSA checkpoint: its own engine (hisparse.engine.dsa)
-        for flag, value in (
-            ("--binding-fault", args.binding_fault),
-            ("--metrics-port", args.metrics_port),
-        ):
-            if value is not None:
-                raise CommandError(f"argument {flag}: not available with --model", 2)
-        _require_backend(args.device)
-        from hisparse.cli import demo_model
-
-        return demo_model.main(args)
-    if getattr(args, "device_blocks", None) is not None:
-        raise CommandError("argument --device-blocks: needs --model (the DSA engine)", 2)
-    cfg = check_engine_flags(args._parser, args)
     _require_backend(args.device)
     from hisparse.cli import demo
 
-    demo.check_memory(cfg, args.device)
-    return demo.main(args)
+    return demo.run_demo(args, demo.plan(args)).exit_code
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    check_engine_flags(args._parser, args, hot_size=max(args.hot_sizes + [args.top_k]))
-    bad = [h for h in args.hot_sizes if h < args.top_k]
-    if bad:
-        args._parser.error(
-            f"argument --hot-sizes: every size must be >= --top-k ({args.top_k}), got {bad}"
-        )
     if args.plot:
         try:
             import matplotlib  # noqa: F401
@@ -97,9 +76,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
                 "(pip install 'hisparse[plot]')"
             )
     _require_backend(args.device)
+    from hisparse.cli import workload
+
+    p = workload.plan(args, hot_flag="--hot-sizes", hot_sizes=args.hot_sizes, resident=False)
     from hisparse.cli import bench
 
-    return bench.main(args)
+    return bench.main(args, p)
 
 
 def cmd_plan(args: argparse.Namespace) -> int:

@@ -67,7 +67,7 @@ def test_time_figures_are_measured_ranges_with_what_they_depend_on():
     for stale in ("about 20 s", "about 10\ns", "about 10 s", "40–130 s"):
         assert stale not in text, stale
     demo = _section("Two commands")
-    assert "12 s when idle" in demo and "40–150 s" in demo and "free cores" in demo
+    assert "17 s when idle" in demo and "35–115 s" in demo and "free cores" in demo
     build = _section("Installing")
     assert "13 s" in build and "120–170 s" in build and "MAX_JOBS" in build
     assert "3 s idle and 10–50 s loaded" in build

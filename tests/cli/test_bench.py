@@ -1,5 +1,5 @@
-"""`hisparse bench` (which op benchmark ran and its table on screen, sweep + plot) and the
-headline benchmark's small CPU mode."""
+"""`hisparse bench` (which op benchmark ran and its table on screen; the hit-rate sweep on the
+DSA engine, its table on screen, plot and JSON) and the headline benchmark's small CPU mode."""
 
 from __future__ import annotations
 
@@ -11,11 +11,12 @@ import pytest
 
 from hisparse.cli import app as cli
 from hisparse.cli import bench
+from hisparse.engine.dsa import generate as gen
 from tests import REPO_ROOT
-from tests.engine_helpers import SMALL_FLAGS
+from tests.cli.small import SMALL_FLAGS
 
 ROOT = REPO_ROOT
-BENCH_FLAGS = [f for f in SMALL_FLAGS if f not in ("--hot-size", "32")]
+BENCH_FLAGS = SMALL_FLAGS
 
 
 def _bench_ops_only(tmp_path, monkeypatch) -> dict:
@@ -68,31 +69,42 @@ def test_bench_refuses_a_bench_ops_that_does_not_load(tmp_path, capsys, monkeypa
     assert f"{broken} does not load" in err and "no_such_module_here" in err
 
 
-def test_bench_sweep_plot_and_json(tmp_path, capsys):
-    flags = BENCH_FLAGS
+def test_bench_sweep_on_the_dsa_engine_shows_its_table_plot_and_json(tmp_path, capsys):
     png, js = tmp_path / "sweep.png", tmp_path / "sweep.json"
-    rc = cli.main(
-        [
-            "bench",
-            *flags,
-            "--skip-ops",
-            "--hot-sizes",
-            "16,24,64",
-            "--plot",
-            str(png),
-            "--json",
-            str(js),
-        ]
-    )
-    assert rc == 0
+    argv = ["bench", *BENCH_FLAGS, "--skip-ops", "--hot-sizes", "16,24,64"]
+    assert cli.main([*argv, "--plot", str(png), "--json", str(js)]) == 0
+    out = capsys.readouterr().out
     assert png.stat().st_size > 1000 and png.read_bytes()[:4] == b"\x89PNG"
-    sweep = json.loads(js.read_text())["sweep"]
+    res = json.loads(js.read_text())
+    sweep = res["sweep"]
     assert [r["hot_size"] for r in sweep] == [16, 24, 64]
-    # the selections do not depend on the hot size; on this workload a bigger hot buffer
-    # misses less (deterministic, so this is not flaky)
+    assert res["workload"]["model"]["arch"] == "glm_moe_dsa" and res["tokens_identical"] is True
+    # what ran and its results are on the screen, not only in the JSON
+    assert "hit rate vs hot-buffer size (DSA engine, HiSparse mode)" in out
+    assert "model: a tiny GLM-5 checkpoint (glm_moe_dsa, seed 0, drift 0.1), generated" in out
+    assert "\n".join(bench.sweep_table(sweep)) in out
+    assert "generated tokens: identical at every hot size" in out
+    # the tokens, hence the selections, do not depend on the hot size; a bigger hot buffer
+    # misses less (deterministic, so this is not flaky) and holds more device rows
+    assert len({r["tokens_sha256"] for r in sweep}) == 1
     misses = [r["misses"] for r in sweep]
-    assert misses[0] >= misses[1] >= misses[2] > 0, misses
+    assert misses[0] > misses[1] >= misses[2] > 0, misses
     assert all(0 < r["hit_rate"] < 1 for r in sweep)
+    assert [r["device_kv_bytes"] for r in sweep] == [3 * h * 2 * 656 for h in (16, 24, 64)]
+
+
+def test_bench_fails_when_the_hot_size_changes_the_tokens(capsys, monkeypatch):
+    real = gen.generate
+
+    def tampered(ck, mode, rf, dev, prompts, new, hot_size, **k):
+        g = real(ck, mode, rf, dev, prompts, new, hot_size, **k)
+        if hot_size == 24:
+            g.tokens[1][0] += 1
+        return g
+
+    monkeypatch.setattr(gen, "generate", tampered)
+    assert cli.main(["bench", *BENCH_FLAGS, "--skip-ops", "--hot-sizes", "16,24"]) == 1
+    assert "FAILED: the generated tokens differ between hot sizes" in capsys.readouterr().out
 
 
 def _bench_engine():

@@ -27,6 +27,12 @@ from hisparse.vllm.settings import config_from_extra
         (["demo", "--json", "/"], "--json"),
         (["demo", "--top-k", "8", "--recent-window", "9"], "--recent-window"),
         (["demo", "--binding-fault", "zero"], "--binding-fault"),
+        (["demo", "--metrics-interval", "4"], "--metrics-interval"),
+        (["demo", "--device-blocks", "-1"], "--device-blocks"),
+        (["demo", "--arch", "llama"], "--arch"),
+        (["demo", "--model", "m", "--seed", "3"], "--seed"),
+        (["bench", "--recent-window", "4"], "--recent-window"),
+        (["bench", "--model", "m", "--layers", "3"], "--layers"),
         (["demo", "--bogus"], "--bogus"),
         (["bench", "--top-k", "16", "--hot-sizes", "8,32"], "--hot-sizes"),
         (["bench", "--hot-sizes", "a,b"], "--hot-sizes"),
@@ -82,22 +88,29 @@ def test_help_lists_every_command(capsys):
 
 
 def test_large_top_k_defaults_keep_hot_size_in_range():
-    """top-k above 16384: the default hot size is capped at 32768, not 2 x top-k."""
-    from hisparse.cli.app import build_parser
-    from hisparse.cli.flags import check_engine_flags
+    """top-k above 16384: the default hot size is capped at 32768, not 2 x top-k; bench's
+    default sweep keeps the sizes within it."""
+    from hisparse.cli import demo, workload
 
     assert config_from_extra({"top_k": 20000}).hot_size == 32768
-    parser = build_parser()
-    args = parser.parse_args(["demo", "--top-k", "20000", "--recent-window", "8"])
-    assert check_engine_flags(parser, args).hot_size == 32768
-    args = parser.parse_args(["bench", "--top-k", "20000", "--hot-sizes", "20000"])
-    assert check_engine_flags(parser, args, hot_size=20000).hot_size == 20000
+    parser = cli.build_parser()
+    args = parser.parse_args(["demo", "--top-k", "20000", "--concurrency", "1", "--requests", "1"])
+    assert demo.plan(args).hot_sizes == [32768]
+    args = parser.parse_args(["bench", "--top-k", "20000", "--hot-sizes", "20000,24000"])
+    p = workload.plan(args, hot_flag="--hot-sizes", hot_sizes=args.hot_sizes)
+    assert p.hot_sizes == [20000, 24000] and p.device_blocks is None
+    assert workload.default_sweep(20000) == [20000, 25000, 30000]
+    assert workload.default_sweep(16) == [16, 20, 24, 32, 48, 64]
 
 
 def test_the_row_format_flag_keeps_its_earlier_name():
-    from hisparse.cli.app import build_parser
-
-    p = build_parser()
+    p = cli.build_parser()
     assert p.parse_args(["demo", "--row-layout", "bf16"]).row_format == "bf16"
     assert p.parse_args(["demo", "--row-format", "f32"]).row_format == "f32"
-    assert p.parse_args(["demo"]).row_format is None  # fp8, or f32 with --model
+    assert p.parse_args(["demo"]).row_format == "fp8"  # with --model too
+
+
+def test_the_dsa_demo_flags_keep_the_earlier_model_demo_names():
+    """`demo --model` took --prompts and --new-tokens; they name --requests and --output-len."""
+    args = cli.build_parser().parse_args(["demo", "--prompts", "3", "--new-tokens", "7"])
+    assert (args.requests, args.output_len) == (3, 7)

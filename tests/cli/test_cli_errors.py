@@ -4,6 +4,7 @@ command."""
 
 from __future__ import annotations
 
+import io
 import os
 import signal
 import socket
@@ -15,11 +16,11 @@ import urllib.request
 import pytest
 
 from hisparse.cli import app as cli
-from hisparse.cli import demo
+from hisparse.cli import demo, workload
 from hisparse.cli.errors import CommandError
-from hisparse.engine import EngineConfig
+from hisparse.engine.dsa import generate as gen
 from tests import REPO_ROOT
-from tests.engine_helpers import SMALL_FLAGS
+from tests.cli.small import DEMO_FLAGS
 from tests.helpers import child_timeout
 
 ROOT = str(REPO_ROOT)
@@ -37,7 +38,7 @@ def test_resident_run_too_big_is_refused_before_allocating(capsys, monkeypatch):
     def no_run(*a, **k):
         raise AssertionError("the workload must not start")
 
-    monkeypatch.setattr(demo, "run_workload", no_run)
+    monkeypatch.setattr(gen, "generate", no_run)
     with pytest.raises(SystemExit) as e:
         cli.main(["demo", "--prompt-len", "1048576", "--concurrency", "64", "--no-progress"])
     assert e.value.code == 2
@@ -45,29 +46,43 @@ def test_resident_run_too_big_is_refused_before_allocating(capsys, monkeypatch):
     assert "--prompt-len" in line and "--concurrency" in line
 
 
-def test_memory_budget_covers_both_runs_and_devices():
-    cfg = EngineConfig(
-        num_layers=2,
-        top_k=16,
-        hot_size=32,
-        max_running=4,
-        prompt_len=1000,
-        output_len=24,
-        recent_window=4,
-    )
-    need = demo.memory_needs(cfg)
-    rows = 4 * 1024  # max context 1024 rows per state row
-    assert need["resident_device"] == rows * 2 * cfg.row_bytes
-    assert need["hisparse_device"] == 4 * (4 + 32) * 2 * cfg.row_bytes
-    assert need["hisparse_host"] == (rows + cfg.block_size) * 2 * cfg.row_bytes
-    assert demo.check_memory(cfg, "cpu", host_free=10 * need["resident_device"]) == need
-    with pytest.raises(CommandError, match="the HiSparse run needs .* of host memory"):
-        demo.check_memory(cfg, "cpu", host_free=need["resident_device"])
-    # On a GPU the small HiSparse device footprint fits where the resident KV does not.
+def _plan(*argv):
+    args = cli.build_parser().parse_args(["demo", *argv])
+    return args, demo.plan(args)
+
+
+def test_memory_needs_are_what_the_runs_hold(monkeypatch):
+    """The budget the demo checks before a run is the device bytes the run then holds."""
+    args, p = _plan(*DEMO_FLAGS)
+    need = workload.memory_needs(p)
+    held = {}
+    real = gen.generate
+
+    def spy(ck, mode, *a, **k):
+        g = real(ck, mode, *a, **k)
+        held[mode] = g.device_bytes["rows"] + g.device_bytes["index_keys"]
+        return g
+
+    monkeypatch.setattr(gen, "generate", spy)
+    assert demo.run_demo(args, p, out=io.StringIO()).exit_code == 0
+    assert held == {m: need[m] for m in ("resident", "hisparse", "hybrid")}
+    assert held["hisparse"] < held["hybrid"] < held["resident"]
+
+
+def test_memory_budget_covers_every_run_and_device():
+    _, p = _plan(*DEMO_FLAGS)
+    need = workload.memory_needs(p)
+    pool = need["host_pool"]
+    assert pool == (3 * 7 + 1) * 16 * 2 * 656  # every running request's rows, one block spare
+    assert workload.check_memory(p, host_free=need["resident"] + pool) == need
+    # on the CPU each run holds its device rows in RAM too, the host pool beside them
+    with pytest.raises(CommandError, match="the hybrid run needs .* of host memory"):
+        workload.check_memory(p, host_free=need["hybrid"] + pool - 1)
+    p.device = "cuda"
     with pytest.raises(CommandError, match="the resident run needs .* of device memory"):
-        demo.check_memory(cfg, "cuda", host_free=1 << 40, device_free=need["resident_device"] - 1)
-    with pytest.raises(CommandError, match="the HiSparse run needs .* of host memory"):
-        demo.check_memory(cfg, "cuda", host_free=1000, device_free=1 << 40)
+        workload.check_memory(p, host_free=1 << 40, device_free=need["resident"] - 1)
+    with pytest.raises(CommandError, match="the hisparse run needs .* of host memory"):
+        workload.check_memory(p, host_free=pool - 1, device_free=1 << 40)
 
 
 @pytest.mark.parametrize(
@@ -94,7 +109,7 @@ def test_unwritable_output_is_refused_before_the_run(tmp_path, capsys, monkeypat
     ro.mkdir()
     ro.chmod(0o500)
     ran = []
-    monkeypatch.setattr(demo, "run_workload", lambda *a, **k: ran.append(1))
+    monkeypatch.setattr(gen, "generate", lambda *a, **k: ran.append(1))
     target = ro / "out.json"
     try:
         if os.access(ro, os.W_OK):
@@ -114,9 +129,7 @@ def test_busy_metrics_port_exits_2_with_one_line(capsys):
     s.listen(1)
     try:
         with pytest.raises(SystemExit) as e:
-            cli.main(
-                ["demo", *SMALL_FLAGS, "--no-progress", "--metrics-port", str(s.getsockname()[1])]
-            )
+            cli.main(["demo", *DEMO_FLAGS, "--metrics-port", str(s.getsockname()[1])])
     finally:
         s.close()
     assert e.value.code == 2
@@ -129,9 +142,9 @@ def test_ctrl_c_is_one_line_and_exit_130(capsys, monkeypatch):
     def interrupted(*a, **k):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(demo, "run_workload", interrupted)
+    monkeypatch.setattr(gen, "generate", interrupted)
     with pytest.raises(SystemExit) as e:
-        cli.main(["demo", *SMALL_FLAGS, "--no-progress"])
+        cli.main(["demo", *DEMO_FLAGS])
     assert e.value.code == 130
     _one_error_line(capsys, "hisparse demo: interrupted")
 
@@ -143,10 +156,10 @@ def test_unexpected_failure_is_one_line_naming_the_command(capsys, monkeypatch):
             "\nException raised from allocate at alloc_cpu.cpp:117"
         )
 
-    monkeypatch.setattr(demo, "run_workload", boom)
+    monkeypatch.setattr(gen, "generate", boom)
     monkeypatch.delenv("HISPARSE_TRACEBACK", raising=False)
     with pytest.raises(SystemExit) as e:
-        cli.main(["demo", *SMALL_FLAGS, "--no-progress"])
+        cli.main(["demo", *DEMO_FLAGS])
     assert e.value.code == 1
     line = _one_error_line(capsys, "hisparse demo: error: RuntimeError: [enforce fail")
     assert "HISPARSE_TRACEBACK=1" in line
@@ -171,8 +184,8 @@ def test_real_sigint_during_a_run_leaves_no_traceback():
         text=True,
     )
     try:
-        first = p.stdout.readline()
-        assert first.startswith("workload:"), first
+        first = p.stdout.readline(), p.stdout.readline()
+        assert first[0].startswith("model:") and first[1].startswith("workload:"), first
         time.sleep(0.5)
         p.send_signal(signal.SIGINT)
         _, err = p.communicate(timeout=child_timeout(6))
@@ -194,7 +207,7 @@ def test_source_tree_without_the_extension_is_one_line(tmp_path):
         "from hisparse import cli\n"
         "sys.exit(cli.main(sys.argv[1:]))\n"
     )
-    for cmd in (["demo", *SMALL_FLAGS], ["bench", "--skip-ops"]):
+    for cmd in (["demo", *DEMO_FLAGS], ["bench", "--skip-ops"]):
         p = subprocess.run(
             [sys.executable, "-c", code, *cmd],
             capture_output=True,

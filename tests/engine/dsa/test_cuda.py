@@ -18,7 +18,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hisparse import cli
 from hisparse.engine.dsa.generate import byte_prompts, generate
 from hisparse.engine.dsa.stores import HiSparseRows
 from hisparse.models.dsa.random_checkpoint import write_random_checkpoint
@@ -204,14 +203,6 @@ def test_cuda_tokens_equal_transformers(checkpoints, arch, mode, capsys):
     with capsys.disabled():
         print(f"\n{line}")
     assert not failures, f"{line}; " + "; ".join(failures)
-
-
-def test_demo_model_on_cuda(checkpoints, capsys):
-    argv = ["demo", "--model", str(checkpoints["glm_moe_dsa"]), "--device", "cuda"]
-    rc = cli.main(argv + ["--row-format", "fp8", "--prompts", "2", "--new-tokens", "8"])
-    out = capsys.readouterr()
-    assert rc == 0, out.out + out.err
-    assert "tokens equal     2/2 prompts" in out.out
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -11,7 +11,6 @@ import struct
 import pytest
 import torch
 
-from hisparse import cli
 from hisparse.engine.dsa.generate import byte_prompts, generate, parity
 from hisparse.engine.dsa.stores import HiSparseRows
 from hisparse.models.checkpoint_files import write_safetensors
@@ -131,27 +130,6 @@ def test_a_bad_directory_fails_in_one_line_naming_what_is_wrong(tmp_path, case, 
     assert words in str(e.value) and "\n" not in str(e.value)
 
 
-def test_demo_model_prints_parity_and_writes_json(checkpoints, tmp_path, capsys):
-    out = tmp_path / "s.json"
-    argv = ["demo", "--model", str(checkpoints["glm_moe_dsa"]), "--row-format", "fp8"]
-    rc = cli.main(argv + ["--prompts", "1", "--new-tokens", "4", "--json", str(out)])
-    text = capsys.readouterr().out
-    assert rc == 0, text
-    assert "tokens equal     1/1 prompts" in text and "PASS" in text
-    assert json.loads(out.read_text())["parity"] is True
-
-
-def test_demo_model_refuses_a_bad_directory_in_one_line(tmp_path, capsys):
-    with pytest.raises(SystemExit) as e:
-        cli.main(["demo", "--model", str(tmp_path)])
-    err = capsys.readouterr().err.strip()
-    assert e.value.code == 2
-    assert (
-        err == f"hisparse demo: error: --model {tmp_path}: no config.json (not a checkpoint "
-        "directory)"
-    )
-
-
 def test_prefill_in_query_chunks_gives_the_same_tokens(checkpoints, monkeypatch):
     """Long prompts attend in chunks of query tokens (HiSparse reads the prompt rows back from
     the pool once per layer and step); chunks of 8 change no token and keep parity."""
@@ -190,11 +168,3 @@ def test_fused_expert_tensors_load_like_per_expert_ones(checkpoints, tmp_path):
     for i in range(4):
         assert a.ffn[i].keys() == b.ffn[i].keys()
         assert all(torch.equal(a.ffn[i][k], b.ffn[i][k]) for k in a.ffn[i])
-
-
-@pytest.mark.parametrize("flag", [["--binding-fault", "base_offset"], ["--metrics-port", "0"]])
-def test_demo_model_refuses_reference_engine_only_flags(checkpoints, flag, capsys):
-    with pytest.raises(SystemExit) as e:
-        cli.main(["demo", "--model", str(checkpoints["glm_moe_dsa"]), *flag])
-    assert e.value.code == 2
-    assert f"argument {flag[0]}: not available with --model" in capsys.readouterr().err

@@ -6,8 +6,6 @@ policy's choices, the budget's one-line errors and ``demo --model DIR --device-b
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 
@@ -118,27 +116,3 @@ def test_residency_policy():
     r.release(0)
     assert r.returns({1: 49, 2: 16}, skip={2}) == [1] and len(r.pages[1]) == 4
     assert r.returns({2: 16}, skip=()) == [2]
-
-
-def test_demo_model_runs_hybrid_with_device_blocks(checkpoints, tmp_path, capsys):
-    from hisparse import cli
-
-    root = tmp_path / "glm"
-    write_random_checkpoint(root, "glm_moe_dsa", seed=3)
-    out = tmp_path / "s.json"
-    args = ["demo", "--model", str(root), "--device-blocks", "8", "--new-tokens", "12"]
-    assert cli.main([*args, "--json", str(out)]) == 0
-    text = capsys.readouterr().out
-    assert "PASS: resident, HiSparse and hybrid tokens identical" in text, text
-    s = json.loads(out.read_text())
-    assert s["device_blocks"] == 8 and s["hybrid_counters"]["spilled_requests"] >= 1, s
-    assert s["tokens"]["hybrid"] == s["tokens"]["resident"]
-
-
-def test_demo_device_blocks_needs_a_model(capsys):
-    from hisparse import cli
-
-    with pytest.raises(SystemExit) as e:
-        cli.main(["demo", "--device-blocks", "8"])
-    assert e.value.code == 2
-    assert "argument --device-blocks: needs --model" in capsys.readouterr().err
