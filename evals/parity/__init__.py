@@ -1,1 +1,1 @@
-"""HiSparse-vs-resident parity on the reference engine (runs in CI, no GPU needed)."""
+"""HiSparse-vs-resident parity on the DSA engine (runs in CI, no GPU needed)."""
