@@ -16,12 +16,12 @@ from hisparse.cli import demo_model
 from hisparse.cli.demo_report import fmt_bytes
 from hisparse.cli.errors import CommandError
 from hisparse.cli.flags import check_retired
-from hisparse.ops.limits import default_hot_size
+from hisparse.engine.dsa.stores import BLOCK
+from hisparse.ops.limits import MAX_HOT_SIZE, default_hot_size
 
 #: Request i's prompt is JITTER x (i mod 4) tokens longer than --prompt-len: requests of
 #: different lengths, as a server gets them.
 JITTER = 7
-BLOCK = 16  # rows per block, the engine's (hisparse.engine.dsa.stores.BLOCK)
 
 
 @dataclass
@@ -115,8 +115,6 @@ def plan(
 
 def default_sweep(top_k: int) -> List[int]:
     """bench's hot sizes when --hot-sizes is left out: 1, 1.25, 1.5, 2, 3 and 4 x top-k."""
-    from hisparse.ops.limits import MAX_HOT_SIZE
-
     sizes = {top_k, int(1.25 * top_k), int(1.5 * top_k), 2 * top_k, 3 * top_k, 4 * top_k}
     return sorted(h for h in sizes if 0 < h <= MAX_HOT_SIZE)
 
