@@ -125,13 +125,14 @@ def test_console_script_runs(tmp_path):
 
 @pytest.mark.cuda
 @needs_cuda
-def test_demo_cuda_gives_the_same_tokens_as_cpu():
-    summaries = {}
-    for dev in ("cpu", "cuda"):
-        args = _args("--device", dev)
-        outcome = run_demo(args, demo.plan(args), out=io.StringIO())
-        assert outcome.exit_code == 0, outcome.summary["parity"]
-        summaries[dev] = outcome.summary
-    assert summaries["cuda"]["tokens_sha256"] == summaries["cpu"]["tokens_sha256"]
-    for k in (*COUNTERS, "generated_tokens"):
-        assert summaries["cuda"]["hisparse"][k] == summaries["cpu"]["hisparse"][k], k
+def test_demo_on_cuda_keeps_parity_in_every_mode():
+    """On a GPU (the kernels, decode steps replayed from CUDA graphs) the three modes generate
+    the same tokens. Not the CPU's: float32 rounds differently there, and this tiny model's
+    logits nearly tie often, so the devices agree only up to the first near-tie step (that
+    comparison, gap-aware, is tests/engine/dsa/test_cuda.py's)."""
+    args = _args("--device", "cuda")
+    s = run_demo(args, demo.plan(args), out=io.StringIO()).summary
+    assert s["parity"]["ok"], s["parity"]
+    assert s["device"] == "cuda" and s["hybrid"]["counters"]["spilled_requests"] >= 1
+    h = s["hisparse"]
+    assert h["hits"] > 0 and h["misses"] > 0 and h["host_to_device_bytes"] > 0
