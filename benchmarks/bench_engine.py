@@ -24,11 +24,11 @@ checked against this. Resident beyond its capacity does not fit: the point is re
 memory, and ratios past it are against resident's best median. Decode tokens/s is taken over the
 decode-only steps after the first two (``hisparse.engine.dsa.clock``: the first step of a batch
 size runs eagerly, the second captures its CUDA graph), a device sync only where they start and
-end. Resident and always-host replay CUDA graphs on CUDA (their best configuration); hybrid runs
-eagerly (the engine does not capture it); each row records which. Repeats are interleaved (mode
-by mode within each repeat) so that drift of a shared machine hits every mode alike. Parity:
-every run's tokens equal the first resident run's at that level, or, past resident's capacity,
-the first always-host run's. `--profile MODE:C` adds a torch.profiler breakdown of decode steps
+end. Resident and always-host replay CUDA graphs on CUDA (their best configuration; --eager
+steps them eagerly, like for like with hybrid); hybrid runs eagerly (the engine does not capture
+it); each row records which. Repeats are interleaved (mode by mode within each repeat) so that
+drift of a shared machine hits every mode alike. Parity: every run's tokens equal the first
+resident run's at that level, or, past resident's capacity, the first always-host run's. `--profile MODE:C` adds a torch.profiler breakdown of decode steps
 at concurrency C. Writes <out-dir>/<name>.json, .md and .png (after every level).
 """
 
@@ -135,6 +135,7 @@ def run_point(ck, args, mode: str, c: int, device, kv: DeviceKV, budget: int):
         args.hot_size,
         device_blocks=blocks,
         prefill_first=True,
+        graphs=False if args.eager else None,
     )
     used = sum(g.device_bytes.values())
     want = kv.total(mode, c, blocks or 0)
@@ -403,6 +404,7 @@ def profile_point(ck, args, mode: str, c: int, device, kv: DeviceKV, budget: int
         args.hot_size,
         device_blocks=blocks,
         prefill_first=True,
+        graphs=False if args.eager else None,
         step_hook=hook,
     )
     ka = prof.key_averages()
@@ -460,6 +462,11 @@ def parse(argv):
     )
     ap.add_argument("--threads", type=int, default=1, help="CPU torch threads (default 1)")
     ap.add_argument("--no-parity", dest="parity", action="store_false")
+    ap.add_argument(
+        "--eager",
+        action="store_true",
+        help="no CUDA graphs in any mode (like for like with hybrid)",
+    )
     args = ap.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         ap.error("--device cuda: no CUDA GPU visible (use --device cpu --small)")
@@ -609,6 +616,7 @@ def main(argv=None) -> int:
             args.hot_size,
             device_blocks=64 if m == "hybrid" else None,
             prefill_first=True,
+            graphs=False if args.eager else None,
         )
     extra = set() if args.levels else {cap[m] for m in ("resident", "hisparse") if cap[m] > 0}
     # the capacities (the headline points) first, so that --max-seconds drops the others
