@@ -27,7 +27,7 @@ from hisparse.cli.flags import float_range, int_range
 from hisparse.ops.limits import MAX_HOT_SIZE
 
 ARCHS = {"glm_moe_dsa": "GLM-5", "deepseek_v32": "DeepSeek-V3.2"}
-#: The generated checkpoint's shape when its flags are left out (None: the flag's own default).
+#: The generated checkpoint's shape where its flags are left out (their defaults read None).
 GENERATED = dict(arch="glm_moe_dsa", layers=4, index_share=2, top_k=16, seed=0, drift=0.1)
 #: The generated checkpoint's positions at least (longer workloads get theirs).
 MIN_POSITIONS = 512
