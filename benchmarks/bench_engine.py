@@ -8,11 +8,13 @@ runs --repeats times (default 3): median and min-max.
     # CPU, small mode (CI-sized, well under a minute):
     python benchmarks/bench_engine.py --device cpu --small
 
-The model: a seeded tiny checkpoint of --arch (``hisparse.models.dsa.random_checkpoint``: real
-latent sizes, 656-B FP8 rows, --layers layers, index top-k --top-k) written for the run, or
---model DIR (a real or exported checkpoint). Every request has a prompt of --prompt-len byte
-tokens and decodes --output-len tokens; all c requests are admitted (one prefill per step)
-before the batch decodes, so every decode step decodes all c (``generate(prefill_first=True)``).
+The model: the tiny seeded checkpoint ``hisparse demo`` generates (``hisparse.cli.demo_model``:
+GLM-5 by default, real latent sizes, 656-B FP8 rows; --arch, --layers, --index-share, --top-k,
+--seed, --drift, the last so that the indexer's query moves slowly from step to step, as a
+trained model's does), or --model DIR (a real or exported checkpoint). Every request has a
+prompt of --prompt-len byte tokens and decodes --output-len tokens; all c requests are admitted
+(one prefill per step) before the batch decodes, so every decode step decodes all c
+(``generate(prefill_first=True)``).
 
 Method. The GPU KV budget pays, per running request, for everything the engine keeps on the
 device for it (``hisparse.engine.dsa.budget``): resident = every row of its context in every
@@ -40,7 +42,6 @@ import os
 import platform
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -54,8 +55,6 @@ from hisparse.engine.dsa.budget import DeviceKV, context_rows  # noqa: E402
 from hisparse.engine.dsa.clock import UNTIMED_DECODES  # noqa: E402
 
 GPU = dict(
-    arch="deepseek_v32",
-    layers=4,
     top_k=256,
     hot_size=512,
     prompt_len=4096,
@@ -64,8 +63,6 @@ GPU = dict(
     concurrency=(1, 16),
 )
 SMALL = dict(
-    arch="deepseek_v32",
-    layers=4,
     top_k=16,
     hot_size=32,
     prompt_len=96,
@@ -97,19 +94,20 @@ def _git_commit() -> str:
 
 
 def load_model(args, device: torch.device):
-    """The checkpoint: --model, or a seeded tiny one of --arch written to a temporary dir."""
-    from hisparse.models.dsa.random_checkpoint import write_random_checkpoint
-    from hisparse.models.dsa.weights import load_checkpoint
+    """(checkpoint, its description): --model, or the tiny seeded one ``hisparse demo`` runs
+    (``hisparse.cli.demo_model``: --arch, --layers, --index-share, --top-k, --seed, --drift)."""
+    from hisparse.cli.demo_model import choose, load
+    from hisparse.cli.errors import CommandError
 
-    if args.model:
-        return load_checkpoint(args.model, device)
-    with tempfile.TemporaryDirectory(prefix="bench_engine_") as tmp:
-        ctx = context_rows(args.prompt_len + args.output_len)
-        d = write_random_checkpoint(
-            tmp, args.arch, seed=0, num_hidden_layers=args.layers, index_topk=args.top_k,
-            max_position_embeddings=ctx,
-        )  # fmt: skip
-        return load_checkpoint(d, device)
+    try:
+        choice = choose(args, context_rows(args.prompt_len + args.output_len))
+        if args.prompt_len + args.output_len > choice.max_positions:
+            raise CommandError(
+                f"prompt + output exceed the model's {choice.max_positions} positions"
+            )
+        return load(choice, device), choice
+    except CommandError as e:
+        raise SystemExit(f"bench_engine.py: {e}") from None
 
 
 def prompts(ck, count: int, length: int):
@@ -222,8 +220,7 @@ def markdown(res: dict) -> str:
         f"# DSA engine: decode throughput vs concurrency under a {_size(res['budget_bytes'])} device KV budget",
         "",
         f"{res['env']['device_name']} ({res['device']}), torch {res['env']['torch']}, {res['env']['when']}, "
-        f"commit {res['env']['commit']}. Model: {cfg['model']} ({cfg['arch']}, {cfg['layers']} layers, "
-        f"{cfg['full_layers']} with an indexer), index top-k {cfg['top_k']}, hot buffer {cfg['hot_size']} rows, "
+        f"commit {res['env']['commit']}. Model: {cfg['model']}; hot buffer {cfg['hot_size']} rows, "
         f"{cfg['row_format']} rows ({cfg['row_bytes']} B), {cfg['key_bytes']}-B index keys, prompt "
         f"{cfg['prompt_len']}, output {cfg['output_len']} tokens.",
         f"Per request on the device: resident {res['per_request_bytes']['resident'] / 2**20:.2f} MiB, "
@@ -421,20 +418,12 @@ def profile_point(ck, args, mode: str, c: int, device, kv: DeviceKV, budget: int
 
 
 def parse(argv):
+    from hisparse.cli.demo_model import add_checkpoint_flags
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cuda")
     ap.add_argument("--small", action="store_true", help="the small CPU-sized configuration")
-    ap.add_argument(
-        "--model", default=None, help="a DSA checkpoint directory (default: a tiny seeded one)"
-    )
-    ap.add_argument(
-        "--arch",
-        choices=("deepseek_v32", "glm_moe_dsa"),
-        default=None,
-        help="the tiny checkpoint's",
-    )
-    ap.add_argument("--layers", type=int, default=None, help="the tiny checkpoint's layers")
-    ap.add_argument("--top-k", type=int, default=None, help="the tiny checkpoint's index top-k")
+    add_checkpoint_flags(ap)  # hisparse demo's: --model DIR, or the generated checkpoint's shape
     ap.add_argument("--row-format", choices=("fp8", "bf16", "f32"), default="fp8")
     ap.add_argument("--hot-size", type=int, default=None)
     ap.add_argument("--prompt-len", type=int, default=None)
@@ -471,13 +460,9 @@ def parse(argv):
     if args.device == "cuda" and not torch.cuda.is_available():
         ap.error("--device cuda: no CUDA GPU visible (use --device cpu --small)")
     args.small = args.small or args.device == "cpu"
-    if args.model and (args.arch or args.layers or args.top_k):
-        ap.error("--arch, --layers and --top-k shape the tiny checkpoint; --model brings its own")
     given = args.concurrency
     for k, v in (SMALL if args.small else GPU).items():
-        if getattr(args, k) is None and not (
-            args.model and k in ("arch", "layers", "top_k", "hot_size")
-        ):
+        if getattr(args, k) is None and not (args.model and k in ("top_k", "hot_size")):
             setattr(args, k, v)
     args.levels = tuple(int(x) for x in given.split(",")) if given else ()
     args.modes = [m for m in MODES if m in args.modes.split(",")]
@@ -498,15 +483,11 @@ def parse(argv):
     return args
 
 
-def setup(ck, args, device) -> dict:
+def setup(ck, choice, args, device) -> dict:
     """The run's record before any point: model, budget, capacities, environment."""
     from hisparse.ops.limits import default_hot_size
 
     args.hot_size = args.hot_size or default_hot_size(ck.cfg.index_topk)
-    if args.prompt_len + args.output_len > ck.spec.max_positions:
-        raise SystemExit(
-            f"prompt + output exceed the checkpoint's {ck.spec.max_positions} positions"
-        )
     kv = DeviceKV.of(
         ck.cfg, args.row_format, context_rows(args.prompt_len + args.output_len), args.hot_size
     )
@@ -517,7 +498,8 @@ def setup(ck, args, device) -> dict:
         else platform.processor() or platform.machine()
     )
     config = dict(
-        model=args.model or "tiny seeded checkpoint (seed 0)",
+        model=choice.describe(),
+        checkpoint=choice.to_dict(),
         arch=ck.cfg.arch,
         layers=kv.layers,
         full_layers=kv.full_layers,
@@ -597,8 +579,8 @@ def main(argv=None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
-    ck = load_model(args, device)
-    res, kv, budget = setup(ck, args, device)
+    ck, choice = load_model(args, device)
+    res, kv, budget = setup(ck, choice, args, device)
     cap, per = res["capacity"], res["per_request_bytes"]
     print(
         f"budget {_size(budget)}: resident fits {cap['resident']} requests ({per['resident'] / 2**20:.2f} MiB "
