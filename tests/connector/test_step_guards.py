@@ -191,13 +191,22 @@ def test_the_scheduler_knows_the_pool_without_vllm_and_refuses_at_entry():
         connector_impl(extra, "worker", host_rows=40)
 
 
-def test_the_reference_engine_hands_its_pool_to_the_scheduler():
-    from hisparse.engine.config import EngineConfig
-    from hisparse.engine.hostkv import HiSparseKV
+@pytest.mark.parametrize("store", ["hisparse", "hybrid"])
+def test_the_dsa_engine_hands_its_pool_to_the_scheduler(store):
+    """The engine's stores size the pool themselves (keys = block x max context + position) and
+    tell their scheduler half, which then refuses what the pool cannot hold at entry."""
+    from hisparse.engine.dsa.hybrid import HybridRows
+    from hisparse.engine.dsa.stores import HiSparseRows
+    from hisparse.models.dsa.config import DSAConfig
+    from hisparse.models.dsa.random_checkpoint import random_config
 
-    cfg = EngineConfig(num_layers=2, num_requests=2, max_running=2, prompt_len=8, output_len=2)
-    kv = HiSparseKV(cfg, torch.device("cpu"), None)
-    assert kv.sched._scheduler.host_rows == kv.worker.worker.host_rows
+    cfg = DSAConfig.from_hf(random_config("glm_moe_dsa", num_hidden_layers=2))
+    cpu = torch.device("cpu")
+    if store == "hisparse":
+        kv = HiSparseRows(cfg, 656, 64, cpu, 16, 2)
+    else:
+        kv = HybridRows(cfg, 656, 64, cpu, 16, 2, device_blocks=4)
+    assert kv.sched._scheduler.host_rows == kv.worker.worker.host_rows == 2 * 64 + 16
     kv.close()
 
 
