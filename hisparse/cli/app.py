@@ -25,7 +25,6 @@ from hisparse.cli.errors import CommandError
 from hisparse.cli.flags import (
     RETIRED,
     _Parser,
-    add_model_flags,
     add_progress_flag,
     add_retired_flags,
     add_workload_flags,
@@ -163,18 +162,17 @@ def _add_plan_command(sub) -> None:
 def _add_export_model_command(sub) -> None:
     p = sub.add_parser(
         "export-model",
-        help="write a seeded tiny model (DeepSeek-V3.2, GLM-5 or the reference) vLLM serves",
+        help="write a seeded tiny DeepSeek-V3.2 or GLM-5 checkpoint vLLM serves",
         description="Write config.json, model.safetensors (seeded weights) and a byte-level "
-        "tokenizer into DIR, for `python -m vllm.entrypoints.openai.api_server "
-        "--model DIR` (with or without the HiSparse connector). No network needed.",
+        "tokenizer into DIR: a tiny checkpoint of a real architecture (real latent sizes), for "
+        "`python -m vllm.entrypoints.openai.api_server --model DIR` with hisparse's class via "
+        "--hf-overrides (with or without the HiSparse connector). No network needed.",
     )
     p.add_argument(
         "--arch",
-        choices=("reference", "deepseek_v32", "glm_moe_dsa"),
+        choices=("deepseek_v32", "glm_moe_dsa"),
         default="deepseek_v32",
-        help="deepseek_v32 (default) / glm_moe_dsa: a tiny checkpoint of that architecture (real "
-        "latent sizes; --layers, --top-k, --max-model-len and --seed apply), served with "
-        "hisparse's classes via --hf-overrides; reference: the reference sparse-MLA model",
+        help="the checkpoint's architecture: deepseek_v32 (default) or glm_moe_dsa",
     )
     p.add_argument(
         "dir",
@@ -187,27 +185,26 @@ def _add_export_model_command(sub) -> None:
         help="replace DIR whole even if it holds files that are not an earlier export's",
     )
     m = p.add_argument_group("model")
-    add_model_flags(m, layers=2)
     m.add_argument(
-        "--hidden", type=int_range(1, 65536), default=64, help="residual width (default: 64)"
+        "--layers", type=int_range(1, 1024), default=2, help="decoder layers (default: 2)"
     )
     m.add_argument(
-        "--vocab",
-        type=int_range(257, 1 << 20),
-        default=512,
-        help="vocabulary, >= 257: 256 byte tokens + end-of-text (default: 512)",
-    )
-    m.add_argument(
-        "--indexer-dim",
-        type=int_range(1, 4096),
-        default=32,
-        help="indexer key/query width (default: 32)",
+        "--top-k",
+        type=int_range(1, MAX_HOT_SIZE),
+        default=64,
+        help="the indexer's tokens selected per request per step (default: 64)",
     )
     m.add_argument(
         "--max-model-len",
         type=int_range(2, 1 << 20),
         default=2048,
         help="longest context in tokens (default: 2048)",
+    )
+    m.add_argument(
+        "--seed",
+        type=int_range(0, 2**31 - 1),
+        default=0,
+        help="weights seed (default: 0)",
     )
     p.set_defaults(func=cmd_export_model, _parser=p)
 

@@ -1,8 +1,8 @@
 """What each `hisparse` command does once its flags parsed: `info`, `demo`, `bench`, `plan`,
 `export-model`. Cross-flag checks that argparse cannot express happen here, before any work;
 the work itself lives in hisparse.cli.demo, hisparse.cli.bench (both over hisparse.cli.workload,
-on the DSA engine), hisparse.cli.plan and hisparse.models.checkpoint / dsa.random_checkpoint
-(export-model), imported only when their command runs (they import torch).
+on the DSA engine), hisparse.cli.plan and hisparse.models.dsa.random_checkpoint (export-model),
+imported only when their command runs (they import torch).
 """
 
 from __future__ import annotations
@@ -94,66 +94,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
         return 2
 
 
-#: --hidden is refused unless a multiple of this: 8 bf16/fp16 values make one 16-byte vector
-#: word, the unit vLLM's and torch's vectorised kernels load a row in, and every width the docs
-#: and tests serve is one.
-HIDDEN_MULTIPLE = 8
-
-
-def check_export_flags(args: argparse.Namespace) -> None:
-    """export-model's cross-flag checks (argparse checked each flag's own range), in one line
-    naming the flag, before anything is drawn or written."""
-    if args.hidden % HIDDEN_MULTIPLE:
-        _flag_error("--hidden", f"must be a multiple of {HIDDEN_MULTIPLE}", args.hidden)
-    for flag, value, bound, name in (
-        ("--index-share", args.index_share, args.layers, "--layers"),
-        ("--top-k", args.top_k, args.max_model_len, "--max-model-len"),
-        ("--recent-window", args.recent_window, args.top_k, "--top-k"),
-    ):
-        if value > bound:
-            _flag_error(flag, f"must be <= {name} ({bound})", value)
-
-
-def check_export_size(args: argparse.Namespace, cfg) -> None:
-    """The weights must fit on the disk that gets them and, twice (the tensors and the bytes
-    written from them), in the RAM available: refused before drawing them."""
-    import shutil
-    from pathlib import Path
-
-    from hisparse.models.checkpoint import weight_bytes
-    from hisparse.runtime.host_pool import available_host_bytes
-
-    need = weight_bytes(cfg)
-    out = Path(args.dir).absolute()
-    anchor = next((p for p in (out, *out.parents) if p.exists()), out.anchor)
-    for room, times, where in (
-        (shutil.disk_usage(anchor).free, "", f"free on the disk of {str(anchor)!r}"),
-        (available_host_bytes(), " (twice that while written)", "of RAM available"),
-    ):
-        if need * (2 if times else 1) > room:
-            raise CommandError(
-                f"argument --hidden: the weights at --hidden {args.hidden}, --layers "
-                f"{args.layers}, --vocab {args.vocab}, --max-model-len {args.max_model_len} take "
-                f"{need / 2**30:.2f} GiB{times}, more than the {room / 2**30:.2f} GiB {where}",
-                2,
-            )
-
-
 def _flag_error(flag: str, rule: str, value) -> None:
     raise CommandError(f"argument {flag}: {rule}, got {value}", 2)
 
 
-#: export-model flags that shape only the reference model.
-_REFERENCE_ONLY = ("hidden", "vocab", "indexer_dim", "index_share", "row_format", "drift")
-
-
-def _export_dsa(args: argparse.Namespace) -> int:
-    """export-model --arch deepseek_v32 / glm_moe_dsa: a seeded tiny checkpoint."""
-    for dest in _REFERENCE_ONLY + ("recent_window",):
-        value = getattr(args, dest)
-        if value != args._parser.get_default(dest):
-            rule = f"applies to --arch reference only, not {args.arch}"
-            _flag_error("--" + dest.replace("_", "-"), rule, value)
+def cmd_export_model(args: argparse.Namespace) -> int:
+    """A seeded tiny DeepSeek-V3.2 / GLM-5 checkpoint, swapped in as DIR whole."""
     if args.top_k > args.max_model_len:
         _flag_error("--top-k", f"must be <= --max-model-len ({args.max_model_len})", args.top_k)
     from hisparse.models.dsa.random_checkpoint import ARCH_NAMES, export_random_checkpoint
@@ -177,37 +123,5 @@ def _export_dsa(args: argparse.Namespace) -> int:
         f"wrote {out}: {ARCH_NAMES[args.arch]}, {args.layers} layers, index top-k {args.top_k}, "
         f"context {args.max_model_len}; serve it with --hf-overrides "
         f'\'{{"architectures": ["{cls}"]}}\''
-    )
-    return 0
-
-
-def cmd_export_model(args: argparse.Namespace) -> int:
-    if args.arch != "reference":
-        return _export_dsa(args)
-    check_export_flags(args)
-    from hisparse.models.checkpoint import ExportError, export_model, model_config
-
-    try:
-        cfg = model_config(
-            args.max_model_len,
-            num_layers=args.layers,
-            index_share=args.index_share,
-            hidden=args.hidden,
-            vocab=args.vocab,
-            indexer_dim=args.indexer_dim,
-            top_k=args.top_k,
-            row_format=args.row_format or "fp8",
-            drift=args.drift,
-            recent_window=args.recent_window,
-            seed=args.seed,
-        )
-        check_export_size(args, cfg)
-        out = export_model(args.dir, cfg, force=args.force)
-    except (ExportError, OSError) as e:
-        args._parser.error(str(e))
-        return 2
-    print(
-        f"wrote {out}: {cfg.num_layers} layers, top-k {cfg.top_k}, {cfg.row_bytes}-B rows, "
-        f"context {cfg.max_context}"
     )
     return 0

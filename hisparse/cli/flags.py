@@ -2,8 +2,7 @@
 
 The validators are argparse ``type=`` callables: a bad value raises ``ArgumentTypeError`` and
 argparse prints one line naming the flag, exit status 2. The workload group is shared by `demo`
-and `bench`, the reference model's group by `export-model`. Imports no torch (``hisparse --help``
-stays fast).
+and `bench`. Imports no torch (``hisparse --help`` stays fast).
 """
 
 from __future__ import annotations
@@ -15,7 +14,6 @@ import tempfile
 from typing import Callable, Optional, Sequence
 
 from hisparse.cli.errors import CommandError
-from hisparse.ops.limits import MAX_HOT_SIZE
 
 
 class _Parser(argparse.ArgumentParser):
@@ -124,54 +122,6 @@ def add_progress_flag(g) -> None:
     g.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bars")
 
 
-def add_model_flags(g, *, layers: int) -> None:
-    """The reference model's shape (`export-model --arch reference`; the DSA arches take
-    --layers, --top-k and --seed of it)."""
-    g.add_argument(
-        "--layers",
-        type=int_range(1, 1024),
-        default=layers,
-        help=f"decoder layers (default: {layers})",
-    )
-    g.add_argument(
-        "--index-share",
-        type=int_range(1, 1024),
-        default=2,
-        help="layers per index group: a leader and the followers reusing its top-k (default: 2)",
-    )
-    g.add_argument(
-        "--top-k",
-        type=int_range(1, MAX_HOT_SIZE),
-        default=64,
-        help="tokens selected per request per step (default: 64)",
-    )
-    g.add_argument(
-        "--row-format",
-        "--row-layout",
-        choices=("fp8", "bf16", "f32"),
-        default=None,
-        help="latent row bytes: fp8 656 B, bf16 1152 B, f32 2304 B (default: fp8)",
-    )
-    g.add_argument(
-        "--drift",
-        type=float_range(0.0, 1.0),
-        default=0.05,
-        help="indexer query drift per token, 0 = frozen, 1 = memoryless (default: 0.05)",
-    )
-    g.add_argument(
-        "--recent-window",
-        type=int_range(0, MAX_HOT_SIZE),
-        default=8,
-        help="newest tokens always selected (default: 8)",
-    )
-    g.add_argument(
-        "--seed",
-        type=int_range(0, 2**31 - 1),
-        default=0,
-        help="weights (and prompts) seed (default: 0)",
-    )
-
-
 def add_workload_flags(
     p: argparse.ArgumentParser, *, requests: int, concurrency: int, prompt_len: int, output_len: int
 ):
@@ -227,12 +177,12 @@ def add_workload_flags(
     return g
 
 
-#: Flags the reference engine's workload took and the DSA engine's does not: why, for the one
-#: line that refuses them (scripts written for the old demo get told, not "unrecognized").
+#: Flags the demo's former engine took and the DSA engine does not: why, for the one line that
+#: refuses them (scripts written for the old demo get told, not "unrecognized").
 RETIRED = {
     "--recent-window": "the DSA indexer selects every row itself (no recent window)",
     "--metrics-interval": "the DSA engine reports its counters once per run",
-    "--binding-fault": "it was the reference engine's negative control",
+    "--binding-fault": "a negative control of the former engine; evals/parity runs the DSA one",
 }
 
 

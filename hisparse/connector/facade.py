@@ -2,8 +2,9 @@
 
 The scheduler half (state rows, token counts, each step's metadata) and the worker half (host
 pool, hot buffers, resolve, save, stats) behind the method names of vLLM's KV-connector
-contract. The reference engine drives it directly; inside vLLM, ``hisparse.vllm.connector``'s
-``HiSparseConnector`` subclasses vLLM's base and delegates here. See docs/connector.md.
+contract. The DSA engine (``hisparse.engine.dsa``) drives it directly; inside vLLM,
+``hisparse.vllm.connector``'s ``HiSparseConnector`` subclasses vLLM's base and delegates here.
+See docs/connector.md.
 """
 
 from __future__ import annotations
@@ -100,7 +101,7 @@ class HiSparseConnectorImpl:
         return self.worker
 
     def register_kv_caches(self, kv_caches: dict, *, peers: Any = None) -> None:
-        """From an engine that hands over its hot buffers (the reference engine): bind them. With
+        """From a caller that hands over its hot buffers (the tests): bind them. With
         ``model_layers`` (vLLM, its own paged caches): leave those alone; allocate hot buffers for
         the model's HiSparse layers and a host pool backing every engine slot. ``peers``: the
         worker's tensor-parallel group (``hisparse.connector.tp_pool``), or None."""

@@ -29,8 +29,10 @@ COUNTERS = (
         "Bytes HiSparse gathers copied from the host pool into hot buffers (exact).",
     ),
 )
-# Hybrid residency (the reference engine's residency="hybrid"): whole requests move between the
-# device KV pages and the host pool. Rows are counted per layer, like the gathers' bytes.
+# Hybrid residency (a host that keeps requests in device pages while they fit): whole requests
+# move between the device KV pages and the host pool. Rows are counted per layer, like the
+# gathers' bytes. No host in the tree reports them through the container today (the DSA
+# engine's hybrid counts its moves in its own run result); the metric names stay published.
 SPILL_COUNTERS = (
     (
         "spilled_requests",

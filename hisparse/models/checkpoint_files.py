@@ -1,8 +1,9 @@
 """The files every checkpoint hisparse writes shares, whatever its architecture: the
 safetensors writer (no numpy, no safetensors package) and a byte-level tokenizer (256 byte tokens
 and ``<|endoftext|>``), so vLLM serves the directory with no network and text prompts work
-through its OpenAI API. Used by ``hisparse export-model`` for every architecture it writes
-(``hisparse.models.dsa.random_checkpoint``, ``make_checkpoint``, ``hisparse.models.checkpoint``).
+through its OpenAI API. Used by every checkpoint writer: ``hisparse.models.dsa.random_checkpoint``
+(``hisparse export-model``), ``make_checkpoint``, ``fp8_weights``, ``mtp_checkpoint`` and the
+demo's (``hisparse.cli.demo_model``).
 """
 
 from __future__ import annotations

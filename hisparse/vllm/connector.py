@@ -132,7 +132,7 @@ class HiSparseConnector(KVConnectorBase_V1, SupportsHMA):
     def shutdown(self) -> None:
         return self.impl.shutdown()
 
-    # What the model's HiSparse layers call (hisparse.vllm.dsa.attention, hisparse.vllm.model).
+    # What the models' HiSparse layers call (hisparse.vllm.dsa.attention).
     def resolve(
         self,
         layer_name: str,

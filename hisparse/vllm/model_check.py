@@ -41,7 +41,8 @@ def _message(archs: str) -> str:
     return (
         f"HiSparse connector: model architecture {archs} has no HiSparse sparse-attention "
         "layers, so nothing would call the connector; serve a model whose attention calls it "
-        "(e.g. a directory from `hisparse export-model`) or drop --kv-transfer-config"
+        "(e.g. a directory from `hisparse export-model`, with the --hf-overrides it prints) or "
+        "drop --kv-transfer-config"
     )
 
 
@@ -69,8 +70,8 @@ def refuse_stock_architecture(vllm_config: Any) -> None:
 
 def model_hisparse_layers(vllm_config: Any) -> Optional[dict]:
     """The loaded model's HiSparse layers by name; None when no model is loaded in this process
-    (a caller driving the worker itself, e.g. a test or the reference engine). A loaded model
-    without any is refused with one line."""
+    (a caller driving the worker itself, e.g. a test). A loaded model without any is refused
+    with one line."""
     ctx = (
         getattr(getattr(vllm_config, "compilation_config", None), "static_forward_context", None)
         or {}
@@ -105,10 +106,8 @@ def find_model_layers(
         groups.setdefault(lay.group_leader, [lay.group_leader])
         if name != lay.group_leader:
             groups[lay.group_leader].append(name)
-    top_k = getattr(getattr(vllm_config.model_config, "hf_config", None), "hisparse", None)
-    top_k = top_k.get("top_k") if isinstance(top_k, Mapping) else None
-    if top_k is None:  # DeepSeek-V3.2 / GLM-5 (hisparse.vllm.dsa): the indexer's top-k
-        top_k = getattr(getattr(vllm_config.model_config, "hf_config", None), "index_topk", None)
+    # DeepSeek-V3.2 / GLM-5 (hisparse.vllm.dsa): the indexer's top-k
+    top_k = getattr(getattr(vllm_config.model_config, "hf_config", None), "index_topk", None)
     extra = dict(extra or {})
     if top_k is not None and extra.get("top_k", top_k) != top_k:
         raise HiSparseConfigError(

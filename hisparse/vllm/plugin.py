@@ -1,18 +1,14 @@
 """The ``vllm.general_plugins`` entry point: registers hisparse's model architectures (the
-DeepSeek-V3.2 / GLM-5 classes and the reference model).
+DeepSeek-V3.2 / GLM-5 classes and their MTP draft).
 
 vLLM calls ``register()`` in every process it starts (engine core, workers, API server). It names
-the model class by its import path and installs hisparse's few vLLM patches
+each model class by its import path and installs hisparse's few vLLM patches
 (``hisparse.vllm.patches``: the connector name, the early refusal, the KV sizing).
 """
 
 from __future__ import annotations
 
 import logging
-
-from hisparse.models.checkpoint import ARCHITECTURE
-
-MODEL_CLASS = "hisparse.vllm.model:HiSparseMLAForCausalLM"
 
 
 def register() -> None:
@@ -21,9 +17,6 @@ def register() -> None:
     from hisparse.vllm.patches import install
 
     install()
-
-    if ARCHITECTURE not in ModelRegistry.get_supported_archs():
-        ModelRegistry.register_model(ARCHITECTURE, MODEL_CLASS)
     # DeepSeek-V3.2 / GLM-5 with HiSparse-capable attention, under names of their own so vLLM's
     # native classes stay as they are; a checkpoint picks ours with --hf-overrides.
     from hisparse.vllm.dsa import DSA_ARCHITECTURES

@@ -84,17 +84,13 @@ def decode_query_len(vllm_config: Any) -> int:
 
 def engine_defaults(vllm_config: Any, extra: Optional[Mapping]) -> Any:
     """``extra`` with max_num_seqs / block_size filled from vLLM's own config, top_k from the
-    served model's config (an exported HiSparse model's ``hisparse.top_k``, or the DeepSeek-V3.2 /
-    GLM-5 indexer's ``index_topk``), where the extra config omits them, and decode_tokens from
-    the speculative config (DeepSeek-V3.2 / GLM-5 classes)."""
+    served model's config (the DeepSeek-V3.2 / GLM-5 indexer's ``index_topk``), where the extra
+    config omits them, and decode_tokens from the speculative config."""
     if extra is not None and not isinstance(extra, Mapping):
         return extra  # config_from_extra names the problem
     merged = dict(extra or {})
     hf = getattr(getattr(vllm_config, "model_config", None), "hf_config", None)
-    model = getattr(hf, "hisparse", None)
-    # The exported reference model resolves one-token decodes only; its multi-token steps read
-    # the host pool as prefills, so its rows stay top_k wide.
-    q = 1 if isinstance(model, Mapping) else decode_query_len(vllm_config)
+    q = decode_query_len(vllm_config)
     if merged.get("decode_tokens", q) != q:
         raise HiSparseConfigError(
             f"{PREFIX}['decode_tokens'] = {merged['decode_tokens']!r} differs from the {q} query "
@@ -102,8 +98,6 @@ def engine_defaults(vllm_config: Any, extra: Optional[Mapping]) -> Any:
         )
     if q > 1:
         merged["decode_tokens"] = q
-    if "top_k" not in merged and isinstance(model, Mapping) and isinstance(model.get("top_k"), int):
-        merged["top_k"] = model["top_k"]
     index_topk = getattr(hf, "index_topk", None)
     if "top_k" not in merged and isinstance(index_topk, int):
         merged["top_k"] = index_topk

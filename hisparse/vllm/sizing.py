@@ -7,9 +7,9 @@ outgrow the machine. ``plan`` caps the blocks at what the host pool may hold (``
 or ``host_pool_fraction`` of the RAM available at start-up) and charges the hot buffers
 (``max_num_seqs × hot_size`` rows per layer) to the same device budget, so "one budget"
 means one budget. Pure arithmetic over duck-typed vLLM objects; ``hisparse.vllm.patches`` applies
-it inside vLLM's KV-cache sizing, for every model hisparse serves: the exported reference model
-and the DeepSeek-V3.2 / GLM-5 classes (``hisparse.vllm.dsa``), whose row bytes come from their
-configs (vLLM's KV specs, seen here, hold only the indexer caches).
+it inside vLLM's KV-cache sizing, for the models hisparse serves: the DeepSeek-V3.2 / GLM-5
+classes (``hisparse.vllm.dsa``), whose row bytes come from their configs (vLLM's KV specs, seen
+here, hold only the indexer caches).
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Sequence
 
 from hisparse.connector.config import HiSparseConfig
-from hisparse.models.checkpoint import CONFIG_KEY, config_from_hf
 from hisparse.models.dsa.config import DSAConfig
 from hisparse.models.rows import ROW_FORMATS
 from hisparse.runtime import fence_kernels
@@ -76,9 +75,6 @@ def token_row_bytes(vllm_config: Any) -> Optional[int]:
         return None
     model = getattr(vllm_config, "model_config", None)
     hf = getattr(model, "hf_config", None)
-    if isinstance(getattr(hf, CONFIG_KEY, None), Mapping):  # `hisparse export-model`
-        ref = config_from_hf(hf)
-        return ref.row_bytes * ref.num_layers
     archs = getattr(model, "architectures", None) or getattr(hf, "architectures", None) or ()
     if _OURS_DSA.isdisjoint(archs):
         return None
@@ -97,7 +93,7 @@ def _draft_layers(vllm_config: Any) -> int:
 
 
 def serves_hisparse_model(vllm_config: Any) -> bool:
-    """The connector is hisparse's and the model one of hisparse's (exported or DSA class)."""
+    """The connector is hisparse's and the model one of hisparse's (a DSA class)."""
     return token_row_bytes(vllm_config) is not None
 
 

@@ -2,7 +2,7 @@
 
 vLLM builds attention metadata per KV-cache group with the builder of the layers' backend
 (``hisparse.vllm.cache_layers``); every model hisparse serves (the DeepSeek-V3.2 / GLM-5
-classes, the exported reference model) reads the same ``StepMetadata``: batch rows in vLLM's
+classes and their MTP draft) reads the same ``StepMetadata``: batch rows in vLLM's
 order with the decodes first, their query ranges, sequence lengths, block table and the new
 tokens' slots.
 """
@@ -46,12 +46,6 @@ class StepMetadata:
     @property
     def num_tokens(self) -> int:
         return self.query_start[self.num_reqs]
-
-    @property
-    def seq_lens(self) -> List[int]:
-        """Host copy of the sequence lengths: a device sync on CUDA. Only the exported reference
-        model reads it; the DSA classes stay on the device."""
-        return self.seq_lens_dev.cpu().tolist()
 
 
 class StepMetadataBuilder(AttentionMetadataBuilder[StepMetadata]):

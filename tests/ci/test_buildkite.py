@@ -225,7 +225,7 @@ def test_a_binding_change_triggers_the_nightly_behind_a_block(steps):
         ("README.md", False),
         ("docs/engine.md", False),
         ("csrcx/thing.cu", False),  # prefix of a name is not a folder match
-        ("hisparse/engine/run.py", False),  # the reference engine is not on the vLLM path
+        ("hisparse/engine/dsa/generate.py", False),  # the engines are not on the vLLM path
     ],
 )
 def test_trigger_rules(steps, path, nightly_runs):

@@ -1,6 +1,7 @@
 """`hisparse export-model --arch deepseek_v32 / glm_moe_dsa`: a seeded tiny checkpoint of a real
 architecture, written without transformers, that hisparse's DSA config reader and weight loader
-take; replaced whole on a second export; flags of the reference model refused by name."""
+take; replaced whole on a second export; the flags of the retired reference model's export, and
+its --arch, refused in one line."""
 
 from __future__ import annotations
 
@@ -37,15 +38,17 @@ def test_writes_a_checkpoint_the_dsa_classes_read(arch, tmp_path, capsys):
 @pytest.mark.parametrize(
     "extra,says",
     [
-        (["--hidden", "128"], "argument --hidden: applies to --arch reference only"),
-        (["--row-format", "bf16"], "argument --row-format: applies to --arch reference only"),
+        (["--hidden", "128"], "unrecognized arguments: --hidden 128"),
+        (["--row-format", "bf16"], "unrecognized arguments: --row-format bf16"),
+        (["--arch", "reference"], "argument --arch: invalid choice: 'reference'"),
         (["--top-k", "4096", "--max-model-len", "1024"], "argument --top-k: must be <="),
     ],
 )
-def test_reference_flags_and_bad_sizes_are_refused_by_name(extra, says, tmp_path, capsys):
+def test_retired_flags_and_bad_sizes_are_refused_in_one_line(extra, says, tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         main(["export-model", str(tmp_path / "m"), "--arch", "deepseek_v32", *extra])
-    assert e.value.code == 2 and says in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and says in err and len(err.strip().splitlines()) == 1, err
     assert not (tmp_path / "m").exists()
 
 
@@ -81,15 +84,10 @@ def test_a_longer_context_stretches_the_yarn_rope_so_vllm_can_serve_it(tmp_path)
 
 
 def test_without_arch_it_writes_deepseek_v32(tmp_path, capsys):
-    """The default architecture is DeepSeek-V3.2 (the reference model needs --arch reference),
-    and a reference-only flag without --arch is refused naming the architecture."""
+    """The default architecture is DeepSeek-V3.2."""
     out = tmp_path / "default"
     assert main(["export-model", str(out), "--layers", "2", "--top-k", "16"]) == 0
     assert "HiSparseDeepseekV32ForCausalLM" in capsys.readouterr().out
     hf = json.loads((out / "config.json").read_text())
     assert hf["architectures"] == ["DeepseekV32ForCausalLM"]
     assert DSAConfig.from_hf(hf).arch == "deepseek_v32"
-    with pytest.raises(SystemExit) as e:
-        main(["export-model", str(tmp_path / "m"), "--index-share", "1"])
-    err = capsys.readouterr().err
-    assert e.value.code == 2 and "applies to --arch reference only, not deepseek_v32" in err

@@ -1,14 +1,14 @@
-"""`hisparse export-model` in the environment README command (a) makes: no numpy needed, numpy
-declared (so torch prints no "Failed to initialize NumPy"), and a failed export leaves nothing
-behind (issue 23, item 7). An export replaces an earlier one whole (no stale index or shards
-beside it), refuses someone else's directory unless forced, makes files and directory with the
-umask's modes, and refuses flags that cannot go together in one line before any work."""
+"""`hisparse export-model` (a tiny seeded DeepSeek-V3.2 / GLM-5 checkpoint) in the environment
+README command (a) makes: no numpy needed, numpy declared (so torch prints no "Failed to
+initialize NumPy"), and a failed export leaves nothing behind (issue 23, item 7). An export
+replaces an earlier one whole (no stale index or shards beside it), refuses someone else's
+directory unless forced, makes files and directory with the umask's modes, and refuses flags that
+cannot go together in one line before any work."""
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
 import stat
 import subprocess
 import sys
@@ -17,17 +17,26 @@ import pytest
 import tomllib
 
 from hisparse.cli import main
-from hisparse.models import checkpoint, export_dir
-from hisparse.models.checkpoint import ExportError, export_model, model_config
-from hisparse.models.export_dir import EXPORT_FILES
+from hisparse.models import export_dir
+from hisparse.models.dsa import random_checkpoint
+from hisparse.models.dsa.random_checkpoint import export_random_checkpoint
+from hisparse.models.export_dir import EXPORT_FILES, ExportError
 from tests import REPO_ROOT
 from tests.helpers import child_timeout
 
-ARGS = ["--arch", "reference", "--layers", "2", "--top-k", "8", "--max-model-len", "64"]
+ARGS = ["--arch", "deepseek_v32", "--layers", "2", "--top-k", "8", "--max-model-len", "64"]
 
 
-def _small():
-    return model_config(64, num_layers=2, index_share=2, top_k=8, hidden=32, vocab=300, seed=3)
+def export_model(out, layers: int = 2, *, force: bool = False, arch: str = "deepseek_v32"):
+    """What ``ARGS`` asks for (``layers`` aside), as the command calls it."""
+    return export_random_checkpoint(
+        out,
+        arch,
+        force=force,
+        num_hidden_layers=layers,
+        index_topk=8,
+        max_position_embeddings=64,
+    )
 
 
 def test_export_model_runs_without_numpy_and_writes_the_same_bytes(tmp_path):
@@ -47,7 +56,7 @@ def test_export_model_runs_without_numpy_and_writes_the_same_bytes(tmp_path):
     )
     assert r.returncode == 0, r.stderr[-2000:]
     assert "Numpy is not available" not in r.stderr
-    export_model(tmp_path / "ref", model_config(64, num_layers=2, top_k=8))
+    export_model(tmp_path / "ref")
     for name in ("model.safetensors", "config.json", "tokenizer.json"):
         assert (tmp_path / "nonp" / name).read_bytes() == (tmp_path / "ref" / name).read_bytes()
 
@@ -65,7 +74,7 @@ def _fail_writing_weights(monkeypatch):
             f.write(b"half")
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(checkpoint, "write_safetensors", broken)
+    monkeypatch.setattr(random_checkpoint, "write_safetensors", broken)
 
 
 @pytest.mark.parametrize("nested", [False, True])
@@ -73,23 +82,23 @@ def test_a_failed_export_leaves_nothing_behind(tmp_path, monkeypatch, nested):
     _fail_writing_weights(monkeypatch)
     out = tmp_path / "a" / "b" / "m" if nested else tmp_path / "m"
     with pytest.raises(OSError, match="No space left"):
-        export_model(out, _small())
+        export_model(out)
     assert list(tmp_path.iterdir()) == []  # no DIR, no parents made for it, no temporary
 
 
 def test_a_failed_export_into_an_existing_directory_changes_nothing(tmp_path, monkeypatch):
-    out = export_model(tmp_path / "m", _small())
+    out = export_model(tmp_path / "m")
     before = {p.name: p.read_bytes() for p in out.iterdir()}
     _fail_writing_weights(monkeypatch)
     with pytest.raises(OSError):
-        export_model(out, model_config(64, num_layers=3, top_k=8))
+        export_model(out, 3)
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m"]
 
 
 def test_an_export_replaces_an_earlier_one_whole(tmp_path):
-    out = export_model(tmp_path / "m", _small())
-    export_model(out, model_config(64, num_layers=3, top_k=8))
+    out = export_model(tmp_path / "m")
+    export_model(out, 3)
     assert '"num_hidden_layers": 3' in (out / "config.json").read_text()
     assert sorted(p.name for p in out.iterdir()) == sorted(EXPORT_FILES)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m"]  # no temporary, no old copy
@@ -108,7 +117,7 @@ def _sharded_checkpoint(d):
 def test_a_foreign_directory_is_refused_and_left_as_it_was(tmp_path):
     before = _sharded_checkpoint(tmp_path / "m")
     with pytest.raises(ExportError, match=r"is not empty and is not an earlier export") as e:
-        export_model(tmp_path / "m", _small())
+        export_model(tmp_path / "m")
     assert "(it holds 'model-00001-of-00002.safetensors', which an export" in str(e.value)
     assert "--force" in str(e.value) and "\n" not in str(e.value)
     assert {p.name: p.read_bytes() for p in (tmp_path / "m").iterdir()} == before
@@ -119,10 +128,10 @@ def test_a_foreign_directory_is_refused_and_left_as_it_was(tmp_path):
     "extra", ["notes.txt", "model.safetensors.index.json", "model-00001-of-00002.safetensors"]
 )
 def test_an_earlier_export_with_files_beside_it_is_not_an_export(tmp_path, extra):
-    out = export_model(tmp_path / "m", _small())
+    out = export_model(tmp_path / "m")
     (out / extra).write_text("mine")
     with pytest.raises(ExportError, match=rf"\(it holds {extra!r}, which an export does not"):
-        export_model(out, _small())
+        export_model(out)
     assert (out / extra).read_text() == "mine"
 
 
@@ -140,13 +149,13 @@ def test_a_directory_of_export_file_names_alone_is_not_an_export(tmp_path, confi
     if config is not None:
         (tmp_path / "m" / "config.json").write_text(config)
     with pytest.raises(ExportError, match=rf"\({why}\); pass --force"):
-        export_model(tmp_path / "m", _small())
+        export_model(tmp_path / "m")
     assert (tmp_path / "m" / "model.safetensors").read_bytes() == b"someone's"
 
 
 def test_force_replaces_a_foreign_directory_leaving_no_stale_index_or_shards(tmp_path):
     _sharded_checkpoint(tmp_path / "m")
-    out = export_model(tmp_path / "m", _small(), force=True)
+    out = export_model(tmp_path / "m", force=True)
     assert sorted(p.name for p in out.iterdir()) == sorted(EXPORT_FILES)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m"]
 
@@ -155,15 +164,15 @@ def test_replacement_without_an_atomic_exchange(tmp_path, monkeypatch):
     """Where renameat2 cannot exchange (another OS or filesystem), two renames do it."""
     monkeypatch.setattr(export_dir, "_exchange", lambda a, b: False)
     _sharded_checkpoint(tmp_path / "m")
-    out = export_model(tmp_path / "m", _small(), force=True)
+    out = export_model(tmp_path / "m", force=True)
     assert sorted(p.name for p in out.iterdir()) == sorted(EXPORT_FILES)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m"]
 
 
 def test_a_link_to_an_export_stays_a_link(tmp_path):
-    real = export_model(tmp_path / "real", _small())
+    real = export_model(tmp_path / "real")
     (tmp_path / "link").symlink_to(real)
-    export_model(tmp_path / "link", model_config(64, num_layers=3, top_k=8))
+    export_model(tmp_path / "link", 3)
     assert (tmp_path / "link").is_symlink()
     assert '"num_hidden_layers": 3' in (real / "config.json").read_text()
 
@@ -184,10 +193,10 @@ def test_cli_force(tmp_path, capsys):
 def test_modes_follow_the_umask(tmp_path, umask, existing):
     out = tmp_path / "m"
     if existing:
-        export_model(out, _small())
+        export_model(out)
     old = os.umask(umask)
     try:
-        export_model(out, _small())
+        export_model(out)
     finally:
         os.umask(old)
     assert stat.S_IMODE(out.stat().st_mode) == 0o777 & ~umask
@@ -202,45 +211,31 @@ def test_modes_follow_the_umask(tmp_path, umask, existing):
             ["--top-k", "4096", "--max-model-len", "2048"],
             "argument --top-k: must be <= --max-model-len (2048), got 4096",
         ),
-        (["--hidden", "3"], "argument --hidden: must be a multiple of 8, got 3"),
-        (["--index-share", "3", "--layers", "2"], "argument --index-share: must be <= --layers"),
-        (
-            ["--top-k", "8", "--recent-window", "9"],
-            "argument --recent-window: must be <= --top-k (8), got 9",
-        ),
-        (["--hidden", "0"], "argument --hidden: must be >= 1, got 0"),
-        (["--hidden", "65536", "--vocab", "1048576"], "argument --hidden: the weights at"),
+        (["--layers", "0"], "argument --layers: must be >= 1, got 0"),
+        (["--arch", "reference"], "argument --arch: invalid choice: 'reference'"),
+        (["--hidden", "64"], "unrecognized arguments: --hidden 64"),
     ],
 )
 def test_flags_that_cannot_go_together_are_one_line_before_any_work(
     tmp_path, capsys, monkeypatch, flags, message
 ):
-    monkeypatch.setattr(checkpoint, "model_weights", _never)
+    monkeypatch.setattr(random_checkpoint, "random_weights", _never)
     with pytest.raises(SystemExit) as e:
-        main(["export-model", str(tmp_path / "m"), "--arch", "reference", *flags])
+        main(["export-model", str(tmp_path / "m"), *flags])
     assert e.value.code == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and message in err, err
     assert list(tmp_path.iterdir()) == []
 
 
-def _never(cfg):
+def _never(hf, seed=0):
     raise AssertionError("weights drawn for flags that were to be refused")
 
 
-def test_the_weights_must_fit_the_disk(tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(checkpoint, "model_weights", _never)
-    need = checkpoint.weight_bytes(model_config(64, num_layers=2, top_k=8))
-    free = type("Usage", (), {"free": need - 1})
-    monkeypatch.setattr(shutil, "disk_usage", lambda path: free)
-    with pytest.raises(SystemExit):
-        main(["export-model", str(tmp_path / "m"), *ARGS])
-    err = capsys.readouterr().err
-    assert "argument --hidden: the weights at --hidden 64, --layers 2" in err
-    assert f"free on the disk of {str(tmp_path)!r}" in err
-
-
-def test_weight_bytes_counts_what_is_written():
-    for cfg in (_small(), model_config(100, num_layers=3, hidden=8, indexer_dim=5, vocab=300)):
-        weights = checkpoint.model_weights(cfg)
-        assert checkpoint.weight_bytes(cfg) == sum(t.numel() * 4 for t in weights.values())
+def test_a_dir_that_is_a_file_is_refused_in_one_line(tmp_path, capsys):
+    (tmp_path / "f").write_text("mine")
+    with pytest.raises(SystemExit) as e:
+        main(["export-model", str(tmp_path / "f"), *ARGS])
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and len(err.splitlines()) == 1 and "not a directory" in err, err
+    assert (tmp_path / "f").read_text() == "mine"

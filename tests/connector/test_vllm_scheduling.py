@@ -174,7 +174,7 @@ def _ctx(layers):
     return SimpleNamespace(
         compilation_config=SimpleNamespace(static_forward_context=layers),
         model_config=SimpleNamespace(
-            architectures=["LlamaForCausalLM"], hf_config=SimpleNamespace(hisparse={"top_k": 2})
+            architectures=["LlamaForCausalLM"], hf_config=SimpleNamespace(index_topk=2)
         ),
     )
 

@@ -1,5 +1,5 @@
 """The rest of a DeepSeek-V3.2 / GLM-5 decoder in pure torch (float32, any device): what the
-vLLM classes take from vLLM's own layers, written once for the reference engine.
+vLLM classes take from vLLM's own layers, written once for the DSA engine.
 
 * ``DecoderSpec.from_hf``: the config fields beyond ``DSAConfig`` (norm eps, vocabulary, which
   layers are dense, MoE routing), checked by ``hisparse.models.dsa.schema``;

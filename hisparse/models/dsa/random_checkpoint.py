@@ -6,7 +6,7 @@ tokenizer. For tests and demos on machines without transformers; transformers re
     write_random_checkpoint(out_dir, "glm_moe_dsa", seed=0)
 
 ``export_random_checkpoint`` (``hisparse export-model --arch``) writes the same as a directory
-swapped in whole, as the reference model's export is.
+swapped in whole (``hisparse.models.export_dir``).
 """
 
 from __future__ import annotations
