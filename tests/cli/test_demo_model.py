@@ -1,6 +1,6 @@
 """`hisparse demo`'s checkpoint: `--model DIR` (a DSA checkpoint directory) or the tiny one it
 generates (`--arch`, `--layers`, `--index-share`, `--top-k`, `--seed`, `--drift`); the flags that
-do not apply, and those of the retired reference engine, refused in one line before any work."""
+do not apply, and those of the demo's former engine, refused in one line before any work."""
 
 from __future__ import annotations
 

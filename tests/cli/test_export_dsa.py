@@ -1,7 +1,7 @@
 """`hisparse export-model --arch deepseek_v32 / glm_moe_dsa`: a seeded tiny checkpoint of a real
 architecture, written without transformers, that hisparse's DSA config reader and weight loader
-take; replaced whole on a second export; the flags of the retired reference model's export, and
-its --arch, refused in one line."""
+take; replaced whole on a second export; the flags and --arch of the retired sparse-MLA export
+refused in one line."""
 
 from __future__ import annotations
 

@@ -194,7 +194,8 @@ def test_the_scheduler_knows_the_pool_without_vllm_and_refuses_at_entry():
 @pytest.mark.parametrize("store", ["hisparse", "hybrid"])
 def test_the_dsa_engine_hands_its_pool_to_the_scheduler(store):
     """The engine's stores size the pool themselves (keys = block x max context + position) and
-    tell their scheduler half, which then refuses what the pool cannot hold at entry."""
+    tell their scheduler half, which then refuses what the pool cannot hold at entry; in HiSparse
+    mode a request's block is the state row the connector gave it."""
     from hisparse.engine.dsa.hybrid import HybridRows
     from hisparse.engine.dsa.stores import HiSparseRows
     from hisparse.models.dsa.config import DSAConfig
@@ -207,6 +208,11 @@ def test_the_dsa_engine_hands_its_pool_to_the_scheduler(store):
     else:
         kv = HybridRows(cfg, 656, 64, cpu, 16, 2, device_blocks=4)
     assert kv.sched._scheduler.host_rows == kv.worker.worker.host_rows == 2 * 64 + 16
+    if store == "hisparse":  # one allocator: a request's block of keys is its state row
+        blocks = kv.begin({"a": 5, "b": 3})
+        rows = kv.sched._scheduler.rows
+        assert blocks == [rows.row_of("a"), rows.row_of("b")] and len(set(blocks)) == 2
+        kv.end()
     kv.close()
 
 
