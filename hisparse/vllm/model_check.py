@@ -41,8 +41,7 @@ def _message(archs: str) -> str:
     return (
         f"HiSparse connector: model architecture {archs} has no HiSparse sparse-attention "
         "layers, so nothing would call the connector; serve a model whose attention calls it "
-        "(e.g. a directory from `hisparse export-model`, with the --hf-overrides it prints) or "
-        "drop --kv-transfer-config"
+        "(e.g. a directory from `hisparse export-model`) or drop --kv-transfer-config"
     )
 
 

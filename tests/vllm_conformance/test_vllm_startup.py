@@ -163,8 +163,8 @@ def test_stock_model_is_refused_before_weights_load_on_the_last_line(tmp_path, l
     assert last.endswith(
         "HiSparse connector: model architecture LlamaForCausalLM has no HiSparse "
         "sparse-attention layers, so nothing would call the connector; serve a model whose "
-        "attention calls it (e.g. a directory from `hisparse export-model`, with the "
-        "--hf-overrides it prints) or drop --kv-transfer-config"
+        "attention calls it (e.g. a directory from `hisparse export-model`) or drop "
+        "--kv-transfer-config"
     ), last
 
 
