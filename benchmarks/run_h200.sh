@@ -21,6 +21,16 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
 STAGES=${STAGES:-"build tests sanitizer bench"}
 has() { [[ " $STAGES " == *" $1 "* ]]; }
 status=0
+# FlashMLA and DeepGEMM importable: built from benchmarks/baselines/src where not yet
+baselines() {
+  local base=$PWD/benchmarks/baselines
+  export PYTHONPATH="$base/src/flashmla:$base/src/deepgemm:$PYTHONPATH"
+  export DG_JIT_CACHE_DIR=${DG_JIT_CACHE_DIR:-/tmp/deepgemm-jit}
+  python3 -c "import flash_mla.cuda" 2>/dev/null \
+    || bash "$base/build_flashmla.sh" > "$OUT/flashmla_build.txt" 2>&1 || tail -5 "$OUT/flashmla_build.txt"
+  python3 -c "import deep_gemm" 2>/dev/null \
+    || bash "$base/build_deepgemm.sh" > "$OUT/deepgemm_build.txt" 2>&1 || tail -5 "$OUT/deepgemm_build.txt"
+}
 
 if has build; then
   # Build with the compiler whose libstdc++ the process loads at run time. The H200 image sets
@@ -88,13 +98,7 @@ if has flashmla; then  # needs the sources under benchmarks/baselines/src (its R
   timeout 150 python3 benchmarks/bench_decode_tpot.py --capacity --json "$OUT/engine_tpot_flashmla_h200.json" || status=1
 fi
 if has kernels; then  # needs the sources under benchmarks/baselines/src (its README.md)
-  base=$PWD/benchmarks/baselines
-  export PYTHONPATH="$base/src/flashmla:$base/src/deepgemm:$PYTHONPATH"
-  export DG_JIT_CACHE_DIR=${DG_JIT_CACHE_DIR:-/tmp/deepgemm-jit}
-  python3 -c "import flash_mla.cuda" 2>/dev/null \
-    || bash "$base/build_flashmla.sh" > "$OUT/flashmla_build.txt" 2>&1 || tail -5 "$OUT/flashmla_build.txt"
-  python3 -c "import deep_gemm" 2>/dev/null \
-    || bash "$base/build_deepgemm.sh" > "$OUT/deepgemm_build.txt" 2>&1 || tail -5 "$OUT/deepgemm_build.txt"
+  baselines
   timeout 200 python3 benchmarks/bench_decode_tpot.py --kernel-split --batches 1,64 --layers 4 \
     --attention bmm --json "$OUT/kernel_split_h200.json" > "$OUT/kernel_split.txt" 2>&1 || status=1
   timeout 300 python3 benchmarks/baselines/bench_kernels.py --commit "${COMMIT:-?}" \
@@ -103,13 +107,7 @@ if has kernels; then  # needs the sources under benchmarks/baselines/src (its RE
   tail -3 "$OUT/kernels.txt"
 fi
 if has external; then  # needs the sources under benchmarks/baselines/src (its README.md)
-  base=$PWD/benchmarks/baselines
-  export PYTHONPATH="$base/src/flashmla:$base/src/deepgemm:$PYTHONPATH"
-  export DG_JIT_CACHE_DIR=${DG_JIT_CACHE_DIR:-/tmp/deepgemm-jit}
-  python3 -c "import flash_mla.cuda" 2>/dev/null \
-    || bash "$base/build_flashmla.sh" > "$OUT/flashmla_build.txt" 2>&1 || tail -5 "$OUT/flashmla_build.txt"
-  python3 -c "import deep_gemm" 2>/dev/null \
-    || bash "$base/build_deepgemm.sh" > "$OUT/deepgemm_build.txt" 2>&1 || tail -5 "$OUT/deepgemm_build.txt"
+  baselines
   timeout 150 python3 -m pytest -q -rs -p no:cacheprovider -m cuda tests/models/dsa/test_deepgemm_cuda.py \
     tests/models/dsa/test_flashmla_cuda.py > "$OUT/pytest_external.txt" 2>&1 || status=1
   tail -3 "$OUT/pytest_external.txt"
