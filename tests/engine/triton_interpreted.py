@@ -7,7 +7,11 @@ keys, and attention's parity between rows read in place and the same bytes elsew
 float8 arithmetic differs from the GPU's, so bit-exactness against the torch encoders is left to
 the CUDA tests (tests/models/dsa/test_core_cuda.py). Shims stand in for what only a GPU has:
 ``available`` and pinned memory (and its device address); the fused attention runs its
-float32-operand variant (the interpreter's bf16 products are wrong).
+float32-operand variant (the interpreter's bf16 products are wrong). DeepGEMM's fp8 queries
+(``fp8_queries.prepare``) are checked bit for bit up to the cast to float8: the interpreter's
+cast rounds ties away and drops a carry into the exponent (124 -> 64), so its q8 bytes are
+checked against the same cast of torch's float32 values (x / scale, clamped); the GPU's cast
+against torch's is test_deepgemm_cuda.py's.
 """
 
 from __future__ import annotations
@@ -19,19 +23,22 @@ import sys
 assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
 
 import torch
+import triton
+import triton.language as tl
 
 from hisparse.models.dsa import index_keys
 from hisparse.models.dsa.config import DSAConfig
 from hisparse.models.dsa.core import SparseMLACore, TokenBatch, _sorted
 from hisparse.models.dsa.decoder import rms_norm, rope_half, rope_interleaved
 from hisparse.models.dsa.kernels import elementwise as ew
+from hisparse.models.dsa.kernels import fp8_queries as fq
 from hisparse.models.dsa.kernels import indexer as idx_kernel
 from hisparse.models.dsa.kernels import misses as miss_kernel
 from hisparse.models.dsa.kernels import mla as mla_kernel
 from hisparse.models.dsa.kernels import rows as kernels
 from hisparse.models.dsa.kernels import select as select_kernel
 from hisparse.models.dsa.random_checkpoint import random_config
-from hisparse.models.rows import encode_rows
+from hisparse.models.rows import FP8_MAX, encode_rows
 from hisparse.runtime.miss_plan import MissPlan
 
 _sparse_mla = mla_kernel.sparse_mla
@@ -107,6 +114,46 @@ def check_kernels() -> None:
     fin = torch.isfinite(whole)
     assert torch.allclose(whole[fin], keyed[fin], rtol=1e-4, atol=1e-4), "paged_scores paths"
     print("kernels ok")
+
+
+@triton.jit
+def _to_fp8(x, out, N, BLOCK: tl.constexpr):
+    """The interpreter's own float32 -> float8 cast, the kernel's last step."""
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    v = tl.load(x + i, mask=i < N).to(tl.float8e4nv)
+    tl.store(out + i, v.to(tl.uint8, bitcast=True), mask=i < N)
+
+
+def check_fp8_queries() -> None:
+    """DeepGEMM's inputs in one launch and its mask: torch's bits (q8: up to the cast)."""
+    g = torch.Generator().manual_seed(11)
+    T, H, D = 6, 16, 64  # rows of D to 1e±3, an all-zero head (scale 1), one large value
+    q = (torch.randn(T, H, D, generator=g) * torch.logspace(-3, 3, T)[:, None, None]).bfloat16()
+    q[2, 5] = 0.0
+    q[4, 0, 7] = 3e4
+    hw = torch.rand(T, H, generator=g)
+    req, pos = torch.tensor([0, 1, 1, 2, 0, 2]), torch.tensor([3, 100, 101, 0, 447, 20])
+    for table in (torch.randperm(24, generator=g).view(3, 8), torch.arange(30).int().view(3, 10)):
+        got, want = fq.prepare(q, hw, table, req, pos), fq.prepare_torch(q, hw, table, req, pos)
+        for n, a, b in zip(("w", "lens", "bt"), got[1:], want[1:]):
+            assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), n
+        assert got[0].dtype == torch.float8_e4m3fn and got[0].shape == (T, H, D), "q8"
+        assert torch.equal(got[1][2, 5], hw[2, 5]), "an all-zero head keeps scale 1"
+        x = q.float()  # quantize_queries' float32 values, up to its cast
+        amax = x.abs().amax(dim=-1, keepdim=True)
+        scale = torch.where(amax > 0, amax * (1.0 / FP8_MAX), torch.ones_like(amax))
+        v = (x / scale).clamp(-FP8_MAX, FP8_MAX).reshape(-1)
+        cast = torch.empty(v.numel(), dtype=torch.uint8)
+        _to_fp8[(triton.cdiv(v.numel(), 1024),)](v, cast, v.numel(), 1024)
+        assert torch.equal(got[0].view(torch.uint8).reshape(-1), cast), "q8 before the cast"
+        same = got[0].view(torch.uint8) == want[0].view(torch.uint8)
+        assert float(same.float().mean()) > 0.9, "q8: more apart than the interpreter's cast"
+    # the mask, rows strided (DeepGEMM may pad them), a position past the row's end
+    out = torch.randn(T, 1500, generator=g)[:, :1300]
+    pos = torch.tensor([0, 5, 1299, 2000, 640, 1023])
+    want = fq.mask_past_torch(out.clone(), pos)
+    assert fq.mask_past(out, pos, block=512) is out and torch.equal(out, want), "mask_past"
+    print("fp8_queries ok")
 
 
 def _miss_plan(seed: int, B: int, H: int, K: int, keys: int, n_miss: int):
@@ -236,6 +283,7 @@ def check_elementwise() -> None:
 
 if __name__ == "__main__":
     check_elementwise()
+    check_fp8_queries()
     check_kernels()
     check_misses()
     check_attention()

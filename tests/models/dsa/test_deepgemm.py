@@ -1,8 +1,10 @@
 """DeepGEMM as the indexer's scores, without a GPU: the adapter's plumbing against a stand-in
 that computes DeepGEMM's documented contract in torch (and leaves garbage past each context, as
 the kernel may), the query quantization, sources in order, and the refusals and the log line
-when none is importable. The CUDA half, the real kernel against the Triton one and in the core,
-is test_deepgemm_cuda.py."""
+when none is importable. The CUDA half,
+the real kernel against the Triton one and in the core and the fused inputs and mask against
+torch's, is test_deepgemm_cuda.py; the fused kernels under the interpreter are
+tests/engine/triton_interpreted.py's."""
 
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ import torch
 
 from hisparse.models.dsa import index_keys
 from hisparse.models.dsa.config import DSAConfig
-from hisparse.models.dsa.kernels import deepgemm
+from hisparse.models.dsa.kernels import deepgemm, fp8_queries
 
 BLOCK, HEADS, DIM = 4, 8, 16
 
@@ -116,7 +118,7 @@ def test_queries_quantize_per_token_and_head_into_the_weights():
     q = torch.randn(3, HEADS, DIM, generator=g) * torch.tensor([1e-3, 1.0, 1e3]).view(3, 1, 1)
     q[0, 0] = 0.0  # an all-zero head keeps scale 1, no division by zero
     hw = torch.rand(3, HEADS, generator=g)
-    q8, w = deepgemm.quantize_queries(q, hw)
+    q8, w = fp8_queries.quantize_queries(q, hw)
     assert q8.dtype == torch.float8_e4m3fn and q8.shape == q.shape
     scale = w / hw
     assert scale[0, 0] == 1.0
