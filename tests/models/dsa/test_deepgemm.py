@@ -1,7 +1,7 @@
 """DeepGEMM as the indexer's scores, without a GPU: the adapter's plumbing against a stand-in
 that computes DeepGEMM's documented contract in torch (and leaves garbage past each context, as
-the kernel may), the query quantization, sources in order, and the refusals and the log line
-when none is importable. The CUDA half,
+the kernel may), the query quantization, sources in order, the refusals and the log line when
+none is importable, and the choice by the probe times summed over its shapes. The CUDA half,
 the real kernel against the Triton one and in the core and the fused inputs and mask against
 torch's, is test_deepgemm_cuda.py; the fused kernels under the interpreter are
 tests/engine/triton_interpreted.py's."""
@@ -143,6 +143,38 @@ def test_without_deepgemm_the_triton_kernel_is_said_once(sources, caplog):
         assert deepgemm.choose("cpu", 64, 128, triton_scores=None) == "triton"
     said = [r.getMessage() for r in caplog.records if "indexer scores" in r.getMessage()]
     assert said == ["hisparse: indexer scores by the Triton kernel (no DeepGEMM importable)"]
+
+
+@pytest.mark.parametrize(
+    "times, want",
+    [  # DeepGEMM slower for one token, faster in the sum; faster for one token, slower in sum
+        (((9.0, 6.9), (40.0, 76.9)), "deepgemm"),
+        (((5.0, 6.9), (80.0, 76.9)), "triton"),
+    ],
+)
+def test_the_choice_takes_the_lower_sum_over_the_probe_shapes(sources, caplog, times, want):
+    sources.setitem(sys.modules, "deep_gemm", _fake_module())
+    sources.setattr(deepgemm, "supported", lambda heads, dim, device: True)
+    by_shape = dict(zip(deepgemm.PROBE, times))
+    seen = []
+
+    def probe(found, triton_scores, device, heads, dim, tokens, keys):
+        seen.append((tokens, keys))
+        return by_shape[(tokens, keys)]
+
+    sources.setattr(deepgemm, "_probe", probe)
+    with caplog.at_level(logging.INFO, logger="hisparse"):
+        assert deepgemm.choose("cpu", 64, 128, triton_scores=None) == want
+        assert deepgemm.choose("cpu", 64, 128, triton_scores=None) == want  # measured once
+    assert seen == list(deepgemm.PROBE)
+    said = [r.getMessage() for r in caplog.records if "indexer scores" in r.getMessage()]
+    (a, b), (c, d) = times
+    who = "DeepGEMM" if want == "deepgemm" else "the Triton kernel"
+    assert said == [
+        f"hisparse: indexer scores by {who} (DeepGEMM from deep_gemm against the Triton kernel: "
+        f"{a:.1f} vs {b:.1f} us at 1 x 16384 keys, {c:.1f} vs {d:.1f} us at 64 x 16384 keys; "
+        f"the lower sum over these shapes wins: {a + c:.1f} vs {b + d:.1f} us)"
+    ]
 
 
 def test_pick_refuses_what_it_cannot_serve_by_name(sources):
