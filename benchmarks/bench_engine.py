@@ -19,16 +19,16 @@ prompt of --prompt-len byte tokens and decodes --output-len tokens; all c reques
 Method. The GPU KV budget pays, per running request, for everything the engine keeps on the
 device for it (``hisparse.engine.dsa.budget``): resident = every row of its context in every
 layer + its index keys; always-host = a hot buffer of --hot-size rows per layer + its index keys
-(its rows sit in the pinned host pool); hybrid = hot buffers and index keys for every request
-(the store gives each a connector state row), and what is left of the budget as device blocks,
-where requests stay resident while they fit (spilled whole beyond). Each run's buffers are
+(its rows sit in the pinned host pool); hybrid = index keys for every request, hot buffers for
+the requests the budget cannot hold resident (at least one) and the rest of the budget as device
+blocks, where requests stay resident while they fit (spilled whole beyond; ``DeviceKV.
+hybrid_split``). Each run's buffers are
 checked against this. Resident beyond its capacity does not fit: the point is reported as out of
 memory, and ratios past it are against resident's best median. Decode tokens/s is taken over the
 decode-only steps after the first two (``hisparse.engine.dsa.clock``: the first step of a batch
 size runs eagerly, the second captures its CUDA graph), a device sync only where they start and
-end. Resident and always-host replay CUDA graphs on CUDA (their best configuration; --eager
-steps them eagerly, like for like with hybrid); hybrid runs eagerly (the engine does not capture
-it); each row records which. Repeats are interleaved (mode by mode within each repeat) so that
+end. Every mode replays CUDA graphs on CUDA (hybrid: one per split of the batch between
+resident and spilled requests; --eager steps them all eagerly); each row records which. Repeats are interleaved (mode by mode within each repeat) so that
 drift of a shared machine hits every mode alike. Parity: every run's tokens equal the first
 resident run's at that level, or, past resident's capacity, the first always-host run's. `--profile MODE:C` adds a torch.profiler breakdown of decode steps
 at concurrency C. Writes <out-dir>/<name>.json, .md and .png (after every level).
@@ -122,7 +122,7 @@ def prompts(ck, count: int, length: int):
 
 
 def run_point(ck, args, mode: str, c: int, device, kv: DeviceKV, budget: int):
-    blocks = kv.hybrid_blocks(c, budget) if mode == "hybrid" else None
+    blocks, hot = kv.hybrid_split(c, budget) if mode == "hybrid" else (None, None)
     g = gen.generate(
         ck,
         mode,
@@ -132,11 +132,12 @@ def run_point(ck, args, mode: str, c: int, device, kv: DeviceKV, budget: int):
         args.output_len,
         args.hot_size,
         device_blocks=blocks,
+        hot_slots=hot,
         prefill_first=True,
         graphs=False if args.eager else None,
     )
     used = sum(g.device_bytes.values())
-    want = kv.total(mode, c, blocks or 0)
+    want = kv.total(mode, c, blocks or 0, hot)
     assert used == want <= budget, (mode, c, used, want, budget)  # the accounting is the run's
     assert g.decode_steps == args.output_len - 1 - UNTIMED_DECODES, g.decode_steps
     assert g.decode_tokens == c * g.decode_steps, (g.decode_tokens, c)
@@ -157,7 +158,7 @@ def run_point(ck, args, mode: str, c: int, device, kv: DeviceKV, budget: int):
     )
     if mode == "hybrid":
         keep = ("spills", "spilled_requests", "returns", "peak_spilled")
-        row.update(device_blocks=blocks, **{k: g.counters.get(k, 0) for k in keep})
+        row.update(device_blocks=blocks, hot_slots=hot, **{k: g.counters.get(k, 0) for k in keep})
     return row, g.tokens
 
 
@@ -226,15 +227,16 @@ def markdown(res: dict) -> str:
         f"Per request on the device: resident {res['per_request_bytes']['resident'] / 2**20:.2f} MiB, "
         f"HiSparse {res['per_request_bytes']['hisparse'] / 2**20:.2f} MiB (hot buffers + index keys), so the "
         f"budget fits **{cap['resident']}** resident and **{cap['hisparse']}** HiSparse requests. Hybrid gets "
-        "hot buffers and keys for every request and the rest of the budget as device blocks.",
-        f"Decode steps ran: {runs} (graphs = CUDA graph replays; hybrid is eager-only).",
+        "keys for every request, hot buffers for those the budget cannot hold resident (at least one) "
+        "and the rest of the budget as device blocks.",
+        f"Decode steps ran: {runs} (graphs = CUDA graph replays).",
         "",
         f"Decode tokens/s over the decode-only steps after the first {UNTIMED_DECODES}, median (min–max) of "
         f"{res['repeats']} runs per point; ratios are of medians against resident at the same concurrency "
         "where it fits (per-repeat range in brackets), against resident's best median beyond.",
         "",
         "| concurrency | resident | always-host | hybrid | hybrid ÷ resident | always-host ÷ resident "
-        "| hybrid: blocks, peak spilled | hit rate (host, hybrid) | parity |",
+        "| hybrid: blocks, hot buffers, peak spilled | hit rate (host, hybrid) | parity |",
         "|---:|---:|---:|---:|---:|---:|---:|---:|:---:|",
     ]
     for c in sorted({r["concurrency"] for r in res["rows"]}):
@@ -242,7 +244,12 @@ def markdown(res: dict) -> str:
         rr = [_ratio(rat.get(str(c), {}).get(f"{m}/resident")) for m in ("hybrid", "hisparse")]
         ok = [r for r in res["rows"] if r["concurrency"] == c and r["status"] == "ok"]
         hy = [r for r in ok if r["mode"] == "hybrid"]
-        split = f"{hy[0]['device_blocks']}, {max(r['peak_spilled'] for r in hy)}" if hy else "-"
+        split = (
+            f"{hy[0]['device_blocks']}, {hy[0].get('hot_slots', c)}, "
+            f"{max(r['peak_spilled'] for r in hy)}"
+            if hy
+            else "-"
+        )
         hr = [
             [r["hit_rate"] for r in ok if r["mode"] == m and r["hit_rate"] is not None]
             for m in ("hisparse", "hybrid")
@@ -390,7 +397,7 @@ def profile_point(ck, args, mode: str, c: int, device, kv: DeviceKV, budget: int
         n[0] += 1
         return fn()
 
-    blocks = kv.hybrid_blocks(c, budget) if mode == "hybrid" else None
+    blocks, hot = kv.hybrid_split(c, budget) if mode == "hybrid" else (None, None)
     gen.generate(
         ck,
         mode,
@@ -400,6 +407,7 @@ def profile_point(ck, args, mode: str, c: int, device, kv: DeviceKV, budget: int
         UNTIMED_DECODES + steps + 2,
         args.hot_size,
         device_blocks=blocks,
+        hot_slots=hot,
         prefill_first=True,
         graphs=False if args.eager else None,
         step_hook=hook,
@@ -454,7 +462,7 @@ def parse(argv):
     ap.add_argument(
         "--eager",
         action="store_true",
-        help="no CUDA graphs in any mode (like for like with hybrid)",
+        help="no CUDA graphs in any mode",
     )
     args = ap.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():

@@ -7,8 +7,8 @@ Per run of ``c`` requests whose contexts round up to ``context`` rows (``context
 * resident: ``c x context x L`` rows (``stores.ResidentRows``);
 * hisparse: ``c x hot_size x L`` hot rows (``stores.HiSparseRows``; the rows live in the host
   pool);
-* hybrid: ``(device_blocks x BLOCK + c x hot_size) x L`` rows: the pages, then one hot buffer per
-  connector state row, which ``hybrid.HybridRows`` gives every request, resident ones included;
+* hybrid: ``(device_blocks x BLOCK + hot_slots x hot_size) x L`` rows: the pages, then the hot
+  buffers ``hybrid.HybridRows`` keeps for spilled requests (``hybrid_split`` spends a budget);
 * every mode: ``c x context x F`` index keys (they stay on the device).
 
 Weights, activations, the host pool and the connector's per-row metadata are not counted.
@@ -57,25 +57,34 @@ class DeviceKV:
     def keys(self, c: int) -> int:
         return c * self.context * self.full_layers * self.key_bytes
 
-    def rows(self, mode: str, c: int, device_blocks: int = 0) -> int:
+    def rows(self, mode: str, c: int, device_blocks: int = 0, hot_slots=None) -> int:
+        """``hot_slots``: hybrid's hot buffers (default ``c``)."""
         per_row = self.layers * self.row_bytes
         if mode == "resident":
             return c * self.context * per_row
-        pages = device_blocks * BLOCK if mode == "hybrid" else 0
-        return (pages + c * self.hot_size) * per_row
+        if mode != "hybrid":
+            return c * self.hot_size * per_row
+        return (device_blocks * BLOCK + (hot_slots or c) * self.hot_size) * per_row
 
-    def total(self, mode: str, c: int, device_blocks: int = 0) -> int:
-        return self.rows(mode, c, device_blocks) + self.keys(c)
+    def total(self, mode: str, c: int, device_blocks: int = 0, hot_slots=None) -> int:
+        return self.rows(mode, c, device_blocks, hot_slots) + self.keys(c)
 
     def capacity(self, mode: str, budget: int) -> int:
         """The most requests ``mode`` runs within ``budget`` bytes (hybrid: with one block)."""
         spare = budget - (self.block_bytes if mode == "hybrid" else 0)
         return max(0, spare // self.total("hisparse" if mode == "hybrid" else mode, 1))
 
-    def hybrid_blocks(self, c: int, budget: int) -> int:
-        """Device blocks for hybrid at ``c`` requests: what the budget leaves after the hot
-        buffers and index keys (0: hybrid does not fit)."""
-        return max(0, (budget - self.total("hisparse", c)) // self.block_bytes)
+    def hybrid_split(self, c: int, budget: int) -> tuple:
+        """(device blocks, hot slots) for hybrid at ``c`` requests: the fewest hot buffers
+        (at least one) whose remaining blocks hold the other requests' whole contexts with a
+        page of headroom each, so no more are ever spilled at once than there are hot
+        buffers (``residency``'s rules); (0, c) where not even one block fits."""
+        pages = self.context // BLOCK
+        for h in range(1, c + 1):
+            blocks = (budget - self.total("hybrid", c, 0, h)) // self.block_bytes
+            if blocks >= max(1, (c - h) * (pages + 1)):
+                return blocks, h
+        return 0, c
 
 
 def held(store, fwd) -> dict:

@@ -14,7 +14,6 @@ the top-k selection matters.
 
 from __future__ import annotations
 
-import logging
 import time
 from dataclasses import dataclass, field
 from itertools import accumulate
@@ -25,8 +24,9 @@ import torch
 from hisparse.engine.dsa.budget import context_rows, held
 from hisparse.engine.dsa.clock import DecodeClock
 from hisparse.engine.dsa.graphs import DecodeGraphs
-from hisparse.engine.dsa.hybrid import HybridRows, check_device_blocks
+from hisparse.engine.dsa.hybrid import HybridRows
 from hisparse.engine.dsa.model import DSAForward
+from hisparse.engine.dsa.residency import check_device_blocks
 from hisparse.engine.dsa.stores import HiSparseRows, ResidentRows
 from hisparse.models.dsa.weights import (
     Checkpoint,
@@ -39,7 +39,6 @@ from hisparse.ops.limits import default_hot_size
 
 MODES = ("resident", "hisparse")  # the parity run's two
 HYBRID = "hybrid"  # device pages while a budget allows, spilled whole beyond (hybrid.py)
-LOG = logging.getLogger(__name__)
 TEXTS = (
     "The quick brown fox jumps over the lazy dog while the cat watches from the warm window. ",
     "Sparse attention reads a few rows of a long context; the rest stay in host memory. ",
@@ -106,24 +105,26 @@ def generate(
     misses: str = "auto",
     device_blocks: Optional[int] = None,
     prefill_first: bool = False,
+    hot_slots: Optional[int] = None,
 ) -> Generation:
     """Greedy tokens of every prompt (no stop token: every prompt gets ``max_new``).
     ``step_hook(fn)``: runs each forward (a test wraps it, e.g. in a sync check). ``graphs``:
     replay decode steps from CUDA graphs (``hisparse.engine.dsa.graphs``; default on CUDA).
     ``misses``: how HiSparse's misses reach the row read (``SparseMLACore``'s setting).
-    ``device_blocks``: mode "hybrid"'s device budget, in blocks of ``BLOCK`` rows.
+    ``device_blocks``: mode "hybrid"'s device budget, in blocks of ``BLOCK`` rows; ``hot_slots``
+    its hot buffers (requests spilled at once; default one per request).
     ``prefill_first``: admit every request before the batch decodes (module docstring)."""
     check_options(row_format, mode)
     try:
-        check_device_blocks(device_blocks, mode)
+        check_device_blocks(device_blocks, mode, hot_slots)
     except ValueError as e:
         raise CheckpointError(str(e)) from None
-    graphs = _graphs(mode, device, graphs)
+    graphs = device.type == "cuda" if graphs is None else graphs
     nmax = max(1, min(max_batch or len(prompts), len(prompts)))
     ctx = _context(prompts, max_new)
     store, fwd = open_run(
         ck, mode, row_format, device, ctx, nmax, hot_size, key_format, backend, misses,
-        device_blocks=device_blocks,
+        device_blocks=device_blocks, hot_slots=hot_slots,
     )  # fmt: skip
     out = new_generation(Generation(mode), len(prompts))
     out.device_bytes = held(store, fwd)
@@ -144,20 +145,9 @@ def generate(
     return out
 
 
-def _graphs(mode: str, device: torch.device, graphs: Optional[bool]) -> bool:
-    """Whether decode steps replay from CUDA graphs: by default on CUDA, never for hybrid."""
-    if mode != HYBRID:
-        return device.type == "cuda" if graphs is None else graphs
-    if graphs:
-        raise CheckpointError("graphs=True: hybrid residency steps run eagerly (no CUDA graphs)")
-    if device.type == "cuda":
-        LOG.info("hybrid residency: decode steps run eagerly (CUDA graphs are not captured)")
-    return False
-
-
 def open_run(
     ck, mode, row_format, device, ctx, nmax, hot_size, key_format, backend, misses="auto", q=1,
-    *, device_blocks=None,
+    *, device_blocks=None, hot_slots=None,
 ):  # fmt: skip
     """(row store of ``mode``, forward pass) for ``nmax`` requests of ``ctx`` tokens whose
     decodes have up to ``q`` query tokens (the hot size grows to hold q x top-k)."""
@@ -168,7 +158,7 @@ def open_run(
         if q != 1:
             raise CheckpointError("hybrid residency decodes one token per request (q = 1)")
         hot = hot_size or default_hot_size(ck.cfg.index_topk)
-        store = HybridRows(ck.cfg, rb, ctx, device, hot, nmax, device_blocks)
+        store = HybridRows(ck.cfg, rb, ctx, device, hot, nmax, device_blocks, hot_slots)
     else:
         hot = hot_size or max(default_hot_size(ck.cfg.index_topk), q * ck.cfg.index_topk)
         store = HiSparseRows(ck.cfg, rb, ctx, device, hot, nmax, decode_tokens=q)
@@ -199,7 +189,8 @@ def _run(fwd: DSAForward, store, forward, prompts, max_new, nmax, out, hook, clo
     lengths = {}  # request -> tokens in its context so far
     dev = fwd.device
     while waiting or running:
-        admit = bool(waiting) and len(running) < nmax
+        # hybrid: a request waits while neither pages nor a hot buffer are free for it
+        admit = bool(waiting) and len(running) < nmax and store.admits(len(prompts[waiting[0]]))
         idle = running if admit and first else []  # prefill_first: they decode later
         rows = ([] if idle else list(running)) + ([waiting.pop(0)] if admit else [])
         nd = len(rows) - admit

@@ -1,8 +1,10 @@
-"""The DSA engine's decode steps as CUDA graphs: captured once per batch size, then replayed.
+"""The DSA engine's decode steps as CUDA graphs: captured once per batch size (and the store's
+``graph_key``: hybrid residency's split of the batch), then replayed.
 
 A step that only decodes (one token per request) has the same shapes every time the batch has
-the same number of requests, and everything it reads is on the device (positions, block table,
-the connector's state rows), so it is captured whole: every layer's projections, key store,
+the same number of requests (and key), and everything it reads is on the device (positions,
+block table, the connector's state rows, hybrid's page table and routes), so it is captured
+whole: every layer's projections, key store,
 indexer and top-k, the connector's save and resolve (HiSparse) or the resident row store, the
 attention and the LM head. Steps with a prefill run eagerly.
 
@@ -29,8 +31,8 @@ class DecodeGraphs:
         if fwd.device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device, not {fwd.device}")
         self.fwd, self.store = fwd, store
-        self.seen: set = set()  # batch sizes that ran a decode step (the first one eagerly)
-        self.graphs: Dict[int, tuple] = {}  # batch size -> (graph, inputs, logits)
+        self.seen: set = set()  # keys that ran a decode step (the first one eagerly)
+        self.graphs: Dict[tuple, tuple] = {}  # (batch size, graph_key) -> (graph, inputs, logits)
         self.pool = None
         self.replays = 0
 
@@ -38,20 +40,22 @@ class DecodeGraphs:
         n = batch.seq_lens.shape[0]
         if num_decodes != n or tokens.shape[0] != n:
             return self.fwd.step(self.store, tokens, batch, last, num_decodes)
-        if n not in self.seen:  # every captured size is in it
-            self.seen.add(n)
+        key = (n,) + self.store.graph_key()
+        if key not in self.seen:  # every captured key is in it
+            self.seen.add(key)
             return self.fwd.step(self.store, tokens, batch, last, num_decodes)
         new = (tokens, batch.positions, batch.req, batch.seq_lens, batch.block_table, last)
-        if n not in self.graphs:
-            return self._capture(n, new)
-        graph, inputs, logits = self.graphs[n]
+        if key not in self.graphs:
+            return self._capture(key, new)
+        graph, inputs, logits = self.graphs[key]
         for dst, src in zip(inputs, new):
             dst.copy_(src, non_blocking=True)
         graph.replay()
         self.replays += 1
         return logits
 
-    def _capture(self, n: int, new: tuple) -> torch.Tensor:
+    def _capture(self, key: tuple, new: tuple) -> torch.Tensor:
+        n = key[0]
         inputs = tuple(t.clone() for t in new)
         tokens, pos, req, lens, table, last = inputs
         batch = TokenBatch(pos, req, lens, table, self.fwd.max_context)
@@ -74,7 +78,7 @@ class DecodeGraphs:
             graph.capture_end()
         torch.cuda.current_stream().wait_stream(side)
         self.pool = graph.pool()
-        self.graphs[n] = (graph, inputs, logits)
+        self.graphs[key] = (graph, inputs, logits)
         graph.replay()
         self.replays += 1
         return logits

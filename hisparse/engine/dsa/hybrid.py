@@ -4,7 +4,8 @@ connector's host pool and continue through hot buffers; spilled requests come ba
 when enough are free (policy: ``hisparse.engine.dsa.residency``).
 
 One registered row buffer per layer: ``device_blocks * BLOCK`` page rows, then the connector's
-hot buffers (``max_requests * hot_size`` rows, one hot buffer per connector state row). A step
+hot buffers (``hot_slots * hot_size`` rows, one per connector state row, so at most
+``hot_slots`` requests are spilled at once; default one per request). A step
 decodes resident and spilled requests together: attention reads each decode's selected rows out
 of that one buffer, page rows through the page table (resident) or the hot rows the connector
 resolved (spilled), so one ``attend`` call serves the mixed batch. The connector sees only
@@ -15,7 +16,11 @@ A spill writes the request's rows, every layer, to the host pool with the connec
 ``save_kv_layer``; a return reads them back with ``load_host_rows``. A spilled request's new
 rows are saved every step like HiSparse mode's, a resident request's go to its pages. Decodes
 resolve with the gather (``defer_misses`` is not taken: the miss plan addresses the hot rows
-only) and the steps run eagerly (no CUDA graphs: the batch's split changes from step to step).
+only).
+
+Decode steps replay from CUDA graphs like the other modes': the step's routes live in fixed
+device buffers (page table, plan), so a graph recorded for one split (``graph_key``) serves
+every later step of that split; spills, returns and page-table updates run before it.
 """
 
 from __future__ import annotations
@@ -24,27 +29,11 @@ from typing import Dict, List, Optional
 
 import torch
 
-from hisparse.engine.dsa.residency import Residency
-from hisparse.engine.dsa.stores import BLOCK, HiSparseRows, injected_fault, layer_buffers
+from hisparse.engine.dsa.residency import Residency, check_device_blocks
+from hisparse.engine.dsa.routes import route
+from hisparse.engine.dsa.stores import BLOCK, HiSparseRows, Request, injected_fault, layer_buffers
 from hisparse.models.dsa.config import DSAConfig
-
-
-def check_device_blocks(device_blocks, mode: str) -> None:
-    """One-line errors for the budget: an integer >= 1, for mode 'hybrid' only."""
-    if mode != "hybrid":
-        if device_blocks is not None:
-            raise ValueError(f"device_blocks applies to mode 'hybrid' only, not {mode!r}")
-        return
-    if isinstance(device_blocks, bool) or not isinstance(device_blocks, int) or device_blocks < 1:
-        raise ValueError(
-            f"device_blocks must be an integer >= 1 (device pages of {BLOCK} rows) for mode "
-            f"'hybrid', got {device_blocks!r}"
-        )
-
-
-class _Request:
-    def __init__(self, request_id: str) -> None:
-        self.request_id = request_id
+from hisparse.models.dsa.kernels.pages import check_table, page_rows
 
 
 class HybridRows(HiSparseRows):
@@ -63,12 +52,17 @@ class HybridRows(HiSparseRows):
         hot_size: int,
         max_requests: int,
         device_blocks: int,
+        hot_slots: Optional[int] = None,
     ) -> None:
-        check_device_blocks(device_blocks, "hybrid")
+        """``hot_slots``: hot buffers, so requests spilled at once (default ``max_requests``)."""
+        check_device_blocks(device_blocks, "hybrid", hot_slots)
         self.page_rows = device_blocks * BLOCK
-        super().__init__(cfg, row_bytes, max_context, device, hot_size, max_requests)
+        self.hot_slots = min(hot_slots or max_requests, max_requests)
+        super().__init__(
+            cfg, row_bytes, max_context, device, hot_size, max_requests, state_rows=self.hot_slots
+        )
         self.buffers = [self.worker.hot_rows(n) for n in self.names]
-        self.res = Residency(device_blocks, BLOCK)
+        self.res = Residency(device_blocks, BLOCK, max_spilled=self.hot_slots)
         self.free_slots = list(range(max_requests))
         self.slot: Dict[str, int] = {}  # request id -> engine slot (its block of keys)
         self.held: Dict[int, int] = {}  # slot -> positions written so far
@@ -76,15 +70,19 @@ class HybridRows(HiSparseRows):
         self.fresh: set = set()  # spilled slots the connector has not seen since the spill
         self.spill_gen: Dict[str, int] = {}
         self.pt = torch.zeros(max_requests, -(-max_context // BLOCK), dtype=torch.int64)
-        self.pt_dev = self.pt.to(device)
+        check_table(self.pt, max_context, BLOCK)
+        self.pt_dev = self.pt.to(device)  # updated in place: graphs read it
+        self.pt_len: Dict[int, int] = {}  # resident slot -> its pages in pt_dev
+        # A decode step's plan, at fixed addresses for a given split: graphs read it.
+        self.plan_buf = torch.zeros(4 * max_requests, dtype=torch.int64, device=device)
         names = ("spills", "spilled_requests", "spilled_rows", "returns", "returned_rows")
         self.counts = dict.fromkeys(names + ("peak_spilled",), 0)
         self._conn_step = False
         self._plan: Optional[dict] = None
         self.spill_fault = injected_fault("spill")  # a negative control's, never on otherwise
 
-    def _kv_buffers(self, max_requests: int, hot_size: int, row_bytes: int) -> dict:
-        rows = self.page_rows + max_requests * hot_size
+    def _kv_buffers(self, state_rows: int, hot_size: int, row_bytes: int) -> dict:
+        rows = self.page_rows + state_rows * hot_size
         return dict(zip(self.names, layer_buffers(len(self.names), rows, row_bytes, self.device)))
 
     # ---- each step, before the forward -------------------------------------------------
@@ -117,35 +115,44 @@ class HybridRows(HiSparseRows):
         return [self.slot[r] for r in rids]
 
     def _route(self, rids: List[str], scheduled: dict) -> None:
-        """Where this step's new rows go (device pages or the host pool), which decodes read
-        pages and which the hot buffers; one upload."""
-        dev_src, dev_dst, host_keys, res_dec, sp_dec, sp_pre = [], [], [], [], [], []
-        t = 0
-        for b, rid in enumerate(rids):
-            s, n = self.slot[rid], scheduled[rid]
-            lo = self.held[s]
-            resident = self.res.resident(s)
-            for p in range(lo, lo + n):
-                if resident:
-                    dev_src.append(t)
-                    dev_dst.append(self.res.row(s, p))
-                host_keys.append(-1 if resident else s * self.max_context + p)
-                t += 1
-            if resident:  # the page table's row of it, read by the decodes' row ids
-                self.pt[s, : len(self.res.pages[s])] = torch.tensor(self.res.pages[s])
-            if lo:  # a decode
-                (res_dec if resident else sp_dec).append(b)
-            elif not resident:
-                sp_pre.append(b)
-            self.held[s] = lo + n
-        if sp_pre and len(sp_pre) != len(rids) - len(res_dec) - len(sp_dec):
-            raise ValueError("hybrid residency: a step's prefills must all be spilled or resident")
-        lists = [dev_src, dev_dst, host_keys, sp_dec]
-        parts = self._upload(lists + [self.pt.view(-1).tolist()])
-        self.pt_dev = parts[-1].view(self.pt.shape)
+        """This step's routes (``routes.route``) and page-table rows, uploaded: the plan goes
+        to ``plan_buf`` when it fits (a decode step: the addresses its graph recorded)."""
+        slots = [self.slot[r] for r in rids]
+        new = [scheduled[r] for r in rids]
+        r = route(slots, new, self.held, self.res.pages, self.pt_len, self.max_context, BLOCK)
+        for s, n in zip(slots, new):
+            self.held[s] += n
+        self._update_table(r.dirty)
+        flat = self._upload(r.dev_src + r.dev_dst + r.host_keys + r.sp_dec)
+        if flat.numel() <= self.plan_buf.numel():
+            flat = self.plan_buf[: flat.numel()].copy_(flat)
+        n_dev, n, n_sp = len(r.dev_src), len(r.host_keys), len(r.sp_dec)
+        parts = flat.split([n_dev, n_dev, n, n_sp])
         self._plan = dict(zip(("dev_src", "dev_dst", "host_keys", "sp_dec"), parts))
-        self._plan.update(n_dev=len(dev_src), n_host=t - len(dev_src), n_sp=len(sp_dec))
-        self._plan["prefill_host"] = bool(sp_pre)
+        self._plan.update(n_dev=n_dev, n_host=n - n_dev, n_sp=n_sp, prefill_host=r.prefill_host)
+
+    def _update_table(self, slots: List[int]) -> None:
+        """The page table's rows of ``slots`` (resident; pages taken since last written)."""
+        if not slots:
+            return
+        for s in slots:
+            pages = self.res.pages[s]
+            self.pt[s, : len(pages)] = torch.tensor(pages)
+            self.pt_len[s] = len(pages)
+        rows = self.pt[slots]
+        if self.device.type == "cuda":
+            rows = rows.pin_memory().to(self.device, non_blocking=True)
+        self.pt_dev.index_copy_(0, self._upload(slots), rows)
+
+    def admits(self, tokens: int) -> bool:
+        """A new request of ``tokens`` prompt tokens gets pages or a hot buffer now."""
+        return self.res.can_admit(tokens)
+
+    def graph_key(self) -> tuple:
+        """A decode step's split: the rows that go to pages, to the host pool, and the spilled
+        decodes (every plan length, so every address a graph recorded)."""
+        pl = self._plan
+        return (pl["n_dev"], pl["n_host"], pl["n_sp"])
 
     def _start_connector(self, rids: List[str], scheduled: dict) -> None:
         """The connector's step: the scheduled spilled requests, in batch order (decodes first,
@@ -168,12 +175,12 @@ class HybridRows(HiSparseRows):
         self.worker.bind_connector_metadata(meta)
         self.worker.start_load_kv(None)
 
-    def _upload(self, lists: List[List[int]]) -> List[torch.Tensor]:
-        """Int lists -> device int64 tensors in one copy (pinned, non-blocking on CUDA)."""
-        flat = torch.tensor([v for values in lists for v in values], dtype=torch.int64)
+    def _upload(self, values: List[int]) -> torch.Tensor:
+        """Ints -> a device int64 tensor (pinned, non-blocking on CUDA)."""
+        flat = torch.tensor(values, dtype=torch.int64)
         if self.device.type == "cuda":
             flat = flat.pin_memory().to(self.device, non_blocking=True)
-        return list(flat.split([len(values) for values in lists]))
+        return flat
 
     # ---- moves -----------------------------------------------------------------------
     def _keys(self, s: int, n: int) -> List[int]:
@@ -195,10 +202,11 @@ class HybridRows(HiSparseRows):
         n = self.held[s]
         m = n - 1 if self.spill_fault else n  # stores.inject_faults: the last row never leaves
         rows = [pages[p // BLOCK] * BLOCK + p % BLOCK for p in range(m)]
-        src, keys = self._upload([rows, self._keys(s, m)])
+        src, keys = self._upload(rows + self._keys(s, m)).split(m)
         for layer in range(self.cfg.num_layers):
             self._write_spill(layer, self.buffers[layer].index_select(0, src), keys)
         self.counts["spills"] += 1
+        self.pt_len.pop(s, None)  # its pages are another's now: rewritten when it returns
         rid = next(r for r, v in self.slot.items() if v == s)
         self._to_host(s, rid, n)
 
@@ -210,7 +218,7 @@ class HybridRows(HiSparseRows):
         it."""
         n = self.held[s]
         rows = [self.res.row(s, p) for p in range(n)]
-        dst, keys = self._upload([rows, self._keys(s, n)])
+        dst, keys = self._upload(rows + self._keys(s, n)).split(n)
         for layer in range(self.cfg.num_layers):
             self._read_back(layer, dst, keys)
         self._leave_connector(s)
@@ -226,7 +234,7 @@ class HybridRows(HiSparseRows):
         if s in self.fresh:  # never scheduled: the connector does not know it
             self.fresh.discard(s)
             return
-        self.sched.request_finished(_Request(crid), [])
+        self.sched.request_finished(Request(crid), [])
         self.finished.add(crid)
 
     # ---- the forward's calls -----------------------------------------------------------
@@ -238,35 +246,31 @@ class HybridRows(HiSparseRows):
         if pl["n_host"]:
             self.worker.save_kv_layer(self.names[layer], rows, None, slot_mapping=pl["host_keys"])
 
-    def _page_ids(self, keys: torch.Tensor) -> torch.Tensor:
-        """Device rows of keys (``slot * max_context + position``) through the page table; -1
-        stays -1. Keys of spilled requests map to stale rows: the caller replaces them."""
-        k = keys.clamp(min=0)
-        slot = torch.div(k, self.max_context, rounding_mode="floor")
-        pos = k.remainder(self.max_context)
-        page = self.pt_dev[slot, torch.div(pos, BLOCK, rounding_mode="floor")]
-        return torch.where(keys >= 0, page * BLOCK + pos.remainder(BLOCK), keys)
-
     def decode_rows(self, layer: int, keys: torch.Tensor, defer_misses: bool = False, decodes=None):
         """(the layer's row buffer, each decode's rows in it, None): page rows of resident
         decodes, hot rows the connector resolved for spilled ones."""
         if decodes is not None and decodes.q > 1:
             raise ValueError("hybrid residency decodes one token per request (no MTP verify)")
         pl, name = self._plan, self.names[layer]
-        ids = self._page_ids(keys)
-        if pl["n_sp"]:
-            sp = pl["sp_dec"]
-            top_k = keys.index_select(0, sp).to(torch.int32) if self.cfg.is_full(layer) else None
-            got = self.worker.resolve(name, top_k)
-            self.worker.wait_for_layer_load(name)
-            ids = ids.index_copy(0, sp, got.to(ids.dtype))
-        return self.buffers[layer], ids, None
+        if not pl["n_sp"]:
+            return self.buffers[layer], page_rows(keys, self.pt_dev, BLOCK), None
+        everyone = pl["n_sp"] == keys.shape[0]
+        sp = pl["sp_dec"]
+        top_k = (
+            (keys if everyone else keys.index_select(0, sp)) if self.cfg.is_full(layer) else None
+        )
+        got = self.worker.resolve(name, None if top_k is None else top_k.to(torch.int32))
+        self.worker.wait_for_layer_load(name)
+        if everyone:
+            return self.buffers[layer], got, None
+        ids = page_rows(keys, self.pt_dev, BLOCK)
+        return self.buffers[layer], ids.index_copy(0, sp, got.to(ids.dtype)), None
 
     def prefill_rows(self, layer: int, keys: torch.Tensor):
         """A resident prefill reads its pages, a spilled one the host pool."""
         if self._plan["prefill_host"]:
             return super().prefill_rows(layer, keys)
-        return self.buffers[layer], self._page_ids(keys)
+        return self.buffers[layer], page_rows(keys, self.pt_dev, BLOCK)
 
     # ---- after the forward -------------------------------------------------------------
     def end(self) -> None:
@@ -280,6 +284,7 @@ class HybridRows(HiSparseRows):
         if s in self.conn_id:
             self._leave_connector(s)
         self.res.release(s)
+        self.pt_len.pop(s, None)
         self.held.pop(s)
         self.free_slots.append(s)
         self.free_slots.sort()

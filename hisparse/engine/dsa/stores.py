@@ -72,7 +72,7 @@ def layer_names(n: int) -> List[str]:
     return [f"model.layers.{i}.self_attn.attn" for i in range(n)]
 
 
-class _Request:
+class Request:
     """What the connector's scheduler side needs of a request."""
 
     def __init__(self, request_id: str) -> None:
@@ -103,6 +103,14 @@ class ResidentRows:
             if rid not in self.blocks:
                 self.blocks[rid] = self.free.pop(0)
         return [self.blocks[rid] for rid in scheduled]
+
+    def admits(self, tokens: int) -> bool:
+        """A new request of ``tokens`` prompt tokens may join now (a free block: the caller's)."""
+        return True
+
+    def graph_key(self) -> tuple:
+        """What besides the batch size fixes this step's shapes (a CUDA graph per key)."""
+        return ()
 
     def save(self, layer: int, rows: torch.Tensor, keys: torch.Tensor) -> None:
         self.rows[layer].index_copy_(0, keys, rows)
@@ -138,8 +146,11 @@ class HiSparseRows:
         hot_size: int,
         max_requests: int = 1,
         decode_tokens: int = 1,
+        state_rows: Optional[int] = None,
     ) -> None:
-        """``decode_tokens``: query tokens one decode may have (2 for an MTP verify step)."""
+        """``decode_tokens``: query tokens one decode may have (2 for an MTP verify step).
+        ``state_rows``: requests the connector holds at once, each with a hot buffer (default
+        ``max_requests``; hybrid residency's spilled ones); keys cover ``max_requests`` blocks."""
         from hisparse.connector import HiSparseConfig, HiSparseConnectorImpl
 
         self.cfg, self.device, self.max_context = cfg, device, max_context
@@ -149,12 +160,12 @@ class HiSparseRows:
             host_pool_gib=(max_requests * max_context + BLOCK) * row_bytes * cfg.num_layers / 2**30,
             top_k=cfg.index_topk,
             hot_size=hot_size,
-            max_num_seqs=max_requests,
+            max_num_seqs=state_rows or max_requests,
             block_size=BLOCK,
             decode_tokens=decode_tokens,
         )
         self.worker = HiSparseConnectorImpl(config, "worker")
-        hot = self._kv_buffers(max_requests, hot_size, row_bytes)
+        hot = self._kv_buffers(state_rows or max_requests, hot_size, row_bytes)
         # An index group is a full indexer layer and the shared layers after it (GLM-5).
         groups = [
             [n for i, n in enumerate(self.names) if cfg.leader(i) == lead]
@@ -168,9 +179,9 @@ class HiSparseRows:
         self.stats: List = []
         self.closed = False
 
-    def _kv_buffers(self, max_requests: int, hot_size: int, row_bytes: int) -> dict:
+    def _kv_buffers(self, state_rows: int, hot_size: int, row_bytes: int) -> dict:
         """Each layer's registered row buffer: here its hot buffers only."""
-        rows = max_requests * hot_size
+        rows = state_rows * hot_size
         return dict(zip(self.names, layer_buffers(len(self.names), rows, row_bytes, self.device)))
 
     def begin(self, scheduled: dict) -> List[int]:
@@ -184,6 +195,12 @@ class HiSparseRows:
         self.worker.bind_connector_metadata(meta)
         self.worker.start_load_kv(None)
         return list(meta.state_rows)
+
+    def admits(self, tokens: int) -> bool:
+        return True
+
+    def graph_key(self) -> tuple:
+        return ()
 
     def save(self, layer: int, rows: torch.Tensor, keys: torch.Tensor) -> None:
         # keys stay on the rows' device: the save path a CUDA vLLM takes (no host sync)
@@ -216,7 +233,7 @@ class HiSparseRows:
             self.stats.append(stats)
 
     def finish(self, rid: str) -> None:
-        self.sched.request_finished(_Request(rid), [])  # frees its state row
+        self.sched.request_finished(Request(rid), [])  # frees its state row
         self.finished.add(rid)
 
     def close(self) -> dict:

@@ -69,6 +69,16 @@ class Forward:
         return tokens.float()[:, None] * 2
 
 
+class Store:
+    """What the graphs ask of a row store: this step's ``graph_key``."""
+
+    def __init__(self) -> None:
+        self.key = ()
+
+    def graph_key(self) -> tuple:
+        return self.key
+
+
 def _decode(n: int, step: int):
     tokens = torch.arange(n) + 10 * step
     pos = torch.full((n,), step)
@@ -78,12 +88,12 @@ def _decode(n: int, step: int):
 
 def test_first_eager_second_captured_then_replayed(fake_cuda):
     fwd = Forward()
-    run = graphs.DecodeGraphs(fwd, store=None)
+    run = graphs.DecodeGraphs(fwd, store=Store())
     out = [run.step(*_decode(3, s)) for s in range(4)]
     # step 0 eager, step 1 captured (the forward's Python runs once more), steps 2-3 replays
     assert [c[0] for c in fwd.calls] == [3, 3]
     assert run.replays == 3 and len(FakeGraph.made) == 1
-    graph, inputs, logits = run.graphs[3]
+    graph, inputs, logits = run.graphs[(3,)]
     assert graph.ended and graph.replays == 3
     assert inputs[0].tolist() == [30, 31, 32]  # step 3's tokens copied into the graph's buffer
     assert out[3] is logits
@@ -96,8 +106,25 @@ def test_first_eager_second_captured_then_replayed(fake_cuda):
     assert len(FakeGraph.made) == 2 and FakeGraph.made[1].pool_in == FakeGraph.made[0].pool()
 
 
+def test_each_graph_key_of_a_batch_size_gets_its_own_graph(fake_cuda):
+    # hybrid residency: 3 requests split 3 resident / 0 spilled, then 2 / 1
+    fwd, store = Forward(), Store()
+    run = graphs.DecodeGraphs(fwd, store=store)
+    store.key = (3, 0, 0)
+    for s in range(3):
+        run.step(*_decode(3, s))
+    store.key = (2, 1, 1)
+    run.step(*_decode(3, 3))  # a new split: eager first, though the size was captured
+    assert len(fwd.calls) == 3 and len(FakeGraph.made) == 1
+    run.step(*_decode(3, 4))
+    store.key = (3, 0, 0)
+    run.step(*_decode(3, 5))  # the first split's graph again
+    assert sorted(run.graphs) == [(3, 2, 1, 1), (3, 3, 0, 0)]
+    assert run.graphs[(3, 3, 0, 0)][0].replays == 3 and run.replays == 4
+
+
 def test_a_step_that_cannot_be_captured_fails_in_one_line(fake_cuda):
-    run = graphs.DecodeGraphs(Forward(fail=True), store=None)
+    run = graphs.DecodeGraphs(Forward(fail=True), store=Store())
     run.step(*_decode(2, 0))
     with pytest.raises(RuntimeError, match=r"could not be captured .*graphs=False"):
         run.step(*_decode(2, 1))

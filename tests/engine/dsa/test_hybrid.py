@@ -9,11 +9,15 @@ from __future__ import annotations
 import pytest
 import torch
 
+from hisparse.engine.dsa.budget import DeviceKV
 from hisparse.engine.dsa.generate import byte_prompts, generate
 from hisparse.engine.dsa.hybrid import HybridRows
 from hisparse.engine.dsa.residency import Residency
+from hisparse.engine.dsa.stores import BLOCK
 from hisparse.models.dsa.random_checkpoint import write_random_checkpoint
 from hisparse.models.dsa.weights import CheckpointError, load_checkpoint
+from hisparse.models.rows import ROW_FORMATS
+from hisparse.ops.limits import default_hot_size
 from tests.engine.dsa.helpers import ARCHS, one_thread
 
 CPU = torch.device("cpu")
@@ -86,12 +90,46 @@ def test_a_bad_budget_is_refused_in_one_line_naming_it(checkpoints, bad):
     assert "device_blocks" in msg and "\n" not in msg, msg
 
 
-def test_a_budget_outside_hybrid_and_graphs_for_hybrid_are_refused(checkpoints):
+def test_a_budget_outside_hybrid_or_a_bad_hot_slots_is_refused(checkpoints):
     ck = checkpoints["deepseek_v32"]
-    with pytest.raises(CheckpointError, match="device_blocks applies to mode 'hybrid' only"):
+    with pytest.raises(CheckpointError, match="device_blocks and hot_slots apply to mode 'hybrid'"):
         _run(ck, "resident", device_blocks=8)
-    with pytest.raises(CheckpointError, match="graphs=True"):
-        _run(ck, "hybrid", device_blocks=8, graphs=True)
+    with pytest.raises(CheckpointError, match="device_blocks and hot_slots apply to mode 'hybrid'"):
+        _run(ck, "hisparse", hot_slots=2)
+    for bad in (0, 1.5, True):
+        with pytest.raises(CheckpointError, match="hot_slots must be an integer >= 1"):
+            _run(ck, "hybrid", device_blocks=8, hot_slots=bad)
+
+
+def test_with_few_hot_buffers_requests_wait_and_tokens_stay_equal(checkpoints):
+    """One hot buffer: at most one request is spilled at once; a request that fits neither the
+    pages nor the hot buffer waits for one, and every token still equals resident's. The
+    row buffer is the pages and that one hot buffer."""
+    ck = checkpoints["glm_moe_dsa"]
+    hy = _run(ck, "hybrid", device_blocks=14, hot_slots=1)
+    c = hy.counters
+    assert c["peak_spilled"] == 1 and c["spills"] >= 1 and c["returns"] >= 1, c
+    assert hy.tokens == _run(ck, "resident").tokens
+    admitted = [i for i, (_, prefill) in enumerate(hy.steps) if prefill]
+    unbounded = [i for i, (_, prefill) in enumerate(_run(ck, "hybrid", device_blocks=14).steps)
+                 if prefill]  # fmt: skip
+    assert admitted[-1] > unbounded[-1], (admitted, unbounded)  # the last request waited
+    rows = hy.device_bytes["rows"] // (ck.cfg.num_layers * ROW_FORMATS["f32"].row_bytes)
+    assert rows == 14 * BLOCK + default_hot_size(ck.cfg.index_topk), rows
+
+
+def test_residency_spill_cap():
+    r = Residency(num_pages=4, block=16, max_spilled=1)
+    assert r.admit(0, 32)  # 2 pages leave 2 free, >= one per resident request (itself) + 1
+    assert r.can_admit(16) and not r.admit(1, 16)  # 1 page would leave 1 < 2: spilled
+    assert not r.can_admit(16)  # no pages to spare and the one hot buffer taken: it waits
+    with pytest.raises(RuntimeError, match="ask can_admit first"):
+        r.admit(2, 16)
+    assert r.grow(0, 64) == [] and not r.free  # the two free pages
+    with pytest.raises(RuntimeError, match="raise device_blocks or hot_slots"):
+        r.grow(0, 65)  # a page only a spill could give, and no hot buffer for it
+    r.release(1)
+    assert r.can_admit(16)
 
 
 def test_residency_policy():
@@ -116,3 +154,21 @@ def test_residency_policy():
     r.release(0)
     assert r.returns({1: 49, 2: 16}, skip={2}) == [1] and len(r.pages[1]) == 4
     assert r.returns({2: 16}, skip=()) == [2]
+
+
+def test_a_budget_split_spends_the_fewest_hot_buffers_that_hold_the_rest():
+    kv = DeviceKV(layers=2, full_layers=1, row_bytes=100, key_bytes=10, context=64, hot_size=32)
+    pages = kv.context // BLOCK
+    c = 6
+    low = kv.total("hybrid", c, 1, c)  # all spilled, one block
+    for budget in (kv.total("resident", c) + 3 * kv.block_bytes, (kv.total("resident", c) + low) // 2,
+                   low):  # fmt: skip
+        blocks, hot = kv.hybrid_split(c, budget)
+        assert kv.total("hybrid", c, blocks, hot) <= budget
+        assert blocks >= max(1, (c - hot) * (pages + 1)), (blocks, hot)
+        if hot > 1:  # one hot buffer fewer leaves too few blocks for the rest
+            fewer = (budget - kv.total("hybrid", c, 0, hot - 1)) // kv.block_bytes
+            assert fewer < (c - hot + 1) * (pages + 1)
+    assert kv.hybrid_split(c, kv.total("resident", c) + 3 * kv.block_bytes)[1] == 1
+    assert kv.hybrid_split(c, kv.total("hybrid", c, 1, c)) == (1, c)
+    assert kv.hybrid_split(c, kv.total("hybrid", c, 1, c) - 1) == (0, c)
