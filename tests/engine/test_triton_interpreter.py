@@ -35,6 +35,6 @@ def test_core_kernels_under_the_triton_interpreter():
     )
     assert run.returncode == 0, run.stdout + run.stderr[-3000:]
     assert run.stdout.split() == [
-        *("elementwise", "ok", "fp8_queries", "ok", "kernels", "ok", "misses", "ok"),
+        *("pages", "ok", "elementwise", "ok", "fp8_queries", "ok", "kernels", "ok", "misses", "ok"),
         *("attention", "ok", "step", "ok"),
     ]

@@ -35,6 +35,7 @@ from hisparse.models.dsa.kernels import fp8_queries as fq
 from hisparse.models.dsa.kernels import indexer as idx_kernel
 from hisparse.models.dsa.kernels import misses as miss_kernel
 from hisparse.models.dsa.kernels import mla as mla_kernel
+from hisparse.models.dsa.kernels import pages as pages_kernel
 from hisparse.models.dsa.kernels import rows as kernels
 from hisparse.models.dsa.kernels import select as select_kernel
 from hisparse.models.dsa.random_checkpoint import random_config
@@ -281,7 +282,22 @@ def check_elementwise() -> None:
     print("elementwise ok")
 
 
+def check_pages() -> None:
+    """Hybrid's page-table translation: integers only, so exact here too (the wrapper sends CPU
+    tensors to the torch reference: the kernel is launched directly)."""
+    g = torch.Generator().manual_seed(9)
+    block, context, slots = 16, 256, 3
+    table = torch.randint(0, 5000, (slots, context // block), generator=g)
+    for n in (1, 37, 2500):
+        keys = torch.randint(-1, slots * context, (n,), generator=g)
+        out = torch.full_like(keys, -7)
+        pages_kernel._page_rows[(triton.cdiv(n, 1024),)](keys, table, out, n, block, 4, 1024)
+        assert torch.equal(out, pages_kernel.page_rows_torch(keys, table, block)), n
+    print("pages ok")
+
+
 if __name__ == "__main__":
+    check_pages()
     check_elementwise()
     check_fp8_queries()
     check_kernels()
