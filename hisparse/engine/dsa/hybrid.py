@@ -30,10 +30,10 @@ from typing import Dict, List, Optional
 import torch
 
 from hisparse.engine.dsa.residency import Residency, check_device_blocks
-from hisparse.engine.dsa.routes import route
+from hisparse.engine.dsa.routes import PageTable, route
 from hisparse.engine.dsa.stores import BLOCK, HiSparseRows, Request, injected_fault, layer_buffers
 from hisparse.models.dsa.config import DSAConfig
-from hisparse.models.dsa.kernels.pages import check_table, page_rows
+from hisparse.models.dsa.kernels.pages import page_rows
 
 
 class HybridRows(HiSparseRows):
@@ -56,7 +56,7 @@ class HybridRows(HiSparseRows):
     ) -> None:
         """``hot_slots``: hot buffers, so requests spilled at once (default ``max_requests``)."""
         check_device_blocks(device_blocks, "hybrid", hot_slots)
-        self.page_rows = device_blocks * BLOCK
+        self.num_page_rows = device_blocks * BLOCK
         self.hot_slots = min(hot_slots or max_requests, max_requests)
         super().__init__(
             cfg, row_bytes, max_context, device, hot_size, max_requests, state_rows=self.hot_slots
@@ -69,20 +69,18 @@ class HybridRows(HiSparseRows):
         self.conn_id: Dict[int, str] = {}  # spilled slot -> the connector's request id
         self.fresh: set = set()  # spilled slots the connector has not seen since the spill
         self.spill_gen: Dict[str, int] = {}
-        self.pt = torch.zeros(max_requests, -(-max_context // BLOCK), dtype=torch.int64)
-        check_table(self.pt, max_context, BLOCK)
-        self.pt_dev = self.pt.to(device)  # updated in place: graphs read it
-        self.pt_len: Dict[int, int] = {}  # resident slot -> its pages in pt_dev
+        self.table = PageTable(max_requests, max_context, BLOCK, device)
         # A decode step's plan, at fixed addresses for a given split: graphs read it.
         self.plan_buf = torch.zeros(4 * max_requests, dtype=torch.int64, device=device)
         names = ("spills", "spilled_requests", "spilled_rows", "returns", "returned_rows")
         self.counts = dict.fromkeys(names + ("peak_spilled",), 0)
         self._conn_step = False
         self._plan: Optional[dict] = None
+        self._rows: Optional[torch.Tensor] = None  # an all-resident step's device rows
         self.spill_fault = injected_fault("spill")  # a negative control's, never on otherwise
 
     def _kv_buffers(self, state_rows: int, hot_size: int, row_bytes: int) -> dict:
-        rows = self.page_rows + state_rows * hot_size
+        rows = self.num_page_rows + state_rows * hot_size
         return dict(zip(self.names, layer_buffers(len(self.names), rows, row_bytes, self.device)))
 
     # ---- each step, before the forward -------------------------------------------------
@@ -115,14 +113,20 @@ class HybridRows(HiSparseRows):
         return [self.slot[r] for r in rids]
 
     def _route(self, rids: List[str], scheduled: dict) -> None:
-        """This step's routes (``routes.route``) and page-table rows, uploaded: the plan goes
-        to ``plan_buf`` when it fits (a decode step: the addresses its graph recorded)."""
+        """This step's routes and page-table rows, uploaded. Every request resident: its rows
+        go where the page table says (no plan). Else ``routes.route``'s plan, in ``plan_buf``
+        where it fits (a decode step: the addresses its graph recorded)."""
         slots = [self.slot[r] for r in rids]
         new = [scheduled[r] for r in rids]
-        r = route(slots, new, self.held, self.res.pages, self.pt_len, self.max_context, BLOCK)
+        pages, self._rows = self.res.pages, None
+        resident = all(s in pages for s in slots)
+        r = None if resident else route(slots, new, self.held, pages, self.max_context, BLOCK)
         for s, n in zip(slots, new):
             self.held[s] += n
-        self._update_table(r.dirty)
+        self.table.update(slots, pages)
+        if resident:
+            self._plan = dict(resident=True, n_sp=0, prefill_host=False)
+            return
         flat = self._upload(r.dev_src + r.dev_dst + r.host_keys + r.sp_dec)
         if flat.numel() <= self.plan_buf.numel():
             flat = self.plan_buf[: flat.numel()].copy_(flat)
@@ -130,29 +134,17 @@ class HybridRows(HiSparseRows):
         parts = flat.split([n_dev, n_dev, n, n_sp])
         self._plan = dict(zip(("dev_src", "dev_dst", "host_keys", "sp_dec"), parts))
         self._plan.update(n_dev=n_dev, n_host=n - n_dev, n_sp=n_sp, prefill_host=r.prefill_host)
-
-    def _update_table(self, slots: List[int]) -> None:
-        """The page table's rows of ``slots`` (resident; pages taken since last written)."""
-        if not slots:
-            return
-        for s in slots:
-            pages = self.res.pages[s]
-            self.pt[s, : len(pages)] = torch.tensor(pages)
-            self.pt_len[s] = len(pages)
-        rows = self.pt[slots]
-        if self.device.type == "cuda":
-            rows = rows.pin_memory().to(self.device, non_blocking=True)
-        self.pt_dev.index_copy_(0, self._upload(slots), rows)
+        self._plan["resident"] = False
 
     def admits(self, tokens: int) -> bool:
         """A new request of ``tokens`` prompt tokens gets pages or a hot buffer now."""
         return self.res.can_admit(tokens)
 
     def graph_key(self) -> tuple:
-        """A decode step's split: the rows that go to pages, to the host pool, and the spilled
-        decodes (every plan length, so every address a graph recorded)."""
+        """A decode step's split: every request resident, or the rows that go to pages, to the
+        host pool, and the spilled decodes (every plan length: every address a graph read)."""
         pl = self._plan
-        return (pl["n_dev"], pl["n_host"], pl["n_sp"])
+        return ("resident",) if pl["resident"] else (pl["n_dev"], pl["n_host"], pl["n_sp"])
 
     def _start_connector(self, rids: List[str], scheduled: dict) -> None:
         """The connector's step: the scheduled spilled requests, in batch order (decodes first,
@@ -206,7 +198,7 @@ class HybridRows(HiSparseRows):
         for layer in range(self.cfg.num_layers):
             self._write_spill(layer, self.buffers[layer].index_select(0, src), keys)
         self.counts["spills"] += 1
-        self.pt_len.pop(s, None)  # its pages are another's now: rewritten when it returns
+        self.table.forget(s)  # its pages are another's now: rewritten when it returns
         rid = next(r for r, v in self.slot.items() if v == s)
         self._to_host(s, rid, n)
 
@@ -240,6 +232,11 @@ class HybridRows(HiSparseRows):
     # ---- the forward's calls -----------------------------------------------------------
     def save(self, layer: int, rows: torch.Tensor, keys: torch.Tensor) -> None:
         pl = self._plan
+        if pl["resident"]:  # the step's keys, the same for every layer: translated once
+            if self._rows is None:
+                self._rows = page_rows(keys, self.table.dev, BLOCK)
+            self.buffers[layer].index_copy_(0, self._rows, rows)
+            return
         if pl["n_dev"]:
             picked = rows if pl["n_host"] == 0 else rows.index_select(0, pl["dev_src"])
             self.buffers[layer].index_copy_(0, pl["dev_dst"], picked)
@@ -253,7 +250,7 @@ class HybridRows(HiSparseRows):
             raise ValueError("hybrid residency decodes one token per request (no MTP verify)")
         pl, name = self._plan, self.names[layer]
         if not pl["n_sp"]:
-            return self.buffers[layer], page_rows(keys, self.pt_dev, BLOCK), None
+            return self.buffers[layer], page_rows(keys, self.table.dev, BLOCK), None
         everyone = pl["n_sp"] == keys.shape[0]
         sp = pl["sp_dec"]
         top_k = (
@@ -263,14 +260,14 @@ class HybridRows(HiSparseRows):
         self.worker.wait_for_layer_load(name)
         if everyone:
             return self.buffers[layer], got, None
-        ids = page_rows(keys, self.pt_dev, BLOCK)
+        ids = page_rows(keys, self.table.dev, BLOCK)
         return self.buffers[layer], ids.index_copy(0, sp, got.to(ids.dtype)), None
 
     def prefill_rows(self, layer: int, keys: torch.Tensor):
         """A resident prefill reads its pages, a spilled one the host pool."""
         if self._plan["prefill_host"]:
             return super().prefill_rows(layer, keys)
-        return self.buffers[layer], page_rows(keys, self.pt_dev, BLOCK)
+        return self.buffers[layer], page_rows(keys, self.table.dev, BLOCK)
 
     # ---- after the forward -------------------------------------------------------------
     def end(self) -> None:
@@ -284,7 +281,7 @@ class HybridRows(HiSparseRows):
         if s in self.conn_id:
             self._leave_connector(s)
         self.res.release(s)
-        self.pt_len.pop(s, None)
+        self.table.forget(s)
         self.held.pop(s)
         self.free_slots.append(s)
         self.free_slots.sort()

@@ -160,9 +160,8 @@ def test_a_budget_split_spends_the_fewest_hot_buffers_that_hold_the_rest():
     kv = DeviceKV(layers=2, full_layers=1, row_bytes=100, key_bytes=10, context=64, hot_size=32)
     pages = kv.context // BLOCK
     c = 6
-    low = kv.total("hybrid", c, 1, c)  # all spilled, one block
-    for budget in (kv.total("resident", c) + 3 * kv.block_bytes, (kv.total("resident", c) + low) // 2,
-                   low):  # fmt: skip
+    low, high = kv.total("hybrid", c, 1, c), kv.total("resident", c)  # all spilled; all resident
+    for budget in (high + 3 * kv.block_bytes, (high + low) // 2, low):
         blocks, hot = kv.hybrid_split(c, budget)
         assert kv.total("hybrid", c, blocks, hot) <= budget
         assert blocks >= max(1, (c - hot) * (pages + 1)), (blocks, hot)
