@@ -16,9 +16,11 @@ from typing import Optional
 from hisparse.cli import demo_model, workload
 from hisparse.cli.demo_report import (
     COUNTER_SERIES,
+    SPILL_SERIES,
     parity,
     run_stats,
     scrape_counters,
+    spill_counters,
     summary_table,
     tokens_digest,
 )
@@ -99,9 +101,12 @@ def _run(p: workload.Plan, progress: bool, exporter, out) -> dict:
             # The engine hands its counters over once, at the end of the run.
             c = runs[mode].counters
             exporter.observe({k: [c.get(k, 0)] for k in COUNTER_SERIES})
+        if mode == "hybrid" and exporter is not None:  # its moves, not its lookups
+            moves = spill_counters(runs[mode].counters, _row_bytes(p.row_format))
+            exporter.observe({k: [v] for k, v in moves.items()})
     summary = _summary(p, runs)
     if exporter is not None:
-        summary["metrics_endpoint"] = _check_endpoint(exporter.port, summary["hisparse"])
+        summary["metrics_endpoint"] = _check_endpoint(exporter.port, summary, p.row_format)
     return summary
 
 
@@ -147,11 +152,20 @@ def _summary(p: workload.Plan, runs: dict) -> dict:
     return summary
 
 
-def _check_endpoint(port: int, hisparse_stats: dict) -> dict:
-    """The counters served on /metrics must be the ones the run counted."""
-    scraped = scrape_counters(port)
-    mine = {k: hisparse_stats[k] for k in COUNTER_SERIES}
+def _check_endpoint(port: int, summary: dict, row_format: str) -> dict:
+    """The counters served on /metrics must be the ones the runs counted: the HiSparse run's
+    lookups, the hybrid run's moves (zero without one)."""
+    scraped = {**scrape_counters(port), **scrape_counters(port, series_of=SPILL_SERIES)}
+    mine = {k: summary["hisparse"][k] for k in COUNTER_SERIES}
+    hybrid = summary.get("hybrid", {}).get("counters", {})
+    mine.update(spill_counters(hybrid, _row_bytes(row_format)))
     return {"port": port, "scraped": scraped, "matches": scraped == mine}
+
+
+def _row_bytes(row_format: str) -> int:
+    from hisparse.models.rows import ROW_FORMATS
+
+    return ROW_FORMATS[row_format].row_bytes
 
 
 def _report(summary: dict, json_path: Optional[str], out) -> None:

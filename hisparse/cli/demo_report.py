@@ -16,6 +16,23 @@ COUNTER_SERIES = {
     "misses": "vllm:hisparse_cache_misses_total",
     "host_to_device_bytes": "vllm:hisparse_host_to_device_bytes_total",
 }
+# Hybrid residency's moves, the demo's hybrid run's (rows per layer, as the engine counts them).
+SPILL_SERIES = {
+    k: f"vllm:hisparse_{k}_total"
+    for k in ("spilled_requests", "spilled_rows", "spilled_bytes", "returned_requests",
+              "returned_rows")
+}  # fmt: skip
+
+
+def spill_counters(counters: dict, row_bytes: int) -> dict:
+    """A hybrid run's moves (``HybridRows.close``'s counters) as the spill series count them."""
+    return dict(
+        spilled_requests=counters.get("spilled_requests", 0),
+        spilled_rows=counters.get("spilled_rows", 0),
+        spilled_bytes=counters.get("spilled_rows", 0) * row_bytes,
+        returned_requests=counters.get("returns", 0),
+        returned_rows=counters.get("returned_rows", 0),
+    )
 
 
 def tokens_digest(tokens) -> str:
@@ -27,12 +44,13 @@ def tokens_digest(tokens) -> str:
     return h.hexdigest()
 
 
-def scrape_counters(port: int, host: str = "127.0.0.1") -> dict:
-    """GET /metrics and return the three HiSparse counters (summed over label sets)."""
+def scrape_counters(port: int, host: str = "127.0.0.1", series_of: dict = COUNTER_SERIES) -> dict:
+    """GET /metrics and return the counters of ``series_of`` (default the three lookup
+    counters; ``SPILL_SERIES``), each summed over label sets."""
     with urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=10) as r:
         text = r.read().decode()
     out = {}
-    for key, series in COUNTER_SERIES.items():
+    for key, series in series_of.items():
         total = 0.0
         for m in re.finditer(rf"^{re.escape(series)}(?:\{{[^}}]*\}})? ([0-9.eE+-]+)$", text, re.M):
             total += float(m.group(1))

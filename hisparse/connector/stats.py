@@ -31,8 +31,8 @@ COUNTERS = (
 )
 # Hybrid residency (a host that keeps requests in device pages while they fit): whole requests
 # move between the device KV pages and the host pool. Rows are counted per layer, like the
-# gathers' bytes. No host in the tree reports them through the container today (the DSA
-# engine's hybrid counts its moves in its own run result); the metric names stay published.
+# gathers' bytes. The DSA engine's hybrid counts its moves in its run result, which `hisparse
+# demo` reports through this container; a vLLM server never spills a request to the pool.
 SPILL_COUNTERS = (
     (
         "spilled_requests",

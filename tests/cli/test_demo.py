@@ -50,7 +50,14 @@ def test_demo_end_to_end_parity_hits_json_and_metrics(tmp_path, capsys):
     assert y["counters"]["spilled_requests"] >= 1 and y["counters"]["returns"] >= 1
     assert s["tokens"]["hybrid"] == s["tokens"]["hisparse"] == s["tokens"]["resident"]
     me = s["metrics_endpoint"]
-    assert me["matches"] is True and me["scraped"] == {k: h[k] for k in COUNTERS}
+    assert me["matches"] is True
+    assert {k: me["scraped"][k] for k in COUNTERS} == {k: h[k] for k in COUNTERS}
+    # the hybrid run's moves, served as the spill series (rows per layer, fp8 rows)
+    yc = y["counters"]
+    assert me["scraped"]["spilled_requests"] == yc["spilled_requests"] >= 1
+    assert me["scraped"]["spilled_bytes"] == yc["spilled_rows"] * 656 > 0
+    assert me["scraped"]["returned_requests"] == yc["returns"] >= 1
+    assert me["scraped"]["returned_rows"] == yc["returned_rows"] > 0
 
 
 def test_summary_counters_equal_an_independent_scrape():
@@ -77,6 +84,10 @@ def test_summary_counters_equal_an_independent_scrape():
             assert len(lines) == 1, lines
             assert int(float(lines[0].rsplit(" ", 1)[1])) == h[key] > 0
         assert scrape_counters(port) == {k: h[k] for k in COUNTERS}
+        spilled = [
+            ln for ln in text.splitlines() if ln.startswith("vllm:hisparse_spilled_rows_total")
+        ]
+        assert [float(ln.rsplit(" ", 1)[1]) for ln in spilled] == [0.0]  # no hybrid run: none
     finally:
         exp.stop()
 
