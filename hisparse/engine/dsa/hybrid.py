@@ -18,9 +18,8 @@ rows are saved every step like HiSparse mode's, a resident request's go to its p
 resolve with the gather (``defer_misses`` is not taken: the miss plan addresses the hot rows
 only).
 
-Decode steps replay from CUDA graphs like the other modes': the step's routes live in fixed
-device buffers (page table, plan), so a graph recorded for one split (``graph_key``) serves
-every later step of that split; spills, returns and page-table updates run before it.
+Decode steps replay from CUDA graphs: the page table and a mixed step's plan sit at fixed device
+addresses, so a graph recorded for one split (``graph_key``) serves its later steps.
 """
 
 from __future__ import annotations
@@ -37,9 +36,8 @@ from hisparse.models.dsa.kernels.pages import page_rows
 
 
 class HybridRows(HiSparseRows):
-    """Device pages for resident requests, the connector for spilled ones; the store interface
-    of ``ResidentRows`` / ``HiSparseRows`` (``begin``, ``save``, ``decode_rows``,
-    ``prefill_rows``, ``end``, ``finish``, ``close``)."""
+    """Device pages for resident requests, the connector for spilled ones (a row store, as
+    ``ResidentRows`` / ``HiSparseRows``)."""
 
     mode = "hybrid"
 
@@ -70,7 +68,6 @@ class HybridRows(HiSparseRows):
         self.fresh: set = set()  # spilled slots the connector has not seen since the spill
         self.spill_gen: Dict[str, int] = {}
         self.table = PageTable(max_requests, max_context, BLOCK, device)
-        # A decode step's plan, at fixed addresses for a given split: graphs read it.
         self.plan_buf = torch.zeros(4 * max_requests, dtype=torch.int64, device=device)
         names = ("spills", "spilled_requests", "spilled_rows", "returns", "returned_rows")
         self.counts = dict.fromkeys(names + ("peak_spilled",), 0)
@@ -85,9 +82,8 @@ class HybridRows(HiSparseRows):
 
     # ---- each step, before the forward -------------------------------------------------
     def begin(self, scheduled: dict) -> List[int]:
-        """A step of ``scheduled`` {request id: new tokens}, decodes (known requests) first:
-        spills, returns and admissions, the connector's step (spilled requests only), the routes
-        of the new rows. Returns each request's slot (its block of keys)."""
+        """A step of ``scheduled`` {request id: new tokens}, decodes first: spills, returns,
+        admissions, the connector's step (spilled requests), routes; each request's slot."""
         rids = list(scheduled)
         new = [r for r in rids if r not in self.slot]
         if rids[: len(rids) - len(new)] != [r for r in rids if r in self.slot]:
@@ -113,19 +109,28 @@ class HybridRows(HiSparseRows):
         return [self.slot[r] for r in rids]
 
     def _route(self, rids: List[str], scheduled: dict) -> None:
-        """This step's routes and page-table rows, uploaded. Every request resident: its rows
-        go where the page table says (no plan). Else ``routes.route``'s plan, in ``plan_buf``
+        """The page table's new rows, and unless every request is resident ("device") or every
+        one spilled ("host"; rows go by their keys), ``routes.route``'s plan in ``plan_buf``
         where it fits (a decode step: the addresses its graph recorded)."""
         slots = [self.slot[r] for r in rids]
         new = [scheduled[r] for r in rids]
         pages, self._rows = self.res.pages, None
-        resident = all(s in pages for s in slots)
-        r = None if resident else route(slots, new, self.held, pages, self.max_context, BLOCK)
+        resident = sum(s in pages for s in slots)
+        decodes = sum(bool(self.held[s]) for s in slots)
+        where = {len(slots): "device", 0: "host"}.get(resident, "mixed")
+        r = (
+            route(slots, new, self.held, pages, self.max_context, BLOCK)
+            if where == "mixed"
+            else None
+        )
         for s, n in zip(slots, new):
             self.held[s] += n
         self.table.update(slots, pages)
-        if resident:
-            self._plan = dict(resident=True, n_sp=0, prefill_host=False)
+        if r is None:
+            host = where == "host"
+            self._plan = dict(
+                where=where, n_sp=decodes * host, prefill_host=host and decodes < len(slots)
+            )
             return
         flat = self._upload(r.dev_src + r.dev_dst + r.host_keys + r.sp_dec)
         if flat.numel() <= self.plan_buf.numel():
@@ -134,17 +139,17 @@ class HybridRows(HiSparseRows):
         parts = flat.split([n_dev, n_dev, n, n_sp])
         self._plan = dict(zip(("dev_src", "dev_dst", "host_keys", "sp_dec"), parts))
         self._plan.update(n_dev=n_dev, n_host=n - n_dev, n_sp=n_sp, prefill_host=r.prefill_host)
-        self._plan["resident"] = False
+        self._plan["where"] = where
 
     def admits(self, tokens: int) -> bool:
         """A new request of ``tokens`` prompt tokens gets pages or a hot buffer now."""
         return self.res.can_admit(tokens)
 
     def graph_key(self) -> tuple:
-        """A decode step's split: every request resident, or the rows that go to pages, to the
-        host pool, and the spilled decodes (every plan length: every address a graph read)."""
+        """A decode step's split: every request resident or every one spilled, or the rows that
+        go to pages, to the host pool, and the spilled decodes (every address a graph read)."""
         pl = self._plan
-        return ("resident",) if pl["resident"] else (pl["n_dev"], pl["n_host"], pl["n_sp"])
+        return (pl["where"],) if pl["where"] != "mixed" else (pl["n_dev"], pl["n_host"], pl["n_sp"])
 
     def _start_connector(self, rids: List[str], scheduled: dict) -> None:
         """The connector's step: the scheduled spilled requests, in batch order (decodes first,
@@ -232,15 +237,16 @@ class HybridRows(HiSparseRows):
     # ---- the forward's calls -----------------------------------------------------------
     def save(self, layer: int, rows: torch.Tensor, keys: torch.Tensor) -> None:
         pl = self._plan
-        if pl["resident"]:  # the step's keys, the same for every layer: translated once
+        if pl["where"] == "device":  # the step's keys, the same for every layer: translated once
             if self._rows is None:
                 self._rows = page_rows(keys, self.table.dev, BLOCK)
             self.buffers[layer].index_copy_(0, self._rows, rows)
-            return
-        if pl["n_dev"]:
+        elif pl["where"] == "host":
+            self.worker.save_kv_layer(self.names[layer], rows, None, slot_mapping=keys)
+        elif pl["n_dev"]:
             picked = rows if pl["n_host"] == 0 else rows.index_select(0, pl["dev_src"])
             self.buffers[layer].index_copy_(0, pl["dev_dst"], picked)
-        if pl["n_host"]:
+        if pl["where"] == "mixed" and pl["n_host"]:
             self.worker.save_kv_layer(self.names[layer], rows, None, slot_mapping=pl["host_keys"])
 
     def decode_rows(self, layer: int, keys: torch.Tensor, defer_misses: bool = False, decodes=None):
@@ -252,7 +258,7 @@ class HybridRows(HiSparseRows):
         if not pl["n_sp"]:
             return self.buffers[layer], page_rows(keys, self.table.dev, BLOCK), None
         everyone = pl["n_sp"] == keys.shape[0]
-        sp = pl["sp_dec"]
+        sp = None if everyone else pl["sp_dec"]
         top_k = (
             (keys if everyone else keys.index_select(0, sp)) if self.cfg.is_full(layer) else None
         )

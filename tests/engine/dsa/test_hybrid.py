@@ -63,6 +63,15 @@ def test_a_budget_that_holds_everything_never_spills(checkpoints):
     assert hy.tokens == _run(ck, "resident").tokens
 
 
+def test_a_budget_of_one_block_spills_every_request_and_keeps_the_tokens(checkpoints):
+    # every step is all spilled: rows go to the host pool by their keys, no plan
+    ck = checkpoints["glm_moe_dsa"]
+    hy = _run(ck, "hybrid", device_blocks=1)
+    c = hy.counters
+    assert c["spilled_requests"] == PROMPTS and c["spills"] == c["returns"] == 0, c
+    assert hy.tokens == _run(ck, "resident").tokens
+
+
 @pytest.mark.parametrize("move", ["_write_spill", "_read_back"])
 def test_a_spill_or_return_that_skips_a_layer_changes_the_tokens(checkpoints, monkeypatch, move):
     """Negative controls: a spilled request reads back exactly what the spill wrote to the host

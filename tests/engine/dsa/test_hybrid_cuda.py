@@ -75,6 +75,10 @@ def test_hybrid_graph_replays_equal_resident_replays(checkpoints, arch):
     # a budget that holds every request and two hot buffers: the replays never touch the host pool
     few = _run(ck, GPU, "hybrid", "fp8", graphs=True, device_blocks=64, hot_slots=2)
     assert few.spills == 0 and few.graph_replays > 0 and few.tokens == res.tokens
+    # one block: every request spilled, every step through the host pool
+    host = _run(ck, GPU, "hybrid", "fp8", graphs=True, device_blocks=1)
+    assert host.counters["spilled_requests"] == PROMPTS and host.graph_replays > 0
+    assert host.tokens == res.tokens
 
 
 def test_page_rows_kernel_equals_its_torch_reference():
