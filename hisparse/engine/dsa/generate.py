@@ -27,7 +27,7 @@ from hisparse.engine.dsa.graphs import DecodeGraphs
 from hisparse.engine.dsa.hybrid import HybridRows
 from hisparse.engine.dsa.model import DSAForward
 from hisparse.engine.dsa.residency import check_device_blocks
-from hisparse.engine.dsa.stores import HiSparseRows, ResidentRows
+from hisparse.engine.dsa.stores import HiSparseRows, ResidentRows, upload
 from hisparse.models.dsa.weights import (
     Checkpoint,
     CheckpointError,
@@ -177,12 +177,6 @@ def new_generation(out: Generation, n: int) -> Generation:
     return out
 
 
-def _upload(values, dtype, device) -> torch.Tensor:
-    t = torch.tensor(values, dtype=dtype)
-    # Pinned and non-blocking: the step's inputs never make the host wait for the device.
-    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
-
-
 def _run(fwd: DSAForward, store, forward, prompts, max_new, nmax, out, hook, clock, first):
     waiting = list(range(len(prompts)))
     running: List[int] = []  # requests that decode next step, in admission order
@@ -213,12 +207,12 @@ def _run(fwd: DSAForward, store, forward, prompts, max_new, nmax, out, hook, clo
             req += [b] * new[r]
         last = [i - 1 for i in accumulate(new[r] for r in rows)]
         batch = fwd.batch(
-            _upload(pos, torch.int64, dev),
-            _upload(req, torch.int64, dev),
-            _upload([lengths[r] for r in rows], torch.int64, dev),
-            _upload(blocks, torch.int64, dev),
+            upload(pos, dev),
+            upload(req, dev),
+            upload([lengths[r] for r in rows], dev),
+            upload(blocks, dev),
         )
-        args = (_upload(toks, torch.int64, dev), batch, _upload(last, torch.int64, dev), nd)
+        args = (upload(toks, dev), batch, upload(last, dev), nd)
         logits = hook(lambda: forward(*args)) if hook else forward(*args)
         store.end()
         top = logits.topk(2, dim=-1).values

@@ -30,7 +30,14 @@ import torch
 
 from hisparse.engine.dsa.residency import Residency, check_device_blocks
 from hisparse.engine.dsa.routes import PageTable, route
-from hisparse.engine.dsa.stores import BLOCK, HiSparseRows, Request, injected_fault, layer_buffers
+from hisparse.engine.dsa.stores import (
+    BLOCK,
+    HiSparseRows,
+    Request,
+    injected_fault,
+    layer_buffers,
+    upload,
+)
 from hisparse.models.dsa.config import DSAConfig
 from hisparse.models.dsa.kernels.pages import page_rows
 
@@ -132,7 +139,7 @@ class HybridRows(HiSparseRows):
                 where=where, n_sp=decodes * host, prefill_host=host and decodes < len(slots)
             )
             return
-        flat = self._upload(r.dev_src + r.dev_dst + r.host_keys + r.sp_dec)
+        flat = upload(r.dev_src + r.dev_dst + r.host_keys + r.sp_dec, self.device)
         if flat.numel() <= self.plan_buf.numel():
             flat = self.plan_buf[: flat.numel()].copy_(flat)
         n_dev, n, n_sp = len(r.dev_src), len(r.host_keys), len(r.sp_dec)
@@ -172,13 +179,6 @@ class HybridRows(HiSparseRows):
         self.worker.bind_connector_metadata(meta)
         self.worker.start_load_kv(None)
 
-    def _upload(self, values: List[int]) -> torch.Tensor:
-        """Ints -> a device int64 tensor (pinned, non-blocking on CUDA)."""
-        flat = torch.tensor(values, dtype=torch.int64)
-        if self.device.type == "cuda":
-            flat = flat.pin_memory().to(self.device, non_blocking=True)
-        return flat
-
     # ---- moves -----------------------------------------------------------------------
     def _keys(self, s: int, n: int) -> List[int]:
         """Keys of positions [0, n) of slot ``s``."""
@@ -199,7 +199,7 @@ class HybridRows(HiSparseRows):
         n = self.held[s]
         m = n - 1 if self.spill_fault else n  # stores.inject_faults: the last row never leaves
         rows = [pages[p // BLOCK] * BLOCK + p % BLOCK for p in range(m)]
-        src, keys = self._upload(rows + self._keys(s, m)).split(m)
+        src, keys = upload(rows + self._keys(s, m), self.device).split(m)
         for layer in range(self.cfg.num_layers):
             self._write_spill(layer, self.buffers[layer].index_select(0, src), keys)
         self.counts["spills"] += 1
@@ -215,7 +215,7 @@ class HybridRows(HiSparseRows):
         it."""
         n = self.held[s]
         rows = [self.res.row(s, p) for p in range(n)]
-        dst, keys = self._upload(rows + self._keys(s, n)).split(n)
+        dst, keys = upload(rows + self._keys(s, n), self.device).split(n)
         for layer in range(self.cfg.num_layers):
             self._read_back(layer, dst, keys)
         self._leave_connector(s)

@@ -29,13 +29,13 @@ import torch
 from hisparse.engine.dsa.generate import (
     Generation,
     _context,
-    _upload,
     check_options,
     new_generation,
     open_run,
 )
 from hisparse.engine.dsa.model import Decodes
 from hisparse.engine.dsa.mtp import MTPHead, MTPModel, discard
+from hisparse.engine.dsa.stores import upload
 from hisparse.models.dsa.weights import Checkpoint
 
 # The connector's scheduler counts every token scheduled to a request (it has no rollback
@@ -108,7 +108,7 @@ class _Loop:
     def _decodes(self, counts, nrun: int) -> Decodes:
         """The leading ``nrun`` rows (one or two tokens each) as decodes of up to two tokens."""
         at = [b * _Q + j for b in range(nrun) for j in range(counts[b])]
-        return Decodes(nrun, len(at), _Q, _upload(at, torch.int64, self.dev))
+        return Decodes(nrun, len(at), _Q, upload(at, self.dev))
 
     def _forward_inputs(self, toks, pos, counts, blocks):
         """(tokens, batch, each row's end in the token list) of rows of ``counts`` tokens."""
@@ -116,12 +116,12 @@ class _Loop:
         ends = torch.tensor(counts).cumsum(0).tolist()
         seq = [p[-1] + 1 for p in _split(pos, counts)]
         batch = self.m.fwd.batch(
-            _upload(pos, torch.int64, self.dev),
-            _upload(req, torch.int64, self.dev),
-            _upload(seq, torch.int64, self.dev),
-            _upload(blocks, torch.int64, self.dev),
+            upload(pos, self.dev),
+            upload(req, self.dev),
+            upload(seq, self.dev),
+            upload(blocks, self.dev),
         )
-        return _upload(toks, torch.int64, self.dev), batch, ends
+        return upload(toks, self.dev), batch, ends
 
     def run(self) -> None:
         waiting = list(range(len(self.prompts)))
@@ -165,7 +165,7 @@ class _Loop:
         toks, pos, counts = self._tokens(rows, nrun)
         blocks = store.begin({f"req-{r}": c for r, c in zip(rows, counts)})
         tokens, batch, ends = self._forward_inputs(toks, pos, counts, blocks)
-        want = _upload(self._wanted(rows, nrun, ends), torch.int64, self.dev)
+        want = upload(self._wanted(rows, nrun, ends), self.dev)
         hidden, logits = self.m.target(store, tokens, batch, want, self._decodes(counts, nrun))
         store.end()
         out.target_steps += 1
@@ -227,11 +227,11 @@ class _Loop:
         toks = [t for d in drafts for t in d[1]]
         pos = [p for d in drafts for p in d[2]]
         counts = [len(d[1]) for d in drafts]
-        src = _upload([i for d in drafts for i in d[3]], torch.int64, self.dev)
+        src = upload([i for d in drafts for i in d[3]], self.dev)
         blocks = self.store.begin({f"req-{d[0]}": len(d[1]) for d in drafts})
         tokens, batch, ends = self._forward_inputs(toks, pos, counts, blocks)
         nd = self._decodes(counts, sum(not d[4] for d in drafts))
-        last = _upload([e - 1 for e in ends], torch.int64, self.dev)
+        last = upload([e - 1 for e in ends], self.dev)
         logits = self.m.draft(self.store, tokens, hidden[src], batch, last, nd)
         self.store.end()
         for d, t in zip(drafts, logits.argmax(-1).tolist()):

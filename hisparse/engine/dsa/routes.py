@@ -15,6 +15,7 @@ from typing import Dict, Iterable, List
 
 import torch
 
+from hisparse.engine.dsa.stores import upload
 from hisparse.models.dsa.kernels.pages import check_table
 
 
@@ -85,9 +86,7 @@ class PageTable:
                 self.written[s] = len(own)
         if not at:
             return
-        flat = torch.tensor(at + values, dtype=torch.int64)
-        if self.dev.is_cuda:
-            flat = flat.pin_memory().to(self.dev.device, non_blocking=True)
+        flat = upload(at + values, self.dev.device)
         self.dev.view(-1).index_copy_(0, flat[: len(at)], flat[len(at) :])
 
     def forget(self, slot: int) -> None:

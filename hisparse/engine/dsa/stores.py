@@ -57,6 +57,13 @@ def injected_fault(kind: str) -> Optional[str]:
     return faults[kind] if faults else None
 
 
+def upload(values, device: torch.device, dtype=torch.int64) -> torch.Tensor:
+    """Host values as a tensor on ``device``: pinned and non-blocking on CUDA, so a step's
+    inputs never make the host wait for the device."""
+    t = torch.tensor(values, dtype=dtype)
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
+
+
 def layer_buffers(layers: int, rows: int, row_bytes: int, device: torch.device) -> list:
     """Each layer's zeroed row buffer [rows, row_bytes] in an allocation of its own (under the
     base-offset fault: all of them the same first rows of one allocation for every layer)."""
