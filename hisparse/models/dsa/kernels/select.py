@@ -21,11 +21,11 @@ import torch
 
 from hisparse.models.dsa.kernels.rows import triton
 
-# 8-bit digits; the last bin takes masked elements so the histogram needs no mask argument.
-_RADIX = 256
-
 if triton is not None:
     import triton.language as tl
+
+    # 8-bit digits; bins past them take masked elements, so the histogram needs no mask.
+    _RADIX = tl.constexpr(256)
 
     @triton.jit
     def _keys(row, c, n, BLOCK: tl.constexpr):
