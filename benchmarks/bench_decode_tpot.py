@@ -109,7 +109,7 @@ def _split_hooks(step: CoreStep) -> list:
     hooks = [
         (step.core, "_scores_fn", "indexer"),  # the Triton kernel or DeepGEMM's
         (step.core, "store_keys", "indexer"),
-        (step.core, "select", "top-k"),  # what select runs beside the scores: the top-k's slots
+        (step.core, "select", "top-k"),  # what select runs beside the scores: topk, the slots
         (rows, "gather_decode", "row read / misses"),
         (misses, "read_with_misses", "row read / misses"),
         (misses, "stage_misses", "row read / misses"),
@@ -158,7 +158,7 @@ _MISSING = object()
 _BY_NAME = (
     ("_paged_scores", "indexer"), ("paged_mqa_logits", "indexer"), ("_store_fp8_keys", "indexer"),
     ("resolve", "resolve"),
-    ("_top_k_slots", "top-k"), ("gather_decode", "row read / misses"),
+    ("_selection_slots", "top-k"), ("gather_decode", "row read / misses"),
     ("_read_with_misses", "row read / misses"), ("_stage", "row read / misses"),
     ("masked_softmax", "attention"), ("_sparse_mla", "attention"), ("_combine", "attention"),
 )  # fmt: skip

@@ -116,18 +116,3 @@ def invalidate(slot_keys, lru, state_rows, keys=None):
             (slot_keys[s],), (lru[s],) = empty_state(1, H)
         elif keys[i] >= 0:
             slot_keys[s] = [-1 if k == keys[i] else k for k in slot_keys[s]]
-
-
-def top_k_slots(scores, positions, req, block_table, block_size, top_k):
-    """The DSA selection: for each token, its ``top_k`` best visible scores (a column <= its
-    position and not -inf; the lowest position first among equal scores), their positions in
-    ascending order turned into slots through the request's block table, -1 padding last."""
-    out = []
-    for t, row in enumerate(scores):
-        visible = [(v, j) for j, v in enumerate(row[: positions[t] + 1]) if v > float("-inf")]
-        best = sorted(visible, key=lambda vj: (-vj[0], vj[1]))[:top_k]
-        table = block_table[req[t]]
-        slots = [table[j // block_size] * block_size + j % block_size for _, j in sorted(
-            best, key=lambda vj: vj[1])]  # fmt: skip
-        out.append(slots + [-1] * (top_k - len(slots)))
-    return out

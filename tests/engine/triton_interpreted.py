@@ -28,7 +28,7 @@ import triton.language as tl
 
 from hisparse.models.dsa import index_keys
 from hisparse.models.dsa.config import DSAConfig
-from hisparse.models.dsa.core import SparseMLACore
+from hisparse.models.dsa.core import SparseMLACore, TokenBatch, _sorted
 from hisparse.models.dsa.decoder import rms_norm, rope_half, rope_interleaved
 from hisparse.models.dsa.kernels import elementwise as ew
 from hisparse.models.dsa.kernels import fp8_queries as fq
@@ -41,7 +41,6 @@ from hisparse.models.dsa.kernels import select as select_kernel
 from hisparse.models.dsa.random_checkpoint import random_config
 from hisparse.models.rows import FP8_MAX, encode_rows
 from hisparse.runtime.miss_plan import MissPlan
-from tests import oracle
 
 _sparse_mla = mla_kernel.sparse_mla
 # The interpreter's bf16 products are wrong; the kernel's float32-operand variant is the same
@@ -65,21 +64,18 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def check_kernels() -> None:
     g = torch.Generator().manual_seed(3)
-    # the selection: a radix select straight to slots, against the oracle (ties, -0.0 and 0.0,
-    # negative scores, fewer visible keys than top_k, a position past the scores' width)
+    # the selection: sorted positions' slots through the block table (-1 padding last)
     bs, top_k = 16, 32
     bt = torch.randperm(18, generator=g).view(3, 6).int()
-    positions, req = torch.tensor([95, 10, 40, 3, 300]), torch.tensor([0, 1, 1, 2, 0])
-    scores = torch.randn(5, 96, generator=g)
-    scores[1] = torch.randint(-2, 3, (96,), generator=g).float()
-    scores[2, ::3] = -0.0
-    scores[2, 1::3] = 0.0
-    scores[4] = -scores[4].abs()
-    scores[torch.arange(96)[None, :] > positions[:, None]] = float("-inf")
-    scores[0, 7] = float("-inf")
-    got = select_kernel.top_k_slots(scores, positions, req, bt, bs, top_k)
-    args = (positions.tolist(), req.tolist(), bt.tolist(), bs, top_k)
-    assert got.tolist() == oracle.top_k_slots(scores.tolist(), *args), "top_k_slots"
+    b = TokenBatch(torch.tensor([95, 10, 40, 3]), torch.tensor([0, 1, 1, 2]),
+                   torch.tensor([96, 41, 4]), bt, bs)  # fmt: skip
+    scores = torch.randn(4, 96, generator=g)
+    scores[torch.arange(96)[None, :] > b.positions[:, None]] = float("-inf")
+    for k in (top_k, 20):
+        best, idx = scores.topk(k, dim=-1, sorted=False)
+        got = select_kernel.selection_slots(best, idx, b.req, bt, bs, top_k)
+        pos = torch.where(torch.isfinite(best), idx, torch.full_like(idx, -1))
+        assert torch.equal(got, b.slots(_sorted(pos, top_k))), f"selection_slots k={k}"
     # the masked softmax: padding (-1) takes no weight
     s = torch.randn(3, 6, 40, generator=g)
     ids = torch.randint(0, 99, (3, 40), generator=g)

@@ -10,14 +10,12 @@ step has no Python loop over requests and reads nothing back to the host. Two ba
   (ReLU zeros are common) depends on the length of the row it ranks.
 * ``triton`` (CUDA): the production formats' kernels (``hisparse.models.dsa.kernels``): the
   paged FP8 indexer where keys are fp8 (or DeepGEMM's paged logits where importable:
-  ``indexer="deepgemm"``; ``"auto"`` measures it first) and its top-k, a radix select straight
-  to slots (``kernels.select``: the lowest positions win among equal scores); where rows are
-  fp8, the one-pass FP8 row read with batched products (``attention="bmm"``, which can also
-  fetch a HiSparse step's misses), the fused sparse MLA kernel (``"fused"``) or FlashMLA's
-  decode where importable (``"flashmla"``; ``"auto"`` measures it against "bmm"), the row
-  encoding, and (``kernel_rows`` passed to the projections) the norms and rotary embeddings in
-  one launch each. Unquantized formats keep the torch math on CUDA too: they exist to compare
-  with references.
+  ``indexer="deepgemm"``; ``"auto"`` measures it first); where rows are fp8, the one-pass FP8
+  row read with batched products (``attention="bmm"``, which can also fetch a HiSparse step's
+  misses), the fused sparse MLA kernel (``"fused"``) or FlashMLA's decode where importable
+  (``"flashmla"``; ``"auto"`` measures it against "bmm"), the row encoding, and (``kernel_rows``
+  passed to the projections) the norms and rotary embeddings in one launch each. Unquantized
+  formats keep the torch math on CUDA too: they exist to compare with references.
 
 Resident and HiSparse attend through the same call on the same row bytes in the same order (the
 selection is sorted by position), so both modes give the same bits on one device. Which rows is
@@ -146,8 +144,10 @@ class SparseMLACore:
             if b.block_size != deepgemm.BLOCK:
                 scores_fn = idx_kernel.paged_scores
             scores = scores_fn(q16, hw, cache, b.block_table, b.block_size, b.req, b.positions)
-            return select_kernel.top_k_slots(
-                scores, b.positions, b.req, b.block_table, b.block_size, cfg.index_topk
+            # unsorted: the positions are sorted next; ranking the values too cost a sort
+            best, idx = scores.topk(min(cfg.index_topk, scores.shape[1]), dim=-1, sorted=False)
+            return select_kernel.selection_slots(
+                best, idx, b.req, b.block_table, b.block_size, cfg.index_topk
             )
         else:
             step = max(1, CHUNK_ELEMS // (cfg.index_n_heads * batch.max_context))

@@ -184,31 +184,18 @@ def test_paged_indexer_reads_whole_blocks_and_single_keys_alike(block_size):
     assert err <= 2e-2 * want[visible].abs().max().item(), err
 
 
-@pytest.mark.parametrize("width,top_k", [(320, 64), (32768, 2048)])
-def test_top_k_slots_equal_the_oracle(width, top_k):
-    from hisparse.models.dsa.kernels.select import top_k_slots
-    from tests import oracle
+def test_selection_slots_are_the_sorted_positions_slots():
+    from hisparse.models.dsa.core import _sorted
+    from hisparse.models.dsa.kernels.select import selection_slots
 
+    b = _batch([200, 37, 256, 90], [1, 1, 4, 2], seed=8)
     g = torch.Generator(device=GPU).manual_seed(8)
-    T = 6
-    blocks = -(-width // BS)
-    bt = torch.randperm(2 * blocks, device=GPU, generator=g).view(2, blocks).to(torch.int32)
-    positions = torch.tensor([width - 1, width // 2, 40, top_k - 1, 5, width + 9], device=GPU)
-    req = torch.tensor([0, 1, 0, 1, 1, 0], device=GPU)
-    scores = torch.randn(T, width, device=GPU, generator=g)
-    scores[1] = torch.randint(-3, 4, (width,), device=GPU, generator=g).float()  # ties
-    scores[2] = torch.relu(scores[2])
-    scores[2, ::2] *= -1  # -0.0 beside 0.0: one score
-    scores[5] = -scores[5].abs()
-    scores[torch.arange(width, device=GPU)[None, :] > positions[:, None]] = float("-inf")
-    scores[0, ::5] = float("-inf")  # masked inside the visible range
-    got = top_k_slots(scores, positions, req, bt, BS, top_k)
-    args = (positions.tolist(), req.tolist(), bt.tolist(), BS, top_k)
-    assert got.tolist() == oracle.top_k_slots(scores.tolist(), *args)
-    # the set equals topk's wherever the scores have no ties (rows 0 and 5)
-    for t in (0, 5):
-        n = min(width, int(positions[t]) + 1)
-        pos = scores[t, :n].topk(min(top_k, n)).indices
-        pos = pos[scores[t, pos] > float("-inf")].sort().values
-        want = bt[req[t], pos // BS].long() * BS + pos % BS
-        assert torch.equal(got[t, : len(want)], want)
+    L, top_k = b.max_context, 64
+    scores = torch.randn(b.num_tokens, L, device=GPU, generator=g)
+    visible = torch.arange(L, device=GPU)[None, :] <= b.positions[:, None]
+    scores = scores.masked_fill(~visible, float("-inf"))
+    for k in (top_k, 40):  # k < top_k: fewer columns than the top-k (a short cache)
+        best, idx = scores.topk(k, dim=-1, sorted=False)
+        got = selection_slots(best, idx, b.req, b.block_table, BS, top_k)
+        pos = torch.where(torch.isfinite(best), idx, torch.full_like(idx, -1))
+        assert torch.equal(got, b.slots(_sorted(pos, top_k)))

@@ -67,3 +67,34 @@ def test_explicit_flashmla_without_it_is_refused_by_name(sources):
     with pytest.raises(ValueError, match="attention='flashmla' needs FlashMLA"):
         SparseMLACore(cfg, "fp8", "cpu", attention="flashmla")
     assert SparseMLACore(cfg, "fp8", "cpu").attention == "bmm"  # auto, nothing to measure
+
+
+@pytest.mark.parametrize(
+    "times, want",
+    [  # FlashMLA slower for one request, faster in the sum (as on the H200 with a warm L2)
+        (((27.0, 20.0), (100.0, 260.0)), "flashmla"),
+        (((15.0, 20.0), (270.0, 260.0)), "bmm"),  # faster for one, slower in the sum
+    ],
+)
+def test_the_choice_takes_the_lower_sum_over_the_probe_batches(sources, caplog, times, want):
+    sources.setitem(sys.modules, "flash_mla", _module("flash_mla"))
+    by_batch = dict(zip(flashmla.PROBE_BATCHES, times))
+    seen = []
+
+    def probe(flash, bmm, device, heads, top_k, batch):
+        seen.append(batch)
+        return by_batch[batch]
+
+    sources.setattr(flashmla, "_probe", probe)
+    with caplog.at_level(logging.INFO, logger="hisparse"):
+        assert flashmla.choose("cpu", 128, 2048, bmm=None) == want
+        assert flashmla.choose("cpu", 128, 2048, bmm=None) == want  # measured once
+    assert seen == list(flashmla.PROBE_BATCHES)
+    said = [r.getMessage() for r in caplog.records if "sparse MLA" in r.getMessage()]
+    (a, b), (c, d) = times
+    who = "FlashMLA" if want == "flashmla" else "the Triton kernels"
+    assert said == [
+        f"hisparse: sparse MLA by {who} (FlashMLA from flash_mla against the Triton kernels: "
+        f"{a:.0f} vs {b:.0f} us at batch 1, {c:.0f} vs {d:.0f} us at batch 64; the lower sum "
+        f"over these batches wins: {a + c:.0f} vs {b + d:.0f} us)"
+    ]
