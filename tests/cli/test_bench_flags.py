@@ -29,9 +29,12 @@ def test_bench_accepts_no_progress_and_passes_it_to_the_sweep(monkeypatch):
 def test_a_workload_too_big_is_refused_naming_its_flags(capsys, monkeypatch):
     monkeypatch.setattr(bench, "hot_size_sweep", lambda *a, **k: pytest.fail("no sweep"))
     with pytest.raises(SystemExit) as e:
-        cli.main(["bench", "--skip-ops", "--concurrency", "4096", "--prompt-len", "1000000"])
+        cli.main(  # past any machine's memory, not only a small one's: 8 x 1M tokens fit 24 GiB
+            ["bench", "--skip-ops", *("--requests", "4096", "--concurrency", "4096"),
+             *("--prompt-len", "1000000")]
+        )  # fmt: skip
     assert e.value.code == 2
     line = capsys.readouterr().err.strip()
     # bench runs HiSparse only: its host pool (every row) is what does not fit
     assert line.startswith("hisparse bench: error: the hisparse run needs"), line
-    assert "--prompt-len + --output-len (1000000 + 32) or --concurrency (8 running)" in line
+    assert "--prompt-len + --output-len (1000000 + 32) or --concurrency (4096 running)" in line
