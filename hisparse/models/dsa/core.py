@@ -98,8 +98,8 @@ class SparseMLACore:
         self.kernel_keys = use and key_format == "fp8" and d & (d - 1) == 0
         self.misses = misses
         self._flash = flashmla.find() if self.kernel_rows and attention != "bmm" else None
-        if attention == "flashmla" and self._flash is None:
-            raise ValueError("attention='flashmla' needs FlashMLA importable (vLLM's or flash_mla)")
+        if attention == "flashmla":
+            flashmla.require(self._flash, cfg.num_heads)
         if attention == "auto":  # measured once per device and shape (flashmla.choose)
             attention = "bmm"
             if self._flash is not None:

@@ -9,6 +9,7 @@ import sys
 import types
 
 import pytest
+import torch
 
 from hisparse.models.dsa.kernels import flashmla
 
@@ -98,3 +99,52 @@ def test_the_choice_takes_the_lower_sum_over_the_probe_batches(sources, caplog, 
         f"{a:.0f} vs {b:.0f} us at batch 1, {c:.0f} vs {d:.0f} us at batch 64; the lower sum "
         f"over these batches wins: {a + c:.0f} vs {b + d:.0f} us)"
     ]
+
+
+def test_more_heads_than_flashmla_takes_means_the_triton_kernels(sources, caplog):
+    sources.setitem(sys.modules, "flash_mla", _module("flash_mla"))
+    sources.setattr(flashmla, "_probe", lambda *a: pytest.fail("no probe past 128 heads"))
+    with caplog.at_level(logging.INFO, logger="hisparse"):
+        assert flashmla.choose("cpu", 192, 2048, bmm=None) == "bmm"
+    said = [r.getMessage() for r in caplog.records if "sparse MLA" in r.getMessage()]
+    assert said == ["hisparse: sparse MLA by the Triton kernels (FlashMLA lacks 192 heads)"]
+    with pytest.raises(ValueError, match="at most 128 query heads, the model has 192"):
+        flashmla.require(flashmla.find(), 192)
+    with pytest.raises(ValueError, match="needs FlashMLA importable"):
+        flashmla.require(None, 128)
+
+
+def test_a_probe_that_raises_means_the_triton_kernels(sources, caplog):
+    sources.setitem(sys.modules, "flash_mla", _module("flash_mla"))
+
+    def probe(*a):
+        raise RuntimeError("Unsupported h_q: 32")
+
+    sources.setattr(flashmla, "_probe", probe)
+    with caplog.at_level(logging.INFO, logger="hisparse"):
+        assert flashmla.choose("cpu", 32, 2048, bmm=None) == "bmm"
+    said = [r.getMessage() for r in caplog.records if "sparse MLA" in r.getMessage()]
+    assert said == [
+        "hisparse: sparse MLA by the Triton kernels (FlashMLA from flash_mla failed its probe: "
+        "RuntimeError: Unsupported h_q: 32)"
+    ]
+
+
+@pytest.mark.parametrize("heads, top_k", [(16, 40), (128, 2048), (64, 100)])
+def test_ids_and_heads_reach_flashmla_in_its_blocks(heads, top_k):
+    # FlashMLA aborts the process (an assert, not an exception) on a top-k not a multiple of 64
+    seen = {}
+
+    def kernel(q, cache, _a, _b, dv, plan, softmax_scale, is_fp8_kvcache, indices):
+        seen.update(q=q.shape, ids=indices)
+        return (torch.zeros(q.shape[0], 1, q.shape[2], dv),)
+
+    m = _module("flash_mla")
+    m.flash_mla_with_kvcache = kernel
+    ids = torch.arange(2 * top_k).view(2, top_k)
+    out = flashmla.FlashMLADecode(m)(torch.zeros(2, heads, 576), torch.zeros(256, 656), ids, 0.1)
+    assert out.shape == (2, heads, 512)
+    assert seen["q"][2] % flashmla.HEAD_BLOCK == 0
+    got = seen["ids"].view(2, -1)
+    assert got.shape[1] % flashmla.TOPK_BLOCK == 0 and got.shape[1] - top_k < flashmla.TOPK_BLOCK
+    assert torch.equal(got[:, :top_k], ids.int()) and (got[:, top_k:] == -1).all()

@@ -29,6 +29,24 @@ _SOURCES: list = ["flash_mla"]
 _CHOICE: dict = {}  # (device, heads, top_k) -> "flashmla" | "bmm"
 PROBE_BATCHES = (1, 64)
 HEAD_BLOCK = 64  # FlashMLA's sparse decode takes query heads in blocks of 64
+MAX_HEADS = 128  # and at most two such blocks (64 or 128 query heads)
+TOPK_BLOCK = 64  # and ids in blocks of 64: any other count aborts the process (a C++ assert)
+
+
+def supports(heads: int) -> bool:
+    """Whether FlashMLA's SM90 sparse decode takes ``heads`` query heads (padded to a block)."""
+    return 0 < heads <= MAX_HEADS
+
+
+def require(found: Optional["FlashMLADecode"], heads: int) -> None:
+    """Refuse ``attention='flashmla'`` in one line where it cannot serve."""
+    if found is None:
+        raise ValueError("attention='flashmla' needs FlashMLA importable (vLLM's or flash_mla)")
+    if not supports(heads):
+        raise ValueError(
+            f"attention='flashmla' takes at most {MAX_HEADS} query heads, the model has {heads}: "
+            "pass attention='bmm' or 'auto'"
+        )
 
 
 def add_source(module: str) -> None:
@@ -53,6 +71,8 @@ class FlashMLADecode:
         if heads % HEAD_BLOCK:  # a rank's share of the heads under TP: pad, then drop the pad
             q = torch.nn.functional.pad(q, (0, 0, 0, -heads % HEAD_BLOCK))
             return self(q, src, ids, scale)[:, :heads]
+        if ids.shape[1] % TOPK_BLOCK:  # padding ids (-1) read nothing and weigh nothing
+            ids = torch.nn.functional.pad(ids, (0, -ids.shape[1] % TOPK_BLOCK), value=-1)
         block = _page_block(src.shape[0])
         key = (n, heads, ids.shape[1], block, q.device)
         plan = self._plans.get(key)
@@ -109,11 +129,18 @@ def choose(device, heads: int, top_k: int, bmm) -> str:
     if key in _CHOICE:
         return _CHOICE[key]
     flash = find()
-    if flash is None:
-        log.info("hisparse: sparse MLA by the Triton kernels (no FlashMLA importable)")
+    if flash is None or not supports(heads):
+        why = "no FlashMLA importable" if flash is None else f"FlashMLA lacks {heads} heads"
+        log.info("hisparse: sparse MLA by the Triton kernels (%s)", why)
         _CHOICE[key] = "bmm"
         return "bmm"
-    times = {b: _probe(flash, bmm, device, heads, top_k, b) for b in PROBE_BATCHES}
+    try:
+        times = {b: _probe(flash, bmm, device, heads, top_k, b) for b in PROBE_BATCHES}
+    except Exception as e:  # noqa: BLE001 - a build that fails here must not serve
+        log.warning("hisparse: sparse MLA by the Triton kernels (FlashMLA from %s failed its "
+                    "probe: %s: %s)", flash.name, type(e).__name__, e)  # fmt: skip
+        _CHOICE[key] = "bmm"
+        return "bmm"
     # A summed step, as the indexer's choice: with a warm L2 the batched products can win at one
     # request by a few microseconds that FlashMLA gives back many times over at 64.
     fl, bm = sum(f for f, _ in times.values()), sum(t for _, t in times.values())
