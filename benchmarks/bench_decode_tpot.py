@@ -317,6 +317,9 @@ def main(argv=None) -> int:
         "(indexer, top-k, resolve, row read / misses, attention, rest) and their slopes",
     )  # fmt: skip
     p.add_argument("--split-steps", type=int, default=3, help="eager steps profiled per mode")
+    p.add_argument(
+        "--commit", default="?", help="the tree's commit for the JSON (a device copy's is stale)"
+    )
     args = p.parse_args(argv)
     try:
         batches = [int(x) for x in args.batches.split(",") if x]
@@ -334,7 +337,7 @@ def main(argv=None) -> int:
         return 0
     if args.kernel_split:
         result = {
-            "core": CORE, "device": torch.cuda.get_device_name(),
+            "core": CORE, "device": torch.cuda.get_device_name(), "commit": args.commit,
             "config": {"context": args.context, "layers": args.layers, "hot_size": args.hot_size,
                        "miss": args.miss, "attention": args.attention, "misses": args.misses},
             "rounds": args.rounds, "steps": args.steps, "split_steps": args.split_steps,
@@ -354,6 +357,7 @@ def main(argv=None) -> int:
     result = {
         "core": CORE,
         "device": torch.cuda.get_device_name(),
+        "commit": args.commit,
         "config": {
             "context": args.context,
             "layers": args.layers,

@@ -455,6 +455,9 @@ def parse(argv):
     )
     ap.add_argument("--out-dir", default=str(ROOT / "benchmarks" / "results"))
     ap.add_argument(
+        "--commit", help="the tree's commit for the report (default: git's HEAD, stale in a copy)"
+    )
+    ap.add_argument(
         "--name", default=None, help="output file stem (default engine_concurrency[_small])"
     )
     ap.add_argument("--threads", type=int, default=1, help="CPU torch threads (default 1)")
@@ -539,7 +542,7 @@ def setup(ck, choice, args, device) -> dict:
                 torch=torch.__version__,
                 device_name=name,
                 threads=torch.get_num_threads(),
-                commit=_git_commit(),
+                commit=args.commit or _git_commit(),
                 when=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
             ),
         ),

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device session on an H200: build, check the binary, run every test (CUDA ones included),
 # compute-sanitizer over the op workload, then the benchmarks. Logs and results go to $OUT.
-#   STAGES="build tests sanitizer bench engine demo" bash benchmarks/run_h200.sh
+#   STAGES="build tests sanitizer bench engine demo" COMMIT=$(git rev-parse --short HEAD) bash benchmarks/run_h200.sh
+# (COMMIT: the tree's commit for the results; a device copy's .git names an older one)
 # STAGES may also name "cudatests" (only the CUDA tests, the oracle property tests and the
 # save_rows tests: the quick gate after a kernel change), "bench2" (a second bench_ops run, for
 # the spread between runs), "core" (the DSA core vLLM runs: its CUDA tests, then
@@ -71,35 +72,35 @@ fi
 if has engine; then
   # The DSA engine's three modes under one KV budget, about 4 minutes: the capacities run first
   # and no level starts past 180 s. Results: $OUT/engine_concurrency.{json,md,png}.
-  timeout 330 python3 benchmarks/bench_engine.py --device cuda --max-seconds 180 --out-dir "$OUT" > "$OUT/engine.txt" 2>&1 || status=1
+  timeout 330 python3 benchmarks/bench_engine.py --device cuda --max-seconds 180 --commit "${COMMIT:-?}" --out-dir "$OUT" > "$OUT/engine.txt" 2>&1 || status=1
   sed -n '/^# DSA engine/,$p' "$OUT/engine.txt"
 fi
 if has core; then
   timeout 200 python3 -m pytest -q -p no:cacheprovider -m cuda tests/models/dsa tests/engine/dsa/test_cuda.py tests/engine/graph > "$OUT/pytest_core.txt" 2>&1 || status=1
   tail -2 "$OUT/pytest_core.txt"
-  timeout 300 python3 benchmarks/bench_decode_tpot.py --capacity --json "$OUT/engine_tpot_h200.json" || status=1
+  timeout 300 python3 benchmarks/bench_decode_tpot.py --commit "${COMMIT:-?}" --capacity --json "$OUT/engine_tpot_h200.json" || status=1
   # batch 1 and HiSparse's limit at each context: the two points of the planner's step cost
   for run in 65536:1,69 131072:1,39; do
     ctx=${run%%:*}
-    timeout 150 python3 benchmarks/bench_decode_tpot.py --batches "${run#*:}" --capacity --context $ctx --json "$OUT/engine_tpot_h200_ctx$ctx.json" || status=1
+    timeout 150 python3 benchmarks/bench_decode_tpot.py --commit "${COMMIT:-?}" --batches "${run#*:}" --capacity --context $ctx --json "$OUT/engine_tpot_h200_ctx$ctx.json" || status=1
   done
   python3 benchmarks/tpot_report.py "$OUT/engine_tpot_h200.json" > "$OUT/engine_tpot_h200.md" || status=1
   python3 benchmarks/capacity_report.py "$OUT"/engine_tpot_h200*.json --out "$OUT/capacity_by_context_h200.md" || status=1
 fi
 if has fusedattn; then
   timeout 120 python3 benchmarks/bench_mla.py --json "$OUT/mla_h200.json" 2>&1 | tail -3 || status=1
-  timeout 300 python3 benchmarks/bench_decode_tpot.py --batches 1,16,30,64 --attention fused --json "$OUT/engine_tpot_fused_attention_h200.json" || status=1
+  timeout 300 python3 benchmarks/bench_decode_tpot.py --commit "${COMMIT:-?}" --batches 1,16,30,64 --attention fused --json "$OUT/engine_tpot_fused_attention_h200.json" || status=1
 fi
 if has flashmla; then  # needs the sources under benchmarks/baselines/src (its README.md)
   bash benchmarks/baselines/build_flashmla.sh > "$OUT/flashmla_build.txt" 2>&1 || { tail -20 "$OUT/flashmla_build.txt"; status=1; }
   export PYTHONPATH="$PWD/benchmarks/baselines/src/flashmla:$PYTHONPATH"
   # the core with FlashMLA importable: its tests, then the step (auto measures and takes it)
   timeout 120 python3 -m pytest -q -p no:cacheprovider -m cuda tests/models/dsa/test_flashmla_cuda.py 2>&1 | tail -2 || status=1
-  timeout 150 python3 benchmarks/bench_decode_tpot.py --capacity --json "$OUT/engine_tpot_flashmla_h200.json" || status=1
+  timeout 150 python3 benchmarks/bench_decode_tpot.py --commit "${COMMIT:-?}" --capacity --json "$OUT/engine_tpot_flashmla_h200.json" || status=1
 fi
 if has kernels; then  # needs the sources under benchmarks/baselines/src (its README.md)
   baselines
-  timeout 200 python3 benchmarks/bench_decode_tpot.py --kernel-split --batches 1,64 --layers 4 \
+  timeout 200 python3 benchmarks/bench_decode_tpot.py --commit "${COMMIT:-?}" --kernel-split --batches 1,64 --layers 4 \
     --attention bmm --json "$OUT/kernel_split_h200.json" > "$OUT/kernel_split.txt" 2>&1 || status=1
   timeout 300 python3 benchmarks/baselines/bench_kernels.py --commit "${COMMIT:-?}" \
     --split "$OUT/kernel_split_h200.json" --json "$OUT/kernels_vs_baselines_h200.json" \
@@ -111,9 +112,9 @@ if has external; then  # needs the sources under benchmarks/baselines/src (its R
   timeout 150 python3 -m pytest -q -rs -p no:cacheprovider -m cuda tests/models/dsa/test_deepgemm_cuda.py \
     tests/models/dsa/test_flashmla_cuda.py > "$OUT/pytest_external.txt" 2>&1 || status=1
   tail -3 "$OUT/pytest_external.txt"
-  timeout 200 python3 benchmarks/bench_decode_tpot.py --kernel-split --batches 1,64 --layers 4 \
+  timeout 200 python3 benchmarks/bench_decode_tpot.py --commit "${COMMIT:-?}" --kernel-split --batches 1,64 --layers 4 \
     --json "$OUT/kernel_split_external_h200.json" > "$OUT/kernel_split_external.txt" 2>&1 || status=1
-  timeout 200 python3 benchmarks/bench_decode_tpot.py --capacity \
+  timeout 200 python3 benchmarks/bench_decode_tpot.py --commit "${COMMIT:-?}" --capacity \
     --json "$OUT/engine_tpot_external_h200.json" > "$OUT/engine_tpot_external.txt" 2>&1 || status=1
   tail -12 "$OUT/engine_tpot_external.txt"
 fi

@@ -121,9 +121,11 @@ def test_bench_engine_small_mode(tmp_path):
     not 8, HiSparse both; every run's device bytes match the budget's accounting (the script
     asserts it), tokens agree at every level, the ratios against resident are finite."""
     args = ["--device", "cpu", "--small", "--concurrency", "2,8", "--repeats", "2"]
-    assert _bench_engine().main([*args, "--out-dir", str(tmp_path), "--name", "t"]) == 0
+    out = ["--out-dir", str(tmp_path), "--name", "t", "--commit", "abc1234"]
+    assert _bench_engine().main([*args, *out]) == 0
     res = json.loads((tmp_path / "t.json").read_text())
     assert res["engine"] == "hisparse.engine.dsa" and res["config"]["row_format"] == "fp8"
+    assert res["env"]["commit"] == "abc1234"  # as given: a device copy's git names an older one
     cap = res["capacity"]
     assert 2 <= cap["resident"] < 8 <= cap["hisparse"] and cap["hybrid"] >= 8
     ok = [r for r in res["rows"] if r["status"] == "ok"]
