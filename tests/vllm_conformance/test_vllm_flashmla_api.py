@@ -65,7 +65,10 @@ def test_the_adapters_call_binds_to_vllms_flashmla_signature():
     assert bound.arguments["is_fp8_kvcache"] is True
     assert bound.arguments["q"].shape == (3, 1, 64, 576)
     assert bound.arguments["indices"].dtype == torch.int32
-    assert bound.arguments["indices"].shape == (3, 1, 32)
+    indices = bound.arguments["indices"]
+    assert indices.shape == (3, 1, 64)  # padded to FlashMLA's blocks of 64 top-k ids
+    assert torch.equal(indices[:, 0, :32], ids.to(torch.int32))
+    assert bool((indices[:, 0, 32:] == -1).all())
 
 
 def test_the_registered_module_offers_what_the_adapter_looks_up():
