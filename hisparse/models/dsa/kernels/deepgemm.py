@@ -30,14 +30,13 @@ must offer ``get_paged_mqa_logits_metadata`` and ``fp8_fp4_paged_mqa_logits`` (o
 
 from __future__ import annotations
 
-import importlib
 import logging
 from typing import Optional
 
 import torch
 
 from hisparse.models.dsa.kernels import fp8_queries
-from hisparse.models.dsa.kernels.probe import replay_us
+from hisparse.models.dsa.kernels.probe import first_module, replay_us
 from hisparse.models.dsa.kernels.rows import available
 
 log = logging.getLogger("hisparse")
@@ -100,15 +99,13 @@ def _device_sms(device) -> int:
 
 def find() -> Optional[DeepGEMMScores]:
     """The first importable source offering the paged logits, or None."""
-    for name in _SOURCES:
-        try:
-            module = importlib.import_module(name)
-        except Exception:  # noqa: BLE001 - an unusable build is as good as none
-            continue
-        has = any(hasattr(module, f) for f in ("fp8_paged_mqa_logits", "fp8_fp4_paged_mqa_logits"))
-        if has and hasattr(module, "get_paged_mqa_logits_metadata"):
-            return DeepGEMMScores(module)
-    return None
+    module = first_module(_SOURCES, _offers_paged_logits)
+    return None if module is None else DeepGEMMScores(module)
+
+
+def _offers_paged_logits(module) -> bool:
+    logits = any(hasattr(module, f) for f in ("fp8_paged_mqa_logits", "fp8_fp4_paged_mqa_logits"))
+    return logits and hasattr(module, "get_paged_mqa_logits_metadata")
 
 
 def pick(indexer: str, paged: bool, cfg, device, triton_scores) -> tuple:

@@ -15,13 +15,12 @@ vLLM's own FlashMLA ops), then the standalone ``flash_mla`` package. Each must o
 
 from __future__ import annotations
 
-import importlib
 import logging
 from typing import Optional
 
 import torch
 
-from hisparse.models.dsa.kernels.probe import replay_us
+from hisparse.models.dsa.kernels.probe import first_module, replay_us
 from hisparse.models.rows import LATENT_DIM
 
 log = logging.getLogger("hisparse")
@@ -108,17 +107,15 @@ def _page_block(rows: int) -> int:
 
 def find() -> Optional[FlashMLADecode]:
     """The first importable, supported source, or None."""
-    for name in _SOURCES:
-        try:
-            module = importlib.import_module(name)
-        except Exception:  # noqa: BLE001 - an unusable build is as good as none
-            continue
-        ok = getattr(module, "is_flashmla_sparse_supported", None)
-        if ok is not None and not ok()[0]:
-            continue
-        if hasattr(module, "flash_mla_with_kvcache") and hasattr(module, "get_mla_metadata"):
-            return FlashMLADecode(module)
-    return None
+    module = first_module(_SOURCES, _offers_sparse_decode)
+    return None if module is None else FlashMLADecode(module)
+
+
+def _offers_sparse_decode(module) -> bool:
+    ok = getattr(module, "is_flashmla_sparse_supported", None)
+    if ok is not None and not ok()[0]:
+        return False
+    return hasattr(module, "flash_mla_with_kvcache") and hasattr(module, "get_mla_metadata")
 
 
 def choose(device, heads: int, top_k: int, bmm) -> str:

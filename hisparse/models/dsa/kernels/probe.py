@@ -5,9 +5,24 @@ H200), which would pick by launch overhead a captured step never pays."""
 
 from __future__ import annotations
 
+import importlib
 import statistics
+from typing import Callable, Iterable, Optional
 
 import torch
+
+
+def first_module(names: Iterable[str], usable: Callable) -> Optional[object]:
+    """The first of ``names`` that imports and that ``usable(module)`` accepts, or None. A build
+    that fails to import is as good as none: the project's own kernels serve instead."""
+    for name in names:
+        try:
+            module = importlib.import_module(name)
+        except Exception:  # noqa: BLE001 - any import failure, not just a missing package
+            continue
+        if usable(module):
+            return module
+    return None
 
 
 def replay_us(fn, calls: int = 10, reps: int = 5) -> float:
