@@ -23,6 +23,13 @@ from tests import REPO_ROOT
 from tests.cli.small import DEMO_FLAGS
 from tests.helpers import child_timeout
 
+
+def _interruptible() -> None:
+    """The child takes SIGINT even where this run ignores it (a shell's background job ignores
+    it, and a Python started so never installs KeyboardInterrupt)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 ROOT = str(REPO_ROOT)
 
 
@@ -182,6 +189,7 @@ def test_real_sigint_during_a_run_leaves_no_traceback():
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        preexec_fn=_interruptible,
     )
     try:
         first = p.stdout.readline(), p.stdout.readline()
@@ -255,6 +263,7 @@ def test_python_m_hisparse_metrics_serves_until_interrupted():
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        preexec_fn=_interruptible,
     )
     try:
         line = p.stdout.readline()
