@@ -2,6 +2,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <limits>
 #include <unordered_set>
 #include <vector>
 #include <cstring>
@@ -313,6 +314,64 @@ void invalidate_cpu(at::Tensor& slot_keys, at::Tensor& lru, const at::Tensor& st
     for (int64_t j = 0; j < d.H; ++j)
       if (row[j] == k) row[j] = -1;
   }
+}
+
+namespace {
+
+// The CUDA kernel's order-preserving key (topk_slots.cu): -0.0 ties with +0.0.
+uint32_t order_key(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, sizeof(u));
+  if (u == 0x80000000u) u = 0;
+  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+}  // namespace
+
+void topk_slots_cpu(const at::Tensor& scores, const at::Tensor& req,
+                    const at::Tensor& block_table, const c10::Scalar& block_size,
+                    at::Tensor& out) {
+  const TopkSlotsDims d = check_topk_slots_args(scores, req, block_table, block_size, out);
+  if (d.T == 0 || d.K == 0) return;
+  const float* sc = scores.data_ptr<float>();
+  const bool req64 = req.scalar_type() == at::kLong, bt64 = block_table.scalar_type() == at::kLong;
+  const int64_t* r64 = req64 ? req.data_ptr<int64_t>() : nullptr;
+  const int32_t* r32 = req64 ? nullptr : req.data_ptr<int32_t>();
+  const int64_t* b64 = bt64 ? block_table.data_ptr<int64_t>() : nullptr;
+  const int32_t* b32 = bt64 ? nullptr : block_table.data_ptr<int32_t>();
+  int64_t* o = out.data_ptr<int64_t>();
+  at::parallel_for(0, d.T, 1, [&](int64_t begin, int64_t end) {
+    std::vector<std::pair<uint32_t, int64_t>> cand;
+    for (int64_t t = begin; t < end; ++t) {
+      int64_t* row_out = o + t * d.K;
+      const int64_t r = r64 ? r64[t] : int64_t(r32[t]);
+      int64_t n = 0;
+      if (r >= 0 && r < d.R) {
+        cand.clear();
+        const float* row = sc + t * d.L;
+        for (int64_t p = 0; p < d.L; ++p)
+          if (row[p] > -std::numeric_limits<float>::infinity())  // NaN and -inf: no candidates
+            cand.emplace_back(order_key(row[p]), p);
+        // the K largest keys, the lower position first among equal keys
+        auto better = [](const auto& a, const auto& b) {
+          return a.first != b.first ? a.first > b.first : a.second < b.second;
+        };
+        if (static_cast<int64_t>(cand.size()) > d.K) {
+          std::nth_element(cand.begin(), cand.begin() + d.K, cand.end(), better);
+          cand.resize(d.K);
+        }
+        std::sort(cand.begin(), cand.end(),
+                  [](const auto& a, const auto& b) { return a.second < b.second; });
+        const int64_t bs = d.block_size;
+        for (const auto& c : cand) {
+          const int64_t p = c.second;
+          const int64_t blk = b64 ? b64[r * d.W + p / bs] : int64_t(b32[r * d.W + p / bs]);
+          row_out[n++] = blk * bs + p % bs;
+        }
+      }
+      std::fill(row_out + n, row_out + d.K, int64_t(-1));
+    }
+  });
 }
 
 }  // namespace hisparse

@@ -22,4 +22,7 @@ void save_rows_cpu(at::TensorList src, at::TensorList host, const at::Tensor& sr
 void invalidate_cpu(at::Tensor& slot_keys, at::Tensor& lru, const at::Tensor& state_rows,
                     const c10::optional<at::Tensor>& keys);
 
+void topk_slots_cpu(const at::Tensor& scores, const at::Tensor& req,
+                    const at::Tensor& block_table, const c10::Scalar& block_size, at::Tensor& out);
+
 }  // namespace hisparse

@@ -24,6 +24,9 @@ TORCH_LIBRARY(hisparse, m) {
   m.def(
       "hisparse_save_rows(Tensor[] src, Tensor(a!)[] host, Tensor src_rows, Tensor host_rows, "
       "Tensor(b!)? moved_bytes) -> ()");
+  m.def(
+      "hisparse_topk_slots(Tensor scores, Tensor req, Tensor block_table, Scalar block_size, "
+      "Tensor(a!) out) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(hisparse, CPU, m) {
@@ -31,6 +34,7 @@ TORCH_LIBRARY_IMPL(hisparse, CPU, m) {
   m.impl("hisparse_gather", &hisparse::gather_cpu);
   m.impl("hisparse_invalidate", &hisparse::invalidate_cpu);
   m.impl("hisparse_save_rows", &hisparse::save_rows_cpu);
+  m.impl("hisparse_topk_slots", &hisparse::topk_slots_cpu);
 }
 
 // A plain Python module so `import hisparse._C` loads the library and its registrations.

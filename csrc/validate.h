@@ -291,4 +291,45 @@ inline InvalidateDims check_invalidate_args(const at::Tensor& slot_keys, const a
   return {N, S, H};
 }
 
+// Problem sizes of topk_slots, derived once validation passes.
+struct TopkSlotsDims {
+  int64_t T, L, K, R, W, block_size;
+};
+
+inline void check_index_tensor(const at::Tensor& t, int64_t dim, const at::Device& dev,
+                               const char* op, const char* name) {
+  check_defined(t, op, name);
+  TORCH_CHECK(t.scalar_type() == at::kInt || t.scalar_type() == at::kLong, op, ": argument '",
+              name, "' must be torch.int32 or torch.int64, got ", dtype_name(t.scalar_type()));
+  check_dim(t, dim, op, name);
+  check_contiguous(t, op, name);
+  check_device(t, dev, op, name);
+}
+
+inline TopkSlotsDims check_topk_slots_args(const at::Tensor& scores, const at::Tensor& req,
+                                           const at::Tensor& block_table,
+                                           const c10::Scalar& block_size, const at::Tensor& out) {
+  const char* op = "hisparse_topk_slots";
+  check_defined(scores, op, "scores");
+  const at::Device dev = scores.device();
+  check_tensor(scores, at::kFloat, 2, dev, op, "scores");
+  const int64_t T = scores.size(0), L = scores.size(1);
+  check_index_tensor(req, 1, dev, op, "req");
+  check_shape(req, {T}, op, "req");
+  check_index_tensor(block_table, 2, dev, op, "block_table");
+  const int64_t bs = check_int_arg(block_size, op, "block_size");
+  TORCH_CHECK(bs >= 1 && bs <= kInt32Max, op, ": argument 'block_size' must be in [1, 2^31-1], ",
+              "got ", bs);
+  const int64_t R = block_table.size(0), W = block_table.size(1);
+  TORCH_CHECK(L <= W * bs, op, ": argument 'scores' has ", L, " positions, more than ",
+              "block_table covers (", W, " blocks of ", bs, ")");
+  check_tensor(out, at::kLong, 2, dev, op, "out");
+  TORCH_CHECK(out.size(0) == T, op, ": argument 'out' must have ", T, " rows like 'scores', got ",
+              "shape ", out.sizes());
+  const int64_t K = out.size(1);
+  TORCH_CHECK(L <= kInt32Max && K <= kInt32Max, op, ": 'scores' and 'out' rows must hold at ",
+              "most 2^31-1 entries");
+  return {T, L, K, R, W, bs};
+}
+
 }  // namespace hisparse

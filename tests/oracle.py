@@ -116,3 +116,19 @@ def invalidate(slot_keys, lru, state_rows, keys=None):
             (slot_keys[s],), (lru[s],) = empty_state(1, H)
         elif keys[i] >= 0:
             slot_keys[s] = [-1 if k == keys[i] else k for k in slot_keys[s]]
+
+
+def topk_slots(scores, req, block_table, block_size, k):
+    """scores: list of float rows; req: ints; block_table: list of int rows. Returns [T][k]: per
+    token the k highest scores above -inf (lower position first among equal ones; NaN never),
+    as slots in ascending position order, then -1."""
+    out = []
+    for t, row in enumerate(scores):
+        r = req[t]
+        chosen = []
+        if 0 <= r < len(block_table):
+            cand = [(-v, p) for p, v in enumerate(row) if v > float("-inf")]
+            chosen = sorted(p for _, p in sorted(cand)[:k])
+        slots = [block_table[r][p // block_size] * block_size + p % block_size for p in chosen]
+        out.append(slots + [-1] * (k - len(slots)))
+    return out

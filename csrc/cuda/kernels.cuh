@@ -129,5 +129,22 @@ cudaError_t launch_invalidate(int32_t* slot_keys, int16_t* lru, const int32_t* s
                               const int32_t* keys, int64_t N, int64_t S, int H, int grid,
                               cudaStream_t stream);
 
+// topk_slots: one CTA of kTopkThreads per token; the writing pass covers kTopkThreads *
+// kTopkItems consecutive positions per round (kTopkItems per thread).
+constexpr int kTopkThreads = 1024;
+constexpr int kTopkItems = 8;
+
+struct TopkSlotsArgs {
+  const float* scores;    // [T, L]
+  const int64_t* req64;   // [T], one of req64 / req32
+  const int32_t* req32;
+  const int64_t* bt64;    // [R, W], one of bt64 / bt32
+  const int32_t* bt32;
+  int64_t* out;           // [T, K]
+  int64_t T, L, K, R, W, block_size;
+};
+
+cudaError_t launch_topk_slots(const TopkSlotsArgs& a, cudaStream_t stream);
+
 }  // namespace cuda
 }  // namespace hisparse

@@ -1,6 +1,6 @@
 // CUDA backend entry points: validation (validate.h, shared with the CPU backend), tensors to
 // raw pointers, launches on the current stream, registration. The kernels are one file per op:
-// resolve_residency.cu, copy_rows.cu (gather and save_rows) and invalidate.cu.
+// resolve_residency.cu, copy_rows.cu (gather and save_rows), invalidate.cu and topk_slots.cu.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGraphsC10Utils.h>
@@ -334,6 +334,29 @@ void invalidate_cuda(at::Tensor& slot_keys, at::Tensor& lru, const at::Tensor& s
       by_key ? keys->data_ptr<int32_t>() : nullptr, d.N, d.S, static_cast<int>(d.H), grid, stream));
 }
 
+void topk_slots_cuda(const at::Tensor& scores, const at::Tensor& req,
+                     const at::Tensor& block_table, const c10::Scalar& block_size,
+                     at::Tensor& out) {
+  const TopkSlotsDims d = check_topk_slots_args(scores, req, block_table, block_size, out);
+  TORCH_CHECK(scores.is_cuda(), "hisparse_topk_slots: argument 'scores' must be on a CUDA ",
+              "device for the CUDA backend, got ", scores.device());
+  TORCH_CHECK(d.T <= kInt32Max, "hisparse_topk_slots: argument 'scores' has more than 2^31-1 ",
+              "rows");
+  if (d.T == 0 || d.K == 0) return;
+  c10::cuda::CUDAGuard guard(scores.device());
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream(scores.get_device());
+  const bool req64 = req.scalar_type() == at::kLong, bt64 = block_table.scalar_type() == at::kLong;
+  TopkSlotsArgs a{};
+  a.scores = scores.data_ptr<float>();
+  a.req64 = req64 ? req.data_ptr<int64_t>() : nullptr;
+  a.req32 = req64 ? nullptr : req.data_ptr<int32_t>();
+  a.bt64 = bt64 ? block_table.data_ptr<int64_t>() : nullptr;
+  a.bt32 = bt64 ? nullptr : block_table.data_ptr<int32_t>();
+  a.out = out.data_ptr<int64_t>();
+  a.T = d.T, a.L = d.L, a.K = d.K, a.R = d.R, a.W = d.W, a.block_size = d.block_size;
+  C10_CUDA_CHECK(launch_topk_slots(a, stream));
+}
+
 }  // namespace
 }  // namespace hisparse
 
@@ -342,4 +365,5 @@ TORCH_LIBRARY_IMPL(hisparse, CUDA, m) {
   m.impl("hisparse_gather", &hisparse::gather_cuda);
   m.impl("hisparse_invalidate", &hisparse::invalidate_cuda);
   m.impl("hisparse_save_rows", &hisparse::save_rows_cuda);
+  m.impl("hisparse_topk_slots", &hisparse::topk_slots_cuda);
 }

@@ -1,5 +1,5 @@
 """The ops layer: the compiled extension's loader, the limits every size is checked against, and
-the Python face of each op (resolve, gather, invalidate, save) with its fake kernel.
+the Python face of each op (resolve, gather, invalidate, save, top-k slots) with its fake kernel.
 
 May import: torch and ``hisparse._C`` only. Everything else in hisparse sits above this layer.
 The contract of each op is docs/ops.md.
@@ -8,7 +8,7 @@ The op functions are loaded on first use: ``hisparse.ops.limits`` must import wi
 (the CLI's ``--help`` reads it), so importing this package must not import ``calls``.
 """
 
-__all__ = ["bound_op", "gather", "invalidate", "resolve_residency", "save_rows"]
+__all__ = ["bound_op", "gather", "invalidate", "resolve_residency", "save_rows", "topk_slots"]
 
 
 def __getattr__(name: str):

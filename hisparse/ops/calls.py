@@ -146,6 +146,24 @@ def save_rows(
     _op("hisparse_save_rows")(list(src), list(host), src_rows, host_rows, moved_bytes)
 
 
+def topk_slots(
+    scores: torch.Tensor,
+    req: torch.Tensor,
+    block_table: torch.Tensor,
+    block_size: int,
+    out: torch.Tensor,
+) -> None:
+    """Each token's top-k positions as slots, into ``out`` (int64 [T, k]): among the positions
+    of ``scores[t]`` (float32 [T, L]) above -inf, the k highest scores (the lower position first
+    among equal ones), in ascending position order, each written as ``block_table[req[t], p //
+    block_size] * block_size + p % block_size``; -1 after them. A token whose ``req`` is not a
+    row of ``block_table`` gets -1 only. See docs/ops.md."""
+    if isinstance(scores, torch.Tensor):
+        _ext.require(_device_type(scores))
+    size = _int_arg("hisparse_topk_slots", "block_size", block_size)
+    _op("hisparse_topk_slots")(scores, req, block_table, size, out)
+
+
 # The ops only mutate their arguments, so tracing needs nothing but their existence and the
 # device check.
 def _resolve_fake(
@@ -218,6 +236,16 @@ def _save_rows_fake(src, host, src_rows, host_rows, moved_bytes):
     return None
 
 
+def _topk_slots_fake(scores, req, block_table, block_size, out):
+    _check_one_device(
+        "hisparse_topk_slots",
+        "scores",
+        scores,
+        (("req", req), ("block_table", block_table), ("out", out)),
+    )
+    return None
+
+
 def _register_fakes() -> None:
     if _ext.load() is None:
         return
@@ -226,6 +254,7 @@ def _register_fakes() -> None:
         ("hisparse_gather", _gather_fake),
         ("hisparse_invalidate", _invalidate_fake),
         ("hisparse_save_rows", _save_rows_fake),
+        ("hisparse_topk_slots", _topk_slots_fake),
     ):
         torch.library.register_fake(f"hisparse::{name}")(fake)
 
