@@ -348,7 +348,7 @@ void topk_slots_cpu(const at::Tensor& scores, const at::Tensor& req,
       int64_t n = 0;
       if (r >= 0 && r < d.R) {
         cand.clear();
-        const float* row = sc + t * d.L;
+        const float* row = sc + t * d.ld;
         for (int64_t p = 0; p < d.L; ++p)
           if (row[p] > -std::numeric_limits<float>::infinity())  // NaN and -inf: no candidates
             cand.emplace_back(order_key(row[p]), p);

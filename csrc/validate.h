@@ -293,7 +293,7 @@ inline InvalidateDims check_invalidate_args(const at::Tensor& slot_keys, const a
 
 // Problem sizes of topk_slots, derived once validation passes.
 struct TopkSlotsDims {
-  int64_t T, L, K, R, W, block_size;
+  int64_t T, L, ld, K, R, W, block_size;  // ld: the scores' row stride
 };
 
 inline void check_index_tensor(const at::Tensor& t, int64_t dim, const at::Device& dev,
@@ -312,8 +312,12 @@ inline TopkSlotsDims check_topk_slots_args(const at::Tensor& scores, const at::T
   const char* op = "hisparse_topk_slots";
   check_defined(scores, op, "scores");
   const at::Device dev = scores.device();
-  check_tensor(scores, at::kFloat, 2, dev, op, "scores");
+  check_dtype(scores, at::kFloat, op, "scores");
+  check_dim(scores, 2, op, "scores");
   const int64_t T = scores.size(0), L = scores.size(1);
+  // Rows may sit in a wider buffer (a row stride past L), each row's scores side by side.
+  TORCH_CHECK((scores.stride(1) == 1 || L <= 1) && (scores.stride(0) >= L || T <= 1), op,
+              ": argument 'scores' must have contiguous rows, got strides ", scores.strides());
   check_index_tensor(req, 1, dev, op, "req");
   check_shape(req, {T}, op, "req");
   check_index_tensor(block_table, 2, dev, op, "block_table");
@@ -329,7 +333,7 @@ inline TopkSlotsDims check_topk_slots_args(const at::Tensor& scores, const at::T
   const int64_t K = out.size(1);
   TORCH_CHECK(L <= kInt32Max && K <= kInt32Max, op, ": 'scores' and 'out' rows must hold at ",
               "most 2^31-1 entries");
-  return {T, L, K, R, W, bs};
+  return {T, L, T <= 1 ? L : scores.stride(0), K, R, W, bs};
 }
 
 }  // namespace hisparse

@@ -130,9 +130,11 @@ cudaError_t launch_invalidate(int32_t* slot_keys, int16_t* lru, const int32_t* s
                               cudaStream_t stream);
 
 // topk_slots: one CTA of kTopkThreads per token; the writing pass covers kTopkThreads *
-// kTopkItems consecutive positions per round (kTopkItems per thread).
+// kTopkItems consecutive positions per round (kTopkItems per thread). Rows of at most
+// kTopkCacheRows scores keep their keys in shared memory between passes (192 KiB).
 constexpr int kTopkThreads = 1024;
 constexpr int kTopkItems = 8;
+constexpr int kTopkCacheRows = 48 * 1024;
 
 struct TopkSlotsArgs {
   const float* scores;    // [T, L]
@@ -141,9 +143,13 @@ struct TopkSlotsArgs {
   const int64_t* bt64;    // [R, W], one of bt64 / bt32
   const int32_t* bt32;
   int64_t* out;           // [T, K]
-  int64_t T, L, K, R, W, block_size;
+  int64_t T, L, ld, K, R, W, block_size;  // ld: scores' row stride (elements)
+  bool vec;    // rows 16-byte aligned: four scores per load
+  bool cache;  // L <= kTopkCacheRows and topk_slots_allow_cache() succeeded
 };
 
+// Lets the kernel take kTopkCacheRows keys of dynamic shared memory (once per device).
+cudaError_t topk_slots_allow_cache();
 cudaError_t launch_topk_slots(const TopkSlotsArgs& a, cudaStream_t stream);
 
 }  // namespace cuda

@@ -334,6 +334,24 @@ void invalidate_cuda(at::Tensor& slot_keys, at::Tensor& lru, const at::Tensor& s
       by_key ? keys->data_ptr<int32_t>() : nullptr, d.N, d.S, static_cast<int>(d.H), grid, stream));
 }
 
+// Whether the top-k kernel may hold a row's keys in shared memory on this device: its limit
+// raised once (a host call, legal inside a capture in relaxed mode), where the device has it.
+bool topk_cache_allowed(int device) {
+  static std::atomic<int> state[64];  // 0: not asked yet, 1: allowed, 2: refused
+  std::atomic<int>& s = state[device >= 0 && device < 64 ? device : 0];
+  int v = s.load(std::memory_order_relaxed);
+  if (v == 0) {
+    const int64_t need = int64_t(kTopkCacheRows) * 4 + 2048;  // and the static arrays
+    v = max_optin_smem(device) >= need &&
+                relaxed([&] { return topk_slots_allow_cache(); }) == cudaSuccess
+            ? 1
+            : 2;
+    cudaGetLastError();  // a refusal is not an error of the next launch
+    s.store(v, std::memory_order_relaxed);
+  }
+  return v == 1;
+}
+
 void topk_slots_cuda(const at::Tensor& scores, const at::Tensor& req,
                      const at::Tensor& block_table, const c10::Scalar& block_size,
                      at::Tensor& out) {
@@ -353,7 +371,10 @@ void topk_slots_cuda(const at::Tensor& scores, const at::Tensor& req,
   a.bt64 = bt64 ? block_table.data_ptr<int64_t>() : nullptr;
   a.bt32 = bt64 ? nullptr : block_table.data_ptr<int32_t>();
   a.out = out.data_ptr<int64_t>();
-  a.T = d.T, a.L = d.L, a.K = d.K, a.R = d.R, a.W = d.W, a.block_size = d.block_size;
+  a.T = d.T, a.L = d.L, a.ld = d.ld, a.K = d.K, a.R = d.R, a.W = d.W;
+  a.block_size = d.block_size;
+  a.vec = d.ld % 4 == 0 && reinterpret_cast<uintptr_t>(a.scores) % 16 == 0;
+  a.cache = d.L <= kTopkCacheRows && topk_cache_allowed(scores.get_device());
   C10_CUDA_CHECK(launch_topk_slots(a, stream));
 }
 

@@ -2,6 +2,9 @@
 // order (docs/ops.md). One CTA per token: four 8-bit radix passes over the row's order-preserving
 // keys find the k-th largest key, then one pass writes the positions above it and the lowest
 // equal ones, in position order, through the block table. No sort, no host sync, one launch.
+// Rows of up to kTopkCacheRows scores keep their keys in shared memory after the first pass
+// (the later passes then read no global memory); longer rows are read again at each pass, four
+// scores per load.
 #include <cuda_runtime.h>
 
 #include "kernels.cuh"
@@ -11,17 +14,17 @@ namespace cuda {
 namespace {
 
 constexpr int kWarps = kTopkThreads / 32;
+constexpr int kUnroll = 4;  // float4 loads in flight per thread in a pass over global memory
 
 // Float -> unsigned key with the same order (larger float, larger key); -0.0 is +0.0 (equal
-// scores must tie).
+// scores must tie). NaN and -inf (a position past the token's own) get 0: not candidates, since
+// every other float maps above order_key(-inf) = 0x007FFFFF.
 __device__ __forceinline__ uint32_t order_key(float x) {
+  if (!(x > -INFINITY)) return 0u;
   uint32_t u = __float_as_uint(x);
   if (u == 0x80000000u) u = 0;
   return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
 }
-
-// NaN and -inf are not candidates (-inf: a position past the token's own).
-__device__ __forceinline__ bool candidate(float x) { return x > -INFINITY; }
 
 // One bin increment per distinct bin in the warp: scores of one magnitude share their top digit,
 // and 32 lanes hitting one shared counter would serialize.
@@ -59,14 +62,27 @@ __device__ __forceinline__ unsigned long long block_exclusive_sum(unsigned long 
   return before;
 }
 
+// Four keys from positions p .. p + 3 (p a multiple of 4): one 16-byte load where the row allows.
+__device__ __forceinline__ void load4(const float* row, int64_t p, int64_t L, bool vec,
+                                      uint32_t k[4]) {
+  if (vec && p + 3 < L) {
+    const float4 v = *reinterpret_cast<const float4*>(row + p);
+    k[0] = order_key(v.x), k[1] = order_key(v.y), k[2] = order_key(v.z), k[3] = order_key(v.w);
+  } else {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) k[i] = p + i < L ? order_key(row[p + i]) : 0u;
+  }
+}
+
 __global__ void __launch_bounds__(kTopkThreads) topk_slots_kernel(const TopkSlotsArgs a) {
+  extern __shared__ uint32_t cached[];  // the row's keys, when a.cache
   __shared__ unsigned hist[256];
   __shared__ unsigned long long warp_sums[kWarps];
   __shared__ uint32_t s_prefix;
   __shared__ unsigned s_need, s_total;
 
-  const int64_t t = blockIdx.x;
-  const float* row = a.scores + t * a.L;
+  const int64_t t = blockIdx.x, L = a.L;
+  const float* row = a.scores + t * a.ld;
   int64_t* out = a.out + t * a.K;
   const int64_t r = a.req64 ? a.req64[t] : int64_t(a.req32[t]);
   if (r < 0 || r >= a.R) {  // not a request of this batch: nothing selected
@@ -81,33 +97,44 @@ __global__ void __launch_bounds__(kTopkThreads) topk_slots_kernel(const TopkSlot
   for (int shift = 24; shift >= 0; shift -= 8) {
     for (int i = threadIdx.x; i < 256; i += blockDim.x) hist[i] = 0;
     __syncthreads();
-    for (int64_t base = 0; base < a.L; base += blockDim.x) {
-      const int64_t p = base + threadIdx.x;
-      bool active = false;
-      unsigned bin = 0;
-      if (p < a.L) {
-        const float x = row[p];
-        const uint32_t k = order_key(x);
-        active = candidate(x) && (k & mask) == prefix;
-        bin = (k >> shift) & 0xFFu;
+    if (shift == 24 || !a.cache) {  // from global memory
+      constexpr int64_t kStep = int64_t(kTopkThreads) * 4 * kUnroll;
+      for (int64_t base = 0; base < L; base += kStep) {
+        uint32_t k[kUnroll][4];
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u)
+          load4(row, base + (int64_t(u) * kTopkThreads + threadIdx.x) * 4, L, a.vec, k[u]);
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+          const int64_t p = base + (int64_t(u) * kTopkThreads + threadIdx.x) * 4;
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            if (a.cache && shift == 24 && p + i < L) cached[p + i] = k[u][i];
+            count_bin(hist, (k[u][i] >> shift) & 0xFFu, k[u][i] != 0 && (k[u][i] & mask) == prefix);
+          }
+        }
       }
-      count_bin(hist, bin, active);
+    } else {  // from the keys the first pass left in shared memory
+      for (int64_t base = 0; base < L; base += kTopkThreads) {
+        const int64_t p = base + threadIdx.x;
+        const uint32_t k = p < L ? cached[p] : 0u;
+        count_bin(hist, (k >> shift) & 0xFFu, k != 0 && (k & mask) == prefix);
+      }
     }
     __syncthreads();
     if (threadIdx.x < 32) {  // the digit holding the need-th largest, from the top bin down
       const int lane = threadIdx.x;
       unsigned c[8], sum = 0;
+#pragma unroll
       for (int i = 0; i < 8; ++i) sum += (c[i] = hist[255 - (lane * 8 + i)]);
       unsigned incl = sum;
       for (int d = 1; d < 32; d <<= 1) {
         const unsigned y = __shfl_up_sync(0xffffffffu, incl, d);
         if (lane >= d) incl += y;
       }
-      const unsigned all = __shfl_sync(0xffffffffu, incl, 31);
       const unsigned above0 = incl - sum;  // keys in bins above this lane's eight
-      const bool here = above0 < need && need <= incl;
-      if (shift == 24 && lane == 0) s_total = all;
-      if (here) {
+      if (shift == 24 && lane == 31) s_total = incl;
+      if (above0 < need && need <= incl) {
         unsigned above = above0;
         int i = 0;
         while (above + c[i] < need) above += c[i++];
@@ -126,31 +153,29 @@ __global__ void __launch_bounds__(kTopkThreads) topk_slots_kernel(const TopkSlot
     __syncthreads();  // s_prefix / s_need are written again by the next pass
   }
   // Selected: keys above `prefix`, then the first `need` keys equal to it by position.
-  const uint32_t kth = prefix;
+  const uint32_t kth = take_all ? 0u : prefix;
   const unsigned eq_take = take_all ? 0u : need;
   const int64_t bs = a.block_size;
   const int64_t* bt64 = a.bt64 ? a.bt64 + r * a.W : nullptr;
   const int32_t* bt32 = a.bt32 ? a.bt32 + r * a.W : nullptr;
   unsigned long long run = 0;  // (above << 32 | equal) before this tile
   constexpr int64_t kTile = int64_t(kTopkThreads) * kTopkItems;
-  for (int64_t base = 0; base < a.L; base += kTile) {
+  static_assert(kTopkItems % 4 == 0, "whole 16-byte loads per thread");
+  for (int64_t base = 0; base < L; base += kTile) {
     const int64_t p0 = base + int64_t(threadIdx.x) * kTopkItems;
-    unsigned char flag[kTopkItems];  // 1: above, 2: equal
+    uint32_t k[kTopkItems];
+    if (a.cache) {
+#pragma unroll
+      for (int i = 0; i < kTopkItems; ++i) k[i] = p0 + i < L ? cached[p0 + i] : 0u;
+    } else {
+#pragma unroll
+      for (int i = 0; i < kTopkItems; i += 4) load4(row, p0 + i, L, a.vec, k + i);
+    }
     unsigned n_above = 0, n_eq = 0;
 #pragma unroll
     for (int i = 0; i < kTopkItems; ++i) {
-      flag[i] = 0;
-      const int64_t p = p0 + i;
-      if (p < a.L) {
-        const float x = row[p];
-        if (candidate(x)) {
-          const uint32_t k = order_key(x);
-          if (take_all || k > kth) flag[i] = 1;
-          else if (k == kth) flag[i] = 2;
-        }
-      }
-      n_above += flag[i] == 1;
-      n_eq += flag[i] == 2;
+      n_above += k[i] > kth;
+      n_eq += k[i] != 0 && k[i] == kth;
     }
     unsigned long long tile_total;
     const unsigned long long mine = (static_cast<unsigned long long>(n_above) << 32) | n_eq;
@@ -160,30 +185,35 @@ __global__ void __launch_bounds__(kTopkThreads) topk_slots_kernel(const TopkSlot
     unsigned eq = static_cast<unsigned>(before & 0xFFFFFFFFu);
 #pragma unroll
     for (int i = 0; i < kTopkItems; ++i) {
-      if (flag[i] == 0) continue;
       int64_t at;
-      if (flag[i] == 1) {
+      if (k[i] > kth) {
         at = int64_t(above) + (eq < eq_take ? eq : eq_take);
         ++above;
-      } else {
-        if (eq >= eq_take) continue;
+      } else if (k[i] != 0 && k[i] == kth && eq < eq_take) {
         at = int64_t(above) + eq;
         ++eq;
+      } else {
+        continue;
       }
       const int64_t p = p0 + i;
       const int64_t blk = bt64 ? bt64[p / bs] : int64_t(bt32[p / bs]);
       out[at] = blk * bs + p % bs;
     }
   }
-  const int64_t written =
-      take_all ? int64_t(s_total) : static_cast<int64_t>(a.K);
+  const int64_t written = take_all ? int64_t(s_total) : static_cast<int64_t>(a.K);
   for (int64_t j = written + threadIdx.x; j < a.K; j += blockDim.x) out[j] = -1;
 }
 
 }  // namespace
 
+cudaError_t topk_slots_allow_cache() {
+  return cudaFuncSetAttribute(topk_slots_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                              kTopkCacheRows * int(sizeof(uint32_t)));
+}
+
 cudaError_t launch_topk_slots(const TopkSlotsArgs& a, cudaStream_t stream) {
-  topk_slots_kernel<<<static_cast<unsigned>(a.T), kTopkThreads, 0, stream>>>(a);
+  const size_t smem = a.cache ? size_t(a.L) * sizeof(uint32_t) : 0;
+  topk_slots_kernel<<<static_cast<unsigned>(a.T), kTopkThreads, smem, stream>>>(a);
   return cudaGetLastError();
 }
 

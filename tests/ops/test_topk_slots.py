@@ -90,6 +90,7 @@ def test_cuda_equals_cpu(L, K, ties):
 def test_cuda_same_set_as_topk():
     """Without ties the kernel selects what ``torch.topk`` does (the core's former path)."""
     s, req, bt, bs, K = _case(T=8, L=32768, K=2048, bs=64, seed=3, masked=True)
+    s[0, 0] = 1.0  # no NaN: topk ranks it first, the op never selects it
     got = _run("cuda", s, req, bt, bs, K)
     best, idx = s.cuda().topk(K, dim=-1)
     pos = torch.where(best > NEG, idx, torch.full_like(idx, -1)).cpu()
@@ -137,3 +138,20 @@ def test_fake_kernel_traces_and_refuses_mixed_devices():
         torch.ops.hisparse.hisparse_topk_slots(fs, freq, fbt, bs, fout)
     with pytest.raises(RuntimeError, match="argument 'out' must be on meta"):
         torch.ops.hisparse.hisparse_topk_slots(s.to("meta"), req.to("meta"), bt.to("meta"), bs, out)
+
+
+@pytest.mark.parametrize("pad", [3, 4])  # the CUDA kernel's scalar and 16-byte loads
+@pytest.mark.parametrize("L", [200, 60000])  # rows it keeps in shared memory, and longer ones
+def test_rows_inside_a_wider_buffer(device, pad, L):
+    s, req, bt, bs, K = _case(T=3, L=L, K=64, bs=16, seed=pad, ties=True, masked=True)
+    wide = torch.full((3, L + pad), 5.0)
+    wide[:, :L] = s  # the columns past L score highest: selecting any of them is a bug
+    got = _run(device, wide[:, :L], req, bt, bs, K)
+    assert torch.equal(got, _want(s, req, bt, bs, K))
+
+
+def test_rows_must_be_contiguous(device):
+    s, req, bt, bs, out = _valid_args()
+    with pytest.raises(RuntimeError, match="argument 'scores' must have contiguous rows"):
+        ops.topk_slots(s.t().contiguous().t().to(device), req.to(device), bt.to(device), bs,
+                       out.to(device))  # fmt: skip
