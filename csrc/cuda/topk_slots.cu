@@ -26,13 +26,19 @@ __device__ __forceinline__ uint32_t order_key(float x) {
   return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
 }
 
-// One bin increment per distinct bin in the warp: scores of one magnitude share their top digit,
-// and 32 lanes hitting one shared counter would serialize.
+// One shared-memory increment per lane, or one per warp where every active lane has the same
+// bin: scores of one magnitude share their top digits, and 32 lanes hitting one counter would
+// serialize (warp match instructions cost more than the conflicts they save).
 __device__ __forceinline__ void count_bin(unsigned* hist, unsigned bin, bool active) {
   const unsigned lanes = __ballot_sync(0xffffffffu, active);
-  if (!active) return;
-  const unsigned same = __match_any_sync(lanes, bin);
-  if ((threadIdx.x & 31) == __ffs(same) - 1) atomicAdd(&hist[bin], __popc(same));
+  if (lanes == 0) return;
+  const int leader = __ffs(lanes) - 1;
+  const unsigned first = __shfl_sync(0xffffffffu, bin, leader);
+  if (__all_sync(0xffffffffu, !active || bin == first)) {
+    if ((threadIdx.x & 31) == leader) atomicAdd(&hist[first], __popc(lanes));
+  } else if (active) {
+    atomicAdd(&hist[bin], 1u);
+  }
 }
 
 // Exclusive block-wide prefix sum of v (all threads call it); *total gets the sum.
