@@ -56,6 +56,10 @@ INDEXER = ("auto", "triton", "deepgemm")
 # in-read from IN_READ_FROM requests up, where it measured faster (docs/results.md).
 MISSES = ("auto", "gather", "in_read")
 IN_READ_FROM = 16
+# The extension's top-k (one launch, radix passes over keys kept in shared memory) where a row
+# fits that memory: on an H200 46 / 47 us at 1 / 64 x 32k scores against 67 / 97 for topk and
+# the slots; over 128k scores, read again at each pass, it lost at one request (158 vs 77 us).
+TOPK_OP_MAX_KEYS = 48 * 1024
 
 
 class SparseMLACore:
@@ -149,7 +153,7 @@ class SparseMLACore:
             if b.block_size != deepgemm.BLOCK:
                 scores_fn = idx_kernel.paged_scores
             scores = scores_fn(q16, hw, cache, b.block_table, b.block_size, b.req, b.positions)
-            if self._topk_slots is not None:  # the radix selection, one launch
+            if self._topk_slots is not None and scores.shape[1] <= TOPK_OP_MAX_KEYS:
                 out = torch.empty(
                     scores.shape[0], cfg.index_topk, dtype=torch.int64, device=scores.device
                 )
