@@ -445,7 +445,7 @@ def bench_topk(args, timer, g, scores: dict) -> list:
         roof = nbytes / PEAK["hbm_gbs"] / 1e3
         ours = _timed(t, "core", "hisparse_topk_slots (radix select, slots by position)", None)
         base = _timed(t, "former", "torch.topk + sorted slots in one launch (the former path)",
-                      None)  # fmt: skip
+                      None, commit=args.commit)  # fmt: skip
         rows.append(make_row(
             "top-k 2048 + slots", f"batch {B} x {L} scores", "GB/s", nbytes, ours, base,
             PEAK["hbm_gbs"], batch=B, keys=L, roofline_us=roof, same_selection=same,

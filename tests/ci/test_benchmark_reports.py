@@ -32,7 +32,7 @@ def test_the_kept_result_measures_the_core_vllm_runs():
 def test_the_external_kernels_results_say_what_ran_and_where():
     for ctx in ("", "_ctx65536", "_ctx131072"):
         run = json.loads((RESULTS / f"engine_tpot_external_h200{ctx}.json").read_text())
-        assert run["core"] == "hisparse.models.dsa.core" and run["commit"] == "e08a8c4"
+        assert run["core"] == "hisparse.models.dsa.core" and run["commit"] == "d921971"
         ran = {(r["attention"], r["indexer"]) for r in run["batches"]}
         assert ran == {("flashmla", "deepgemm")}
         assert all(r["bit_identical"] for r in run["batches"]) and run["capacity"]["ratio"] > 1

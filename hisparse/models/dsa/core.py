@@ -29,7 +29,6 @@ import weakref
 
 import torch
 
-from hisparse import ops
 from hisparse.models.dsa import attention as mla
 from hisparse.models.dsa import index_keys
 from hisparse.models.dsa.config import DSAConfig
@@ -43,7 +42,6 @@ from hisparse.models.dsa.kernels import rows as row_kernels
 from hisparse.models.dsa.kernels import select as select_kernel
 from hisparse.models.dsa.tokens import TokenBatch, token_rows  # noqa: F401 (the core's API)
 from hisparse.models.rows import KV_DIM, LATENT_DIM, ROW_FORMATS, decode_rows, encode_rows
-from hisparse.ops.extension import BackendUnavailableError
 
 # Bound on one torch-path chunk (index scores [tokens, heads, context] or rows [tokens, K, 576]).
 CHUNK_ELEMS = 1 << 24
@@ -56,10 +54,6 @@ INDEXER = ("auto", "triton", "deepgemm")
 # in-read from IN_READ_FROM requests up, where it measured faster (docs/results.md).
 MISSES = ("auto", "gather", "in_read")
 IN_READ_FROM = 16
-# The extension's top-k (one launch, radix passes over keys kept in shared memory) where a row
-# fits that memory: on an H200 46 / 47 us at 1 / 64 x 32k scores against 67 / 97 for topk and
-# the slots; over 128k scores, read again at each pass, it lost at one request (158 vs 77 us).
-TOPK_OP_MAX_KEYS = 48 * 1024
 
 
 class SparseMLACore:
@@ -115,9 +109,6 @@ class SparseMLACore:
             indexer, self.kernel_index, cfg, device, idx_kernel.paged_scores
         )
         self._splits: dict = {}  # kv_b_proj weight -> (W_uk, W_uv), kernel path
-        # The extension's top-k as slots where it was built with CUDA (ops/topk_slots: one
-        # launch, no sort); else torch's topk and the Triton slots.
-        self._topk_slots = _topk_slots_op() if self.kernel_index else None
 
     def encode_rows(self, values: torch.Tensor) -> torch.Tensor:
         """Row values [T, 576] -> [T, row_bytes] in the row format (``rows.encode_rows``; one
@@ -153,17 +144,8 @@ class SparseMLACore:
             if b.block_size != deepgemm.BLOCK:
                 scores_fn = idx_kernel.paged_scores
             scores = scores_fn(q16, hw, cache, b.block_table, b.block_size, b.req, b.positions)
-            if self._topk_slots is not None and scores.shape[1] <= TOPK_OP_MAX_KEYS:
-                out = torch.empty(
-                    scores.shape[0], cfg.index_topk, dtype=torch.int64, device=scores.device
-                )
-                bt = b.block_table.contiguous()
-                self._topk_slots(scores, b.req.contiguous(), bt, b.block_size, out)
-                return out
-            # unsorted: the positions are sorted next; ranking the values too cost a sort
-            best, idx = scores.topk(min(cfg.index_topk, scores.shape[1]), dim=-1, sorted=False)
-            return select_kernel.selection_slots(
-                best, idx, b.req, b.block_table, b.block_size, cfg.index_topk
+            return select_kernel.top_k_slots(
+                scores, b.req, b.block_table, b.block_size, cfg.index_topk
             )
         else:
             step = max(1, CHUNK_ELEMS // (cfg.index_n_heads * batch.max_context))
@@ -282,13 +264,6 @@ class SparseMLACore:
             splits = mla_kernel.splits_for(ids.shape[0], q.shape[1], src.device)
             return mla_kernel.sparse_mla(q, src, ids, scale, splits=splits)
         return _bmm_attention(q, src, ids, scale, misses)
-
-
-def _topk_slots_op():
-    try:
-        return ops.bound_op("hisparse_topk_slots", "cuda")
-    except BackendUnavailableError:
-        return None
 
 
 def _bmm_attention(q, src, ids, scale, misses=None) -> torch.Tensor:

@@ -1,6 +1,10 @@
-"""From the indexer's top-k to the slots attention reads, in one launch: each token's chosen
+"""From the indexer's scores to the slots attention reads (``top_k_slots``): the extension's
+``hisparse_topk_slots`` op where a row of scores fits its shared memory (one launch: radix
+passes, the selection written in position order; on an H200 46 / 47 us at 1 / 64 x 32k scores
+against 67 / 97 for the path below; over 128k scores, read again at each pass, it lost at one
+request, 158 against 77 us), else ``torch.topk`` and ``selection_slots``: each token's chosen
 positions (padding past every position) sorted in registers, then each sorted position's slot
-through the token's block table (padding back to -1).
+through the token's block table (padding back to -1), in one launch.
 
 Why: the torch form (a pad, two ``where``, an int64 sort, then ``TokenBatch.slots``' seven
 elementwise passes) took about 60 us per layer at batch 30 on an H200; three launches around
@@ -11,9 +15,16 @@ registers. The result is the same: ascending positions, -1 padding last, the sam
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
+from hisparse import ops
 from hisparse.models.dsa.kernels.rows import triton
+from hisparse.ops.extension import BackendUnavailableError
+
+# The longest row of scores the op keeps in shared memory (its kTopkCacheRows).
+OP_MAX_KEYS = 48 * 1024
 
 if triton is not None:
     import triton.language as tl
@@ -62,3 +73,33 @@ def selection_slots(
         block_size, top_k, triton.next_power_of_2(top_k), num_warps=8,
     )  # fmt: skip
     return out
+
+
+def top_k_slots(
+    scores: torch.Tensor,
+    req: torch.Tensor,
+    block_table: torch.Tensor,
+    block_size: int,
+    top_k: int,
+) -> torch.Tensor:
+    """Slots int64 [T, top_k] of each token's ``top_k`` best scores (float32 [T, L], -inf where
+    nothing is visible): ascending position order, -1 padding last, as ``selection_slots``."""
+    op = _op(scores.device.type)
+    if op is not None and scores.shape[1] <= OP_MAX_KEYS:
+        out = torch.empty(scores.shape[0], top_k, dtype=torch.int64, device=scores.device)
+        op(scores, req.contiguous(), block_table.contiguous(), block_size, out)
+        return out
+    # unsorted: the positions are sorted next; ranking the values too cost a sort
+    best, idx = scores.topk(min(top_k, scores.shape[1]), dim=-1, sorted=False)
+    return selection_slots(best, idx, req, block_table, block_size, top_k)
+
+
+@functools.lru_cache(maxsize=None)
+def _op(device_type: str):
+    """The extension's op where it was built for ``device_type`` (CUDA), else None."""
+    if device_type != "cuda":
+        return None
+    try:
+        return ops.bound_op("hisparse_topk_slots", "cuda")
+    except BackendUnavailableError:
+        return None
