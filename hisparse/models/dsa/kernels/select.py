@@ -1,5 +1,5 @@
 """From the indexer's scores to the slots attention reads (``top_k_slots``): the extension's
-``hisparse_topk_slots`` op where a row of scores fits its shared memory (one launch: radix
+``hisparse_topk_slots`` op for a decode batch whose rows fit its shared memory (one launch: radix
 passes, the selection written in position order; on an H200 46 / 47 us at 1 / 64 x 32k scores
 against 67 / 97 for the path below; over 128k scores, read again at each pass, it lost at one
 request, 158 against 77 us), else ``torch.topk`` and ``selection_slots``: each token's chosen
@@ -25,6 +25,9 @@ from hisparse.ops.extension import BackendUnavailableError
 
 # The longest row of scores the op keeps in shared memory (its kTopkCacheRows).
 OP_MAX_KEYS = 48 * 1024
+# The op runs one CTA per token; it was measured faster up to 112 tokens (a decode batch). Prefill
+# chunks of thousands of tokens keep ``topk`` until the op is measured there.
+OP_MAX_TOKENS = 128
 
 if triton is not None:
     import triton.language as tl
@@ -85,7 +88,7 @@ def top_k_slots(
     """Slots int64 [T, top_k] of each token's ``top_k`` best scores (float32 [T, L], -inf where
     nothing is visible): ascending position order, -1 padding last, as ``selection_slots``."""
     op = _op(scores.device.type)
-    if op is not None and scores.shape[1] <= OP_MAX_KEYS:
+    if op is not None and scores.shape[1] <= OP_MAX_KEYS and scores.shape[0] <= OP_MAX_TOKENS:
         out = torch.empty(scores.shape[0], top_k, dtype=torch.int64, device=scores.device)
         op(scores, req.contiguous(), block_table.contiguous(), block_size, out)
         return out
