@@ -126,8 +126,34 @@ def main() -> int:
                 if not torch.equal(c["hot"][l], u["hot"][l].cpu()):
                     print(f"MISMATCH B={B} K={K} H={H} step {step}: hot[{l}]")
                     failures += 1
+    failures += topk_slots_workload(dev, g)
     print("sanitizer workload:", "OK" if failures == 0 else f"{failures} mismatches")
     return 0 if failures == 0 else 1
+
+
+def topk_slots_workload(dev: str, g: torch.Generator) -> int:
+    """topk_slots over a row kept in shared memory and a longer one read from global memory,
+    with ties, -inf, NaN, rows inside a wider buffer and a token whose request is out of range."""
+    failures = 0
+    for T, L, k, width in [(3, 5000, 2048, 5000), (2, 70000, 2048, 70016), (4, 300, 512, 320)]:
+        buf = torch.randint(-50, 50, (T, width), generator=g).float()
+        scores = buf[:, :L]
+        scores[0, :7] = float("-inf")
+        scores[-1, 3] = float("nan")
+        block_size = 64
+        blocks = (L + block_size - 1) // block_size
+        table = torch.randperm(4 * blocks, generator=g)[: 2 * blocks].view(2, blocks).int()
+        req = torch.tensor([0, 1, 5, 1][:T], dtype=torch.int32)
+        res = {}
+        for d in ("cpu", dev):
+            out = torch.full((T, k), -7, dtype=torch.int64, device=d)
+            ops.topk_slots(buf.to(d)[:, :L], req.to(d), table.to(d), block_size, out)
+            res[d] = out
+        torch.cuda.synchronize()
+        if not torch.equal(res["cpu"], res[dev].cpu()):
+            print(f"MISMATCH topk_slots T={T} L={L} k={k}")
+            failures += 1
+    return failures
 
 
 if __name__ == "__main__":
