@@ -129,12 +129,14 @@ cudaError_t launch_invalidate(int32_t* slot_keys, int16_t* lru, const int32_t* s
                               const int32_t* keys, int64_t N, int64_t S, int H, int grid,
                               cudaStream_t stream);
 
-// topk_slots: one CTA of kTopkThreads per token; the writing pass covers kTopkThreads *
-// kTopkItems consecutive positions per round (kTopkItems per thread). Rows of at most
-// kTopkCacheRows scores keep their keys in shared memory between passes (192 KiB).
+// topk_slots: a cluster of `cluster` CTAs of kTopkThreads per token, each over `span` positions
+// of the row; the writing pass covers kTopkThreads * kTopkItems consecutive positions per round
+// (kTopkItems per thread). Slices of at most kTopkCacheRows scores keep their keys in shared
+// memory between passes (192 KiB).
 constexpr int kTopkThreads = 1024;
 constexpr int kTopkItems = 8;
 constexpr int kTopkCacheRows = 48 * 1024;
+constexpr int kTopkMaxCluster = 8;  // the portable cluster size
 
 struct TopkSlotsArgs {
   const float* scores;    // [T, L]
@@ -144,12 +146,17 @@ struct TopkSlotsArgs {
   const int32_t* bt32;
   int64_t* out;           // [T, K]
   int64_t T, L, ld, K, R, W, block_size;  // ld: scores' row stride (elements)
-  bool vec;    // rows 16-byte aligned: four scores per load
-  bool cache;  // L <= kTopkCacheRows and topk_slots_allow_cache() succeeded
+  int64_t span;  // positions per CTA, a multiple of 4; cluster * span >= L
+  int cluster;   // CTAs per token, 1 .. kTopkMaxCluster
+  bool vec;      // rows 16-byte aligned: four scores per load
+  bool cache;    // span <= kTopkCacheRows and topk_slots_allow_cache() succeeded
 };
 
 // Lets the kernel take kTopkCacheRows keys of dynamic shared memory (once per device).
 cudaError_t topk_slots_allow_cache();
+// The largest power-of-two cluster (at most kTopkMaxCluster) the device can run with `smem`
+// bytes of dynamic shared memory per CTA.
+int topk_slots_max_cluster(size_t smem);
 cudaError_t launch_topk_slots(const TopkSlotsArgs& a, cudaStream_t stream);
 
 }  // namespace cuda

@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstdlib>
 #include <string>
 #include <vector>
 
@@ -334,22 +335,42 @@ void invalidate_cuda(at::Tensor& slot_keys, at::Tensor& lru, const at::Tensor& s
       by_key ? keys->data_ptr<int32_t>() : nullptr, d.N, d.S, static_cast<int>(d.H), grid, stream));
 }
 
-// Whether the top-k kernel may hold a row's keys in shared memory on this device: its limit
-// raised once (a host call, legal inside a capture in relaxed mode), where the device has it.
-bool topk_cache_allowed(int device) {
-  static std::atomic<int> state[64];  // 0: not asked yet, 1: allowed, 2: refused
+// What the top-k kernel may use on this device, found once: whether it may hold a slice's keys
+// in shared memory (its limit raised: a host call, legal inside a capture in relaxed mode) and
+// the largest cluster it can run with that memory.
+struct TopkDevice {
+  bool cache;
+  int max_cluster;
+};
+
+TopkDevice topk_device(int device) {
+  static std::atomic<int> state[64];  // 0: not asked yet, else 1 + cache + 2 * max_cluster
   std::atomic<int>& s = state[device >= 0 && device < 64 ? device : 0];
   int v = s.load(std::memory_order_relaxed);
   if (v == 0) {
-    const int64_t need = int64_t(kTopkCacheRows) * 4 + 2048;  // and the static arrays
-    v = max_optin_smem(device) >= need &&
-                relaxed([&] { return topk_slots_allow_cache(); }) == cudaSuccess
-            ? 1
-            : 2;
+    const int64_t need = int64_t(kTopkCacheRows) * 4 + 4096;  // and the static arrays
+    const bool cache = max_optin_smem(device) >= need &&
+                       relaxed([&] { return topk_slots_allow_cache(); }) == cudaSuccess;
     cudaGetLastError();  // a refusal is not an error of the next launch
+    const size_t smem = cache ? size_t(kTopkCacheRows) * 4 : 0;
+    const int cluster = relaxed([&] { return topk_slots_max_cluster(smem); });
+    v = 1 + int(cache) + 2 * cluster;
     s.store(v, std::memory_order_relaxed);
   }
-  return v == 1;
+  return {((v - 1) & 1) != 0, (v - 1) >> 1};
+}
+
+// CTAs per token: enough that each slice fits shared memory, more while the batch leaves
+// multiprocessors idle (one CTA of kTopkThreads fills one), but no slice under kTopkMinSlice.
+int topk_cluster(int64_t T, int64_t L, int sms, int max_cluster) {
+  constexpr int64_t kTopkMinSlice = 2048;
+  if (const char* e = std::getenv("HISPARSE_TOPK_CLUSTER")) return std::max(1, std::min(max_cluster, std::atoi(e)));
+  const int64_t for_cache = (L + kTopkCacheRows - 1) / kTopkCacheRows;
+  const int64_t to_fill = (int64_t(sms) + T - 1) / T;
+  const int64_t by_len = std::max<int64_t>(1, L / kTopkMinSlice);
+  const int64_t c = std::max(for_cache, std::min(to_fill, by_len));
+  if (T * std::min<int64_t>(c, max_cluster) > kInt32Max) return 1;
+  return static_cast<int>(std::min<int64_t>(c, max_cluster));
 }
 
 void topk_slots_cuda(const at::Tensor& scores, const at::Tensor& req,
@@ -374,7 +395,11 @@ void topk_slots_cuda(const at::Tensor& scores, const at::Tensor& req,
   a.T = d.T, a.L = d.L, a.ld = d.ld, a.K = d.K, a.R = d.R, a.W = d.W;
   a.block_size = d.block_size;
   a.vec = d.ld % 4 == 0 && reinterpret_cast<uintptr_t>(a.scores) % 16 == 0;
-  a.cache = d.L <= kTopkCacheRows && topk_cache_allowed(scores.get_device());
+  const int device = scores.get_device();
+  const TopkDevice dev = topk_device(device);
+  a.cluster = topk_cluster(d.T, d.L, num_sms(device), dev.max_cluster);
+  a.span = ((d.L + a.cluster - 1) / a.cluster + 3) / 4 * 4;
+  a.cache = dev.cache && a.span <= kTopkCacheRows;
   C10_CUDA_CHECK(launch_topk_slots(a, stream));
 }
 

@@ -1,10 +1,12 @@
 // topk_slots: each token's top-k positions by score, written as slots in ascending position
-// order (docs/ops.md). One CTA per token: four 8-bit radix passes over the row's order-preserving
-// keys find the k-th largest key, then one pass writes the positions above it and the lowest
-// equal ones, in position order, through the block table. No sort, no host sync, one launch.
-// Rows of up to kTopkCacheRows scores keep their keys in shared memory after the first pass
-// (the later passes then read no global memory); longer rows are read again at each pass, four
-// scores per load.
+// order (docs/ops.md). A cluster of CTAs per token, each over one slice of the row: four 8-bit
+// radix passes over the order-preserving keys find the k-th largest key (each pass's histogram
+// summed over the cluster through distributed shared memory), then one pass writes the positions
+// above it and the lowest equal ones, in position order, through the block table. No sort, no
+// host sync, one launch. Slices of up to kTopkCacheRows scores keep their keys in shared memory
+// after the first pass (the later passes then read no global memory); longer ones are read again
+// at each pass, four scores per load.
+#include <cooperative_groups.h>
 #include <cuda_runtime.h>
 
 #include "kernels.cuh"
@@ -12,6 +14,8 @@
 namespace hisparse {
 namespace cuda {
 namespace {
+
+namespace cg = cooperative_groups;
 
 constexpr int kWarps = kTopkThreads / 32;
 constexpr int kUnroll = 4;  // float4 loads in flight per thread in a pass over global memory
@@ -80,19 +84,47 @@ __device__ __forceinline__ void load4(const float* row, int64_t p, int64_t L, bo
   }
 }
 
+// The keys of positions p0 .. p0 + kTopkItems - 1 of this CTA's slice, from shared memory or
+// from the row.
+__device__ __forceinline__ void load_items(const TopkSlotsArgs& a, const uint32_t* cached,
+                                           const float* row, int64_t p0, int64_t n,
+                                           uint32_t k[kTopkItems]) {
+  if (a.cache) {
+#pragma unroll
+    for (int i = 0; i < kTopkItems; ++i) k[i] = p0 + i < n ? cached[p0 + i] : 0u;
+  } else {
+#pragma unroll
+    for (int i = 0; i < kTopkItems; i += 4) load4(row, p0 + i, n, a.vec, k + i);
+  }
+}
+
+// A cluster of a.cluster CTAs per token, each holding one slice of the row: every pass counts
+// its slice, then each CTA sums the cluster's histograms through distributed shared memory and
+// takes the same digit; the writing pass starts each slice after the selected positions of the
+// slices before it. A cluster of one is the whole row in one CTA.
 __global__ void __launch_bounds__(kTopkThreads) topk_slots_kernel(const TopkSlotsArgs a) {
-  extern __shared__ uint32_t cached[];  // the row's keys, when a.cache
-  __shared__ unsigned hist[256];
+  extern __shared__ uint32_t cached[];  // the slice's keys, when a.cache
+  // Two histograms, one per parity of pass: a pass clears the one the cluster read two passes ago,
+  // after the cluster barrier of the pass between.
+  __shared__ unsigned hist[2][256];
+  __shared__ unsigned total[256];
   __shared__ unsigned long long warp_sums[kWarps];
+  __shared__ unsigned long long s_counts, s_run;  // (above << 32 | equal): this slice's, before it
   __shared__ uint32_t s_prefix;
   __shared__ unsigned s_need, s_total;
 
-  const int64_t t = blockIdx.x, L = a.L;
-  const float* row = a.scores + t * a.ld;
+  const cg::cluster_group cluster = cg::this_cluster();
+  const int C = a.cluster;
+  const int rank = static_cast<int>(cluster.block_rank());
+  const int64_t t = blockIdx.x / C;
+  const int64_t lo = min(a.L, int64_t(rank) * a.span);
+  const int64_t n = min(a.L - lo, a.span);  // this CTA's slice: positions lo .. lo + n - 1
+  const float* row = a.scores + t * a.ld + lo;
   int64_t* out = a.out + t * a.K;
   const int64_t r = a.req64 ? a.req64[t] : int64_t(a.req32[t]);
-  if (r < 0 || r >= a.R) {  // not a request of this batch: nothing selected
-    for (int64_t j = threadIdx.x; j < a.K; j += blockDim.x) out[j] = -1;
+  if (r < 0 || r >= a.R) {  // not a request of this batch: nothing selected (whole cluster)
+    if (rank == 0)
+      for (int64_t j = threadIdx.x; j < a.K; j += blockDim.x) out[j] = -1;
     return;
   }
 
@@ -100,46 +132,54 @@ __global__ void __launch_bounds__(kTopkThreads) topk_slots_kernel(const TopkSlot
   uint32_t prefix = 0, mask = 0;
   unsigned need = static_cast<unsigned>(a.K);
   bool take_all = false;
-  for (int shift = 24; shift >= 0; shift -= 8) {
-    for (int i = threadIdx.x; i < 256; i += blockDim.x) hist[i] = 0;
+  for (int pass = 0; pass < 4; ++pass) {
+    const int shift = 24 - 8 * pass;
+    unsigned* h = hist[pass & 1];
+    for (int i = threadIdx.x; i < 256; i += blockDim.x) h[i] = 0;
     __syncthreads();
-    if (shift == 24 || !a.cache) {  // from global memory
+    if (pass == 0 || !a.cache) {  // from global memory
       constexpr int64_t kStep = int64_t(kTopkThreads) * 4 * kUnroll;
-      for (int64_t base = 0; base < L; base += kStep) {
+      for (int64_t base = 0; base < n; base += kStep) {
         uint32_t k[kUnroll][4];
 #pragma unroll
         for (int u = 0; u < kUnroll; ++u)
-          load4(row, base + (int64_t(u) * kTopkThreads + threadIdx.x) * 4, L, a.vec, k[u]);
+          load4(row, base + (int64_t(u) * kTopkThreads + threadIdx.x) * 4, n, a.vec, k[u]);
 #pragma unroll
         for (int u = 0; u < kUnroll; ++u) {
           const int64_t p = base + (int64_t(u) * kTopkThreads + threadIdx.x) * 4;
 #pragma unroll
           for (int i = 0; i < 4; ++i) {
-            if (a.cache && shift == 24 && p + i < L) cached[p + i] = k[u][i];
-            count_bin(hist, (k[u][i] >> shift) & 0xFFu, k[u][i] != 0 && (k[u][i] & mask) == prefix);
+            if (a.cache && pass == 0 && p + i < n) cached[p + i] = k[u][i];
+            count_bin(h, (k[u][i] >> shift) & 0xFFu, k[u][i] != 0 && (k[u][i] & mask) == prefix);
           }
         }
       }
     } else {  // from the keys the first pass left in shared memory
-      for (int64_t base = 0; base < L; base += kTopkThreads) {
+      for (int64_t base = 0; base < n; base += kTopkThreads) {
         const int64_t p = base + threadIdx.x;
-        const uint32_t k = p < L ? cached[p] : 0u;
-        count_bin(hist, (k >> shift) & 0xFFu, k != 0 && (k & mask) == prefix);
+        const uint32_t k = p < n ? cached[p] : 0u;
+        count_bin(h, (k >> shift) & 0xFFu, k != 0 && (k & mask) == prefix);
       }
+    }
+    cluster.sync();  // every slice's counts of this pass are in
+    for (int i = threadIdx.x; i < 256; i += blockDim.x) {
+      unsigned sum = 0;
+      for (int j = 0; j < C; ++j) sum += cluster.map_shared_rank(h, j)[i];
+      total[i] = sum;
     }
     __syncthreads();
     if (threadIdx.x < 32) {  // the digit holding the need-th largest, from the top bin down
       const int lane = threadIdx.x;
       unsigned c[8], sum = 0;
 #pragma unroll
-      for (int i = 0; i < 8; ++i) sum += (c[i] = hist[255 - (lane * 8 + i)]);
+      for (int i = 0; i < 8; ++i) sum += (c[i] = total[255 - (lane * 8 + i)]);
       unsigned incl = sum;
       for (int d = 1; d < 32; d <<= 1) {
         const unsigned y = __shfl_up_sync(0xffffffffu, incl, d);
         if (lane >= d) incl += y;
       }
       const unsigned above0 = incl - sum;  // keys in bins above this lane's eight
-      if (shift == 24 && lane == 31) s_total = incl;
+      if (pass == 0 && lane == 31) s_total = incl;
       if (above0 < need && need <= incl) {
         unsigned above = above0;
         int i = 0;
@@ -149,7 +189,7 @@ __global__ void __launch_bounds__(kTopkThreads) topk_slots_kernel(const TopkSlot
       }
     }
     __syncthreads();
-    if (shift == 24 && s_total <= need) {  // K or fewer candidates: every one is selected
+    if (pass == 0 && s_total <= need) {  // K or fewer candidates: every one is selected
       take_all = true;
       break;
     }
@@ -161,22 +201,37 @@ __global__ void __launch_bounds__(kTopkThreads) topk_slots_kernel(const TopkSlot
   // Selected: keys above `prefix`, then the first `need` keys equal to it by position.
   const uint32_t kth = take_all ? 0u : prefix;
   const unsigned eq_take = take_all ? 0u : need;
+  constexpr int64_t kTile = int64_t(kTopkThreads) * kTopkItems;
+  static_assert(kTopkItems % 4 == 0, "whole 16-byte loads per thread");
+  unsigned long long run = 0;  // (above << 32 | equal) before this tile, over the whole row
+  if (C > 1) {  // the selected positions of the slices before this one
+    unsigned long long mine = 0;
+    for (int64_t base = 0; base < n; base += kTile) {
+      uint32_t k[kTopkItems];
+      load_items(a, cached, row, base + int64_t(threadIdx.x) * kTopkItems, n, k);
+#pragma unroll
+      for (int i = 0; i < kTopkItems; ++i)
+        mine += (static_cast<unsigned long long>(k[i] > kth) << 32) | (k[i] != 0 && k[i] == kth);
+    }
+    unsigned long long slice_total;
+    block_exclusive_sum(mine, warp_sums, &slice_total);
+    if (threadIdx.x == 0) s_counts = slice_total;
+    cluster.sync();
+    if (threadIdx.x == 0) {
+      unsigned long long before = 0;
+      for (int j = 0; j < rank; ++j) before += *cluster.map_shared_rank(&s_counts, j);
+      s_run = before;
+    }
+    cluster.sync();  // no CTA leaves while another still reads its counts
+    run = s_run;
+  }
   const int64_t bs = a.block_size;
   const int64_t* bt64 = a.bt64 ? a.bt64 + r * a.W : nullptr;
   const int32_t* bt32 = a.bt32 ? a.bt32 + r * a.W : nullptr;
-  unsigned long long run = 0;  // (above << 32 | equal) before this tile
-  constexpr int64_t kTile = int64_t(kTopkThreads) * kTopkItems;
-  static_assert(kTopkItems % 4 == 0, "whole 16-byte loads per thread");
-  for (int64_t base = 0; base < L; base += kTile) {
+  for (int64_t base = 0; base < n; base += kTile) {
     const int64_t p0 = base + int64_t(threadIdx.x) * kTopkItems;
     uint32_t k[kTopkItems];
-    if (a.cache) {
-#pragma unroll
-      for (int i = 0; i < kTopkItems; ++i) k[i] = p0 + i < L ? cached[p0 + i] : 0u;
-    } else {
-#pragma unroll
-      for (int i = 0; i < kTopkItems; i += 4) load4(row, p0 + i, L, a.vec, k + i);
-    }
+    load_items(a, cached, row, p0, n, k);
     unsigned n_above = 0, n_eq = 0;
 #pragma unroll
     for (int i = 0; i < kTopkItems; ++i) {
@@ -201,13 +256,14 @@ __global__ void __launch_bounds__(kTopkThreads) topk_slots_kernel(const TopkSlot
       } else {
         continue;
       }
-      const int64_t p = p0 + i;
+      const int64_t p = lo + p0 + i;
       const int64_t blk = bt64 ? bt64[p / bs] : int64_t(bt32[p / bs]);
       out[at] = blk * bs + p % bs;
     }
   }
   const int64_t written = take_all ? int64_t(s_total) : static_cast<int64_t>(a.K);
-  for (int64_t j = written + threadIdx.x; j < a.K; j += blockDim.x) out[j] = -1;
+  if (rank == 0)
+    for (int64_t j = written + threadIdx.x; j < a.K; j += blockDim.x) out[j] = -1;
 }
 
 }  // namespace
@@ -218,9 +274,41 @@ cudaError_t topk_slots_allow_cache() {
 }
 
 cudaError_t launch_topk_slots(const TopkSlotsArgs& a, cudaStream_t stream) {
-  const size_t smem = a.cache ? size_t(a.L) * sizeof(uint32_t) : 0;
-  topk_slots_kernel<<<static_cast<unsigned>(a.T), kTopkThreads, smem, stream>>>(a);
-  return cudaGetLastError();
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(static_cast<unsigned>(a.T * a.cluster));
+  cfg.blockDim = dim3(kTopkThreads);
+  cfg.dynamicSmemBytes = a.cache ? size_t(a.span) * sizeof(uint32_t) : 0;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = static_cast<unsigned>(a.cluster);
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  return cudaLaunchKernelEx(&cfg, topk_slots_kernel, a);
+}
+
+int topk_slots_max_cluster(size_t smem) {
+  for (int c = kTopkMaxCluster; c > 1; c /= 2) {
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = dim3(static_cast<unsigned>(c));
+    cfg.blockDim = dim3(kTopkThreads);
+    cfg.dynamicSmemBytes = smem;
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeClusterDimension;
+    attr[0].val.clusterDim.x = static_cast<unsigned>(c);
+    attr[0].val.clusterDim.y = 1;
+    attr[0].val.clusterDim.z = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+    int clusters = 0;
+    if (cudaOccupancyMaxActiveClusters(&clusters, topk_slots_kernel, &cfg) == cudaSuccess &&
+        clusters > 0)
+      return c;
+    cudaGetLastError();
+  }
+  return 1;
 }
 
 }  // namespace cuda

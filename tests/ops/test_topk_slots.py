@@ -87,6 +87,32 @@ def test_cuda_equals_cpu(L, K, ties):
 
 @pytest.mark.cuda
 @needs_cuda
+@pytest.mark.parametrize(
+    "T,L,masked",
+    [(1, 2047, False), (1, 20000, True), (1, 131072, False), (2, 131072, True), (3, 400000, False),
+     (200, 9000, True)],
+)  # fmt: skip
+def test_cuda_slices_equal_cpu(T, L, masked):
+    """A row split over a cluster of CTAs (up to eight slices while the batch leaves
+    multiprocessors idle; past 384k scores each slice is read from global memory at every pass)
+    selects and orders what one CTA does: ties across slices go to the lowest positions."""
+    args = _case(T=T, L=L, K=2048, bs=64, seed=T + L, ties=True, masked=masked)
+    assert torch.equal(_run("cuda", *args), _run("cpu", *args))
+
+
+@pytest.mark.cuda
+@needs_cuda
+def test_cuda_one_value_over_every_slice():
+    s = torch.zeros(2, 40000)
+    s[1, 39999] = 1.0
+    bt = torch.arange(2 * 625, dtype=torch.int32).view(2, 625)
+    got = _run("cuda", s, torch.tensor([0, 1]), bt, 64, 2048)
+    assert got[0].tolist() == list(range(2048))
+    assert got[1].tolist() == list(range(625 * 64, 625 * 64 + 2047)) + [625 * 64 + 39999]
+
+
+@pytest.mark.cuda
+@needs_cuda
 def test_cuda_same_set_as_topk():
     """Without ties the kernel selects what ``torch.topk`` does (the core's former path)."""
     s, req, bt, bs, K = _case(T=8, L=32768, K=2048, bs=64, seed=3, masked=True)

@@ -1,5 +1,5 @@
-"""Which top-k ``kernels/select.top_k_slots`` runs: the extension's op for a decode batch whose
-rows fit its shared memory, ``topk`` and the slots launch otherwise (the op itself is tested in
+"""Which top-k ``kernels/select.top_k_slots`` runs: the extension's op wherever it is built for
+the scores' device, ``topk`` and the slots launch otherwise (the op itself is tested in
 tests/ops/test_topk_slots.py, the two paths against each other on a GPU in test_core_cuda.py)."""
 
 from __future__ import annotations
@@ -28,22 +28,26 @@ def op(monkeypatch):
 
 
 @pytest.mark.parametrize(
-    "tokens,keys,takes_op",
-    [
-        (1, 32768, True),
-        (select.OP_MAX_TOKENS, select.OP_MAX_KEYS, True),
-        (select.OP_MAX_TOKENS + 1, 4096, False),  # a prefill chunk
-        (1, select.OP_MAX_KEYS + 64, False),  # a row past the op's shared memory
-    ],
+    "tokens,keys",
+    [(1, 32768), (112, 131072), (2048, 4096)],  # decode at 32k and 128k, a prefill chunk
 )
-def test_the_op_serves_decode_batches_of_rows_it_holds(op, tokens, keys, takes_op):
+def test_the_op_serves_every_step_where_it_is_built(op, tokens, keys):
     scores = torch.zeros(tokens, keys)
     req = torch.zeros(tokens, dtype=torch.int64)
     bt = torch.zeros(1, keys // 64 + 1, dtype=torch.int32)
     got = select.top_k_slots(scores, req, bt, 64, 16)
-    assert (op.calls == [(tokens, keys)]) is takes_op
-    assert (got == "former path") is not takes_op
+    assert op.calls == [(tokens, keys)]
+    assert (got == -1).all()
 
 
 def test_no_op_on_the_cpu():
     assert select._op("cpu") is None
+
+
+def test_topk_and_the_slots_launch_without_the_op(monkeypatch):
+    monkeypatch.setattr(select, "_op", lambda device_type: None)
+    monkeypatch.setattr(select, "selection_slots", lambda *a: "former path")
+    scores = torch.zeros(2, 4096)
+    bt = torch.zeros(1, 64, dtype=torch.int32)
+    req = torch.zeros(2, dtype=torch.int64)
+    assert select.top_k_slots(scores, req, bt, 64, 16) == "former path"

@@ -23,12 +23,6 @@ from hisparse import ops
 from hisparse.models.dsa.kernels.rows import triton
 from hisparse.ops.extension import BackendUnavailableError
 
-# The longest row of scores the op keeps in shared memory (its kTopkCacheRows).
-OP_MAX_KEYS = 48 * 1024
-# The op runs one CTA per token; it was measured faster up to 112 tokens (a decode batch). Prefill
-# chunks of thousands of tokens keep ``topk`` until the op is measured there.
-OP_MAX_TOKENS = 128
-
 if triton is not None:
     import triton.language as tl
 
@@ -88,7 +82,7 @@ def top_k_slots(
     """Slots int64 [T, top_k] of each token's ``top_k`` best scores (float32 [T, L], -inf where
     nothing is visible): ascending position order, -1 padding last, as ``selection_slots``."""
     op = _op(scores.device.type)
-    if op is not None and scores.shape[1] <= OP_MAX_KEYS and scores.shape[0] <= OP_MAX_TOKENS:
+    if op is not None:
         out = torch.empty(scores.shape[0], top_k, dtype=torch.int64, device=scores.device)
         op(scores, req.contiguous(), block_table.contiguous(), block_size, out)
         return out
