@@ -137,6 +137,9 @@ constexpr int kTopkThreads = 1024;
 constexpr int kTopkItems = 8;
 constexpr int kTopkCacheRows = 48 * 1024;
 constexpr int kTopkMaxCluster = 8;  // the portable cluster size
+constexpr int kTopkHistCopies = 16;  // histograms per CTA, two warps to each
+// Shared memory a CTA needs with a full cache: the keys, the histograms and the rest.
+constexpr int64_t kTopkSmemBytes = int64_t(kTopkCacheRows) * 4 + kTopkHistCopies * 256 * 4 + 4096;
 
 struct TopkSlotsArgs {
   const float* scores;    // [T, L]
@@ -154,9 +157,9 @@ struct TopkSlotsArgs {
 
 // Lets the kernel take kTopkCacheRows keys of dynamic shared memory (once per device).
 cudaError_t topk_slots_allow_cache();
-// The largest power-of-two cluster (at most kTopkMaxCluster) the device can run with `smem`
-// bytes of dynamic shared memory per CTA.
-int topk_slots_max_cluster(size_t smem);
+// How many clusters of `cluster` CTAs, each with `smem` bytes of dynamic shared memory, the device
+// runs at once (0 where it cannot run one).
+int topk_slots_active_clusters(int cluster, size_t smem);
 cudaError_t launch_topk_slots(const TopkSlotsArgs& a, cudaStream_t stream);
 
 }  // namespace cuda

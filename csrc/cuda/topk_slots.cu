@@ -108,6 +108,9 @@ __global__ void __launch_bounds__(kTopkThreads) topk_slots_kernel(const TopkSlot
   // after the cluster barrier of the pass between.
   __shared__ unsigned hist[2][256];
   __shared__ unsigned total[256];
+  // Each pass counts into kTopkHistCopies histograms, a few warps to each: scores of one magnitude
+  // share their top digits, and every warp adding to one counter would serialize.
+  __shared__ unsigned counts[kTopkHistCopies][256];
   __shared__ unsigned long long warp_sums[kWarps];
   __shared__ unsigned long long s_counts, s_run;  // (above << 32 | equal): this slice's, before it
   __shared__ uint32_t s_prefix;
@@ -135,7 +138,8 @@ __global__ void __launch_bounds__(kTopkThreads) topk_slots_kernel(const TopkSlot
   for (int pass = 0; pass < 4; ++pass) {
     const int shift = 24 - 8 * pass;
     unsigned* h = hist[pass & 1];
-    for (int i = threadIdx.x; i < 256; i += blockDim.x) h[i] = 0;
+    unsigned* mine = counts[(threadIdx.x >> 5) % kTopkHistCopies];
+    for (int i = threadIdx.x; i < kTopkHistCopies * 256; i += blockDim.x) (&counts[0][0])[i] = 0;
     __syncthreads();
     if (pass == 0 || !a.cache) {  // from global memory
       constexpr int64_t kStep = int64_t(kTopkThreads) * 4 * kUnroll;
@@ -150,7 +154,8 @@ __global__ void __launch_bounds__(kTopkThreads) topk_slots_kernel(const TopkSlot
 #pragma unroll
           for (int i = 0; i < 4; ++i) {
             if (a.cache && pass == 0 && p + i < n) cached[p + i] = k[u][i];
-            count_bin(h, (k[u][i] >> shift) & 0xFFu, k[u][i] != 0 && (k[u][i] & mask) == prefix);
+            count_bin(mine, (k[u][i] >> shift) & 0xFFu,
+                      k[u][i] != 0 && (k[u][i] & mask) == prefix);
           }
         }
       }
@@ -158,8 +163,15 @@ __global__ void __launch_bounds__(kTopkThreads) topk_slots_kernel(const TopkSlot
       for (int64_t base = 0; base < n; base += kTopkThreads) {
         const int64_t p = base + threadIdx.x;
         const uint32_t k = p < n ? cached[p] : 0u;
-        count_bin(h, (k >> shift) & 0xFFu, k != 0 && (k & mask) == prefix);
+        count_bin(mine, (k >> shift) & 0xFFu, k != 0 && (k & mask) == prefix);
       }
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < 256; i += blockDim.x) {
+      unsigned sum = 0;
+#pragma unroll
+      for (int j = 0; j < kTopkHistCopies; ++j) sum += counts[j][i];
+      h[i] = sum;
     }
     cluster.sync();  // every slice's counts of this pass are in
     for (int i = threadIdx.x; i < 256; i += blockDim.x) {
@@ -289,26 +301,24 @@ cudaError_t launch_topk_slots(const TopkSlotsArgs& a, cudaStream_t stream) {
   return cudaLaunchKernelEx(&cfg, topk_slots_kernel, a);
 }
 
-int topk_slots_max_cluster(size_t smem) {
-  for (int c = kTopkMaxCluster; c > 1; c /= 2) {
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = dim3(static_cast<unsigned>(c));
-    cfg.blockDim = dim3(kTopkThreads);
-    cfg.dynamicSmemBytes = smem;
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeClusterDimension;
-    attr[0].val.clusterDim.x = static_cast<unsigned>(c);
-    attr[0].val.clusterDim.y = 1;
-    attr[0].val.clusterDim.z = 1;
-    cfg.attrs = attr;
-    cfg.numAttrs = 1;
-    int clusters = 0;
-    if (cudaOccupancyMaxActiveClusters(&clusters, topk_slots_kernel, &cfg) == cudaSuccess &&
-        clusters > 0)
-      return c;
+int topk_slots_active_clusters(int cluster, size_t smem) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(static_cast<unsigned>(cluster));
+  cfg.blockDim = dim3(kTopkThreads);
+  cfg.dynamicSmemBytes = smem;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = static_cast<unsigned>(cluster);
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  int clusters = 0;
+  if (cudaOccupancyMaxActiveClusters(&clusters, topk_slots_kernel, &cfg) != cudaSuccess) {
     cudaGetLastError();
+    return 0;
   }
-  return 1;
+  return clusters;
 }
 
 }  // namespace cuda

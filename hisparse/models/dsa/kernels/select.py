@@ -1,10 +1,10 @@
 """From the indexer's scores to the slots attention reads (``top_k_slots``): the extension's
-``hisparse_topk_slots`` op for a decode batch whose rows fit its shared memory (one launch: radix
-passes, the selection written in position order; on an H200 46 / 47 us at 1 / 64 x 32k scores
-against 67 / 97 for the path below; over 128k scores, read again at each pass, it lost at one
-request, 158 against 77 us), else ``torch.topk`` and ``selection_slots``: each token's chosen
-positions (padding past every position) sorted in registers, then each sorted position's slot
-through the token's block table (padding back to -1), in one launch.
+``hisparse_topk_slots`` op wherever it is built for the scores' device (one launch: radix passes
+over a cluster of CTAs per token, the selection written in position order; measured faster than
+the path below from 1 to 512 tokens over 32k to 128k scores on an H200, docs/results.md), else
+``torch.topk`` and ``selection_slots``: each token's chosen positions (padding past every
+position) sorted in registers, then each sorted position's slot through the token's block table
+(padding back to -1), in one launch.
 
 Why: the torch form (a pad, two ``where``, an int64 sort, then ``TokenBatch.slots``' seven
 elementwise passes) took about 60 us per layer at batch 30 on an H200; three launches around
