@@ -153,14 +153,16 @@ class _Annotated:
 
 
 _MISSING = object()
-# By name, for a kernel the profiler linked to no call: Triton's launches (no aten op around
-# them; on the H200 the profiler tied none of them to the enclosing record_function)
+# By name, for a kernel the profiler linked to no call: Triton's launches and the external
+# extensions' (no aten op around them; on the H200 the profiler tied none of them to the
+# enclosing record_function)
 _BY_NAME = (
     ("_paged_scores", "indexer"), ("paged_mqa_logits", "indexer"), ("_store_fp8_keys", "indexer"),
     ("resolve", "resolve"),
     ("_selection_slots", "top-k"), ("gather_decode", "row read / misses"),
     ("_read_with_misses", "row read / misses"), ("_stage", "row read / misses"),
     ("masked_softmax", "attention"), ("_sparse_mla", "attention"), ("_combine", "attention"),
+    ("flash_fwd", "attention"),  # FlashMLA's sparse decode and its combine
 )  # fmt: skip
 
 

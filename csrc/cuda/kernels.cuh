@@ -137,9 +137,8 @@ constexpr int kTopkThreads = 1024;
 constexpr int kTopkItems = 8;
 constexpr int kTopkCacheRows = 48 * 1024;
 constexpr int kTopkMaxCluster = 8;  // the portable cluster size
-constexpr int kTopkHistCopies = 16;  // histograms per CTA, two warps to each
-// Shared memory a CTA needs with a full cache: the keys, the histograms and the rest.
-constexpr int64_t kTopkSmemBytes = int64_t(kTopkCacheRows) * 4 + kTopkHistCopies * 256 * 4 + 4096;
+// Shared memory a CTA needs with a full cache: the keys and its static arrays.
+constexpr int64_t kTopkSmemBytes = int64_t(kTopkCacheRows) * 4 + 4096;
 
 struct TopkSlotsArgs {
   const float* scores;    // [T, L]

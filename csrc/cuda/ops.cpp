@@ -350,7 +350,8 @@ const TopkDevice& topk_device(int device) {
   std::call_once(once[i], [&] {
     relaxed([&] {
       TopkDevice& d = devices[i];
-      d.cache = max_optin_smem(device) >= kTopkSmemBytes && topk_slots_allow_cache() == cudaSuccess;
+      d.cache =
+          max_optin_smem(device) >= kTopkSmemBytes && topk_slots_allow_cache() == cudaSuccess;
       cudaGetLastError();  // a refusal is not an error of the next launch
       const size_t smem = d.cache ? size_t(kTopkCacheRows) * sizeof(uint32_t) : 0;
       for (int c = 1; c <= kTopkMaxCluster; ++c) d.active[c] = topk_slots_active_clusters(c, smem);
@@ -369,7 +370,7 @@ int topk_cluster(int64_t T, int64_t L, const TopkDevice& dev) {
   constexpr int64_t kTopkMinSlice = 2048;
   const int64_t most = std::min<int64_t>(kTopkMaxCluster, std::max<int64_t>(1, L / kTopkMinSlice));
   for (int64_t c = most; c > 1; --c)
-    if (dev.active[c] > 0 && T <= int64_t(dev.active[c])) return static_cast<int>(c);
+    if (T <= int64_t(dev.active[c])) return static_cast<int>(c);
   return 1;
 }
 

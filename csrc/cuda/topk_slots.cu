@@ -108,9 +108,6 @@ __global__ void __launch_bounds__(kTopkThreads) topk_slots_kernel(const TopkSlot
   // after the cluster barrier of the pass between.
   __shared__ unsigned hist[2][256];
   __shared__ unsigned total[256];
-  // Each pass counts into kTopkHistCopies histograms, a few warps to each: scores of one magnitude
-  // share their top digits, and every warp adding to one counter would serialize.
-  __shared__ unsigned counts[kTopkHistCopies][256];
   __shared__ unsigned long long warp_sums[kWarps];
   __shared__ unsigned long long s_counts, s_run;  // (above << 32 | equal): this slice's, before it
   __shared__ uint32_t s_prefix;
@@ -138,8 +135,7 @@ __global__ void __launch_bounds__(kTopkThreads) topk_slots_kernel(const TopkSlot
   for (int pass = 0; pass < 4; ++pass) {
     const int shift = 24 - 8 * pass;
     unsigned* h = hist[pass & 1];
-    unsigned* mine = counts[(threadIdx.x >> 5) % kTopkHistCopies];
-    for (int i = threadIdx.x; i < kTopkHistCopies * 256; i += blockDim.x) (&counts[0][0])[i] = 0;
+    for (int i = threadIdx.x; i < 256; i += blockDim.x) h[i] = 0;
     __syncthreads();
     if (pass == 0 || !a.cache) {  // from global memory
       constexpr int64_t kStep = int64_t(kTopkThreads) * 4 * kUnroll;
@@ -154,8 +150,7 @@ __global__ void __launch_bounds__(kTopkThreads) topk_slots_kernel(const TopkSlot
 #pragma unroll
           for (int i = 0; i < 4; ++i) {
             if (a.cache && pass == 0 && p + i < n) cached[p + i] = k[u][i];
-            count_bin(mine, (k[u][i] >> shift) & 0xFFu,
-                      k[u][i] != 0 && (k[u][i] & mask) == prefix);
+            count_bin(h, (k[u][i] >> shift) & 0xFFu, k[u][i] != 0 && (k[u][i] & mask) == prefix);
           }
         }
       }
@@ -163,15 +158,8 @@ __global__ void __launch_bounds__(kTopkThreads) topk_slots_kernel(const TopkSlot
       for (int64_t base = 0; base < n; base += kTopkThreads) {
         const int64_t p = base + threadIdx.x;
         const uint32_t k = p < n ? cached[p] : 0u;
-        count_bin(mine, (k >> shift) & 0xFFu, k != 0 && (k & mask) == prefix);
+        count_bin(h, (k >> shift) & 0xFFu, k != 0 && (k & mask) == prefix);
       }
-    }
-    __syncthreads();
-    for (int i = threadIdx.x; i < 256; i += blockDim.x) {
-      unsigned sum = 0;
-#pragma unroll
-      for (int j = 0; j < kTopkHistCopies; ++j) sum += counts[j][i];
-      h[i] = sum;
     }
     cluster.sync();  // every slice's counts of this pass are in
     for (int i = threadIdx.x; i < 256; i += blockDim.x) {
@@ -285,34 +273,37 @@ cudaError_t topk_slots_allow_cache() {
                               kTopkCacheRows * int(sizeof(uint32_t)));
 }
 
-cudaError_t launch_topk_slots(const TopkSlotsArgs& a, cudaStream_t stream) {
+namespace {
+
+// A launch of `grid` CTAs in clusters of `cluster`; `attr` must outlive the config.
+cudaLaunchConfig_t cluster_launch(int64_t grid, int cluster, size_t smem, cudaStream_t stream,
+                                  cudaLaunchAttribute* attr) {
   cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(static_cast<unsigned>(a.T * a.cluster));
+  cfg.gridDim = dim3(static_cast<unsigned>(grid));
   cfg.blockDim = dim3(kTopkThreads);
-  cfg.dynamicSmemBytes = a.cache ? size_t(a.span) * sizeof(uint32_t) : 0;
+  cfg.dynamicSmemBytes = smem;
   cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = static_cast<unsigned>(a.cluster);
-  attr[0].val.clusterDim.y = 1;
-  attr[0].val.clusterDim.z = 1;
+  attr->id = cudaLaunchAttributeClusterDimension;
+  attr->val.clusterDim.x = static_cast<unsigned>(cluster);
+  attr->val.clusterDim.y = 1;
+  attr->val.clusterDim.z = 1;
   cfg.attrs = attr;
   cfg.numAttrs = 1;
+  return cfg;
+}
+
+}  // namespace
+
+cudaError_t launch_topk_slots(const TopkSlotsArgs& a, cudaStream_t stream) {
+  cudaLaunchAttribute attr;
+  const size_t smem = a.cache ? size_t(a.span) * sizeof(uint32_t) : 0;
+  const cudaLaunchConfig_t cfg = cluster_launch(a.T * a.cluster, a.cluster, smem, stream, &attr);
   return cudaLaunchKernelEx(&cfg, topk_slots_kernel, a);
 }
 
 int topk_slots_active_clusters(int cluster, size_t smem) {
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(static_cast<unsigned>(cluster));
-  cfg.blockDim = dim3(kTopkThreads);
-  cfg.dynamicSmemBytes = smem;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = static_cast<unsigned>(cluster);
-  attr[0].val.clusterDim.y = 1;
-  attr[0].val.clusterDim.z = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = 1;
+  cudaLaunchAttribute attr;
+  const cudaLaunchConfig_t cfg = cluster_launch(cluster, cluster, smem, nullptr, &attr);
   int clusters = 0;
   if (cudaOccupancyMaxActiveClusters(&clusters, topk_slots_kernel, &cfg) != cudaSuccess) {
     cudaGetLastError();
