@@ -30,13 +30,34 @@ def test_the_kept_result_measures_the_core_vllm_runs():
 
 
 def test_the_external_kernels_results_say_what_ran_and_where():
+    commits = set()
     for ctx in ("", "_ctx65536", "_ctx131072"):
         run = json.loads((RESULTS / f"engine_tpot_external_h200{ctx}.json").read_text())
-        assert run["core"] == "hisparse.models.dsa.core" and run["commit"] == "d921971"
+        assert run["core"] == "hisparse.models.dsa.core"
+        commits.add(run["commit"])
         ran = {(r["attention"], r["indexer"]) for r in run["batches"]}
         assert ran == {("flashmla", "deepgemm")}
         assert all(r["bit_identical"] for r in run["batches"]) and run["capacity"]["ratio"] > 1
         assert run["per_request_layer_us"]["resident"] < run["per_request_layer_us"]["hisparse"]
+    assert len(commits) == 1, commits  # one tree's runs, as the capacity table compares them
+
+
+def test_the_kernel_split_counts_flashmla_as_attention():
+    import bench_decode_tpot
+
+    def by_name(name):
+        return next((c for pat, c in bench_decode_tpot._BY_NAME if pat in name), "rest")
+
+    flashmla = (
+        "void sm90::decode::sparse_fp8::flash_fwd_splitkv_mla_fp8_sparse_kernel<",
+        "void smxx::decode::flash_fwd_mla_combine_kernel<cutlass::bfloat16_t",
+    )
+    assert [by_name(n) for n in flashmla] == ["attention", "attention"]
+    split = json.loads((RESULTS / "kernel_split_external_h200.json").read_text())
+    for row in split["kernel_split"]["batches"]:
+        for mode in ("resident", "hisparse"):
+            for cat, name, _ in row["per_layer"][mode]["kernels"]:
+                assert "flash_fwd" not in name or cat.startswith("attention"), (cat, name)
 
 
 def test_capacity_report_has_a_row_per_context_with_its_ratio():
