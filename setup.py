@@ -22,6 +22,27 @@ def cxx_standard(torch_version: str) -> str:
     return "c++20" if (int(m.group(1)), int(m.group(2))) >= (2, 14) else "c++17"
 
 
+# torch's names for architectures before 9.0 (TORCH_CUDA_ARCH_LIST also takes names)
+_OLDER_ARCH_NAMES = {"kepler", "maxwell", "pascal", "volta", "turing", "ampere", "ada"}
+
+
+def cuda_arch_list(value):
+    """TORCH_CUDA_ARCH_LIST for the build: 9.0 when unset. The top-k kernel runs a cluster of CTAs
+    per token (distributed shared memory), which needs compute capability 9.0 or newer, so an
+    older architecture in the list is refused here, in one line, before nvcc starts."""
+    if not value or not value.strip():
+        return "9.0"
+    for arch in re.split(r"[;\s]+", value.strip()):
+        m = re.match(r"(\d+)\.(\d+)", arch)
+        old = int(m.group(1)) < 9 if m else arch.split("+")[0].lower() in _OLDER_ARCH_NAMES
+        if old:
+            raise ValueError(
+                f"TORCH_CUDA_ARCH_LIST: {arch} is older than 9.0, which hisparse's CUDA kernels "
+                "need; list 9.0 or newer, or set HISPARSE_NO_CUDA=1 for the CPU build"
+            )
+    return value
+
+
 def _want_cuda() -> bool:
     if os.environ.get("HISPARSE_NO_CUDA", "") not in ("", "0"):
         return False
@@ -49,9 +70,7 @@ def _extension(with_cuda: bool, std: str):
             glob.glob(os.path.join("csrc", "cuda", "*.cpp"))
             + glob.glob(os.path.join("csrc", "cuda", "*.cu"))
         )
-        arch = os.environ.get("TORCH_CUDA_ARCH_LIST")
-        if not arch:
-            os.environ["TORCH_CUDA_ARCH_LIST"] = "9.0"
+        os.environ["TORCH_CUDA_ARCH_LIST"] = cuda_arch_list(os.environ.get("TORCH_CUDA_ARCH_LIST"))
         return cpp_extension.CUDAExtension(
             "hisparse._C",
             cpp + cu,

@@ -4,6 +4,7 @@ and the runtime dependencies are only what `import hisparse` and the commands ne
 from __future__ import annotations
 
 import os
+import re
 import runpy
 import subprocess
 import sys
@@ -46,6 +47,22 @@ def test_cxx_standard_follows_torch(setup_py, version, std):
 def test_unreadable_torch_version_is_refused(setup_py):
     with pytest.raises(ValueError, match="cannot read a torch version"):
         setup_py["cxx_standard"]("nightly")
+
+
+@pytest.mark.parametrize(
+    "value, want",
+    [(None, "9.0"), ("", "9.0"), ("9.0", "9.0"), ("9.0a;10.0", "9.0a;10.0"),
+     ("9.0 10.0+PTX", "9.0 10.0+PTX"), ("Hopper", "Hopper")],
+)  # fmt: skip
+def test_cuda_arch_list_defaults_to_hopper(setup_py, value, want):
+    assert setup_py["cuda_arch_list"](value) == want
+
+
+@pytest.mark.parametrize("value", ["8.0", "8.0;9.0", "8.6+PTX 9.0", "Ampere;9.0", "7.5"])
+def test_an_architecture_without_clusters_is_refused_by_name(setup_py, value):
+    arch = value.replace(";", " ").split()[0]
+    with pytest.raises(ValueError, match=f"TORCH_CUDA_ARCH_LIST: {re.escape(arch)} is older"):
+        setup_py["cuda_arch_list"](value)
 
 
 @pytest.mark.parametrize("version, std", [("2.13.0", "c++17"), ("2.14.1", "c++20")])
