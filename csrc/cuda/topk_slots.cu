@@ -115,7 +115,8 @@ __global__ void __launch_bounds__(kTopkThreads) topk_slots_kernel(const TopkSlot
 
   const cg::cluster_group cluster = cg::this_cluster();
   const int C = a.cluster;
-  const int rank = static_cast<int>(cluster.block_rank());
+  // A cluster of one is a plain launch (launch_topk_slots): no cluster barrier, no DSMEM.
+  const int rank = C > 1 ? static_cast<int>(cluster.block_rank()) : 0;
   const int64_t t = blockIdx.x / C;
   const int64_t lo = min(a.L, int64_t(rank) * a.span);
   const int64_t n = min(a.L - lo, a.span);  // this CTA's slice: positions lo .. lo + n - 1
@@ -161,11 +162,16 @@ __global__ void __launch_bounds__(kTopkThreads) topk_slots_kernel(const TopkSlot
         count_bin(h, (k >> shift) & 0xFFu, k != 0 && (k & mask) == prefix);
       }
     }
-    cluster.sync();  // every slice's counts of this pass are in
-    for (int i = threadIdx.x; i < 256; i += blockDim.x) {
-      unsigned sum = 0;
-      for (int j = 0; j < C; ++j) sum += cluster.map_shared_rank(h, j)[i];
-      total[i] = sum;
+    if (C > 1) {
+      cluster.sync();  // every slice's counts of this pass are in
+      for (int i = threadIdx.x; i < 256; i += blockDim.x) {
+        unsigned sum = 0;
+        for (int j = 0; j < C; ++j) sum += cluster.map_shared_rank(h, j)[i];
+        total[i] = sum;
+      }
+    } else {
+      __syncthreads();
+      for (int i = threadIdx.x; i < 256; i += blockDim.x) total[i] = h[i];
     }
     __syncthreads();
     if (threadIdx.x < 32) {  // the digit holding the need-th largest, from the top bin down
@@ -297,7 +303,8 @@ cudaLaunchConfig_t cluster_launch(int64_t grid, int cluster, size_t smem, cudaSt
 cudaError_t launch_topk_slots(const TopkSlotsArgs& a, cudaStream_t stream) {
   cudaLaunchAttribute attr;
   const size_t smem = a.cache ? size_t(a.span) * sizeof(uint32_t) : 0;
-  const cudaLaunchConfig_t cfg = cluster_launch(a.T * a.cluster, a.cluster, smem, stream, &attr);
+  cudaLaunchConfig_t cfg = cluster_launch(a.T * a.cluster, a.cluster, smem, stream, &attr);
+  if (a.cluster == 1) cfg.numAttrs = 0;  // one CTA per token: no cluster scheduling
   return cudaLaunchKernelEx(&cfg, topk_slots_kernel, a);
 }
 

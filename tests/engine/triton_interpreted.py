@@ -268,7 +268,7 @@ def check_elementwise() -> None:
     for start, inter, turn in ((128, True, rope_interleaved), (0, False, rope_half)):
         want = torch.cat([x[..., :start], turn(x[..., start : start + 64], cos, sin),
                           x[..., start + 64 :]], dim=-1)  # fmt: skip
-        assert torch.equal(ew.rope(x, cos, sin, start=start, interleaved=inter), want), start
+        assert torch.equal(ew.rope_(x.clone(), cos, sin, start=start, interleaved=inter), want)
     kv = torch.randn(T, 576, generator=g) * torch.logspace(-4, 4, T)[:, None]
     w = 1 + 0.1 * torch.randn(512, generator=g)
     row = ew.latent_row(kv, w, 1e-6, cos, sin)

@@ -209,10 +209,17 @@ class SparseMLACore:
             )
         if self.kernel_rows and ids.shape[0]:
             w_uk, w_uv = self._split(kv_b_weight)
-            q_lat = torch.bmm(q_nope.to(w_uk.dtype).transpose(0, 1), w_uk).transpose(0, 1)
-            o = self.attend_latent(q_lat, q_pe, src, ids, misses).to(w_uv.dtype)
-            v = torch.bmm(o.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
-            return v.reshape(o.shape[0], -1)
+            t, h = q_nope.shape[:2]
+            # The products write the token-major buffers the next step reads (through
+            # transposed views), so neither the query nor the values are copied again.
+            q = q_nope.new_empty(t, h, KV_DIM, dtype=torch.bfloat16)
+            lat = q[..., :LATENT_DIM].transpose(0, 1)
+            _bmm_into(q_nope.to(w_uk.dtype).transpose(0, 1), w_uk, lat)
+            q[..., LATENT_DIM:] = q_pe
+            o = self.attend_latent(q, src, ids, misses).to(w_uv.dtype)
+            v = o.new_empty(t, h, w_uv.shape[1])
+            torch.bmm(o.transpose(0, 1), w_uv.transpose(1, 2), out=v.transpose(0, 1))
+            return v.view(t, -1)
         q_lat = mla.absorb_query(q_nope, kv_b_weight, cfg)
         step = max(1, CHUNK_ELEMS // (ids.shape[1] * KV_DIM))
         parts = [
@@ -252,11 +259,10 @@ class SparseMLACore:
         values = decode_rows(rows, self.row_format, q_lat.dtype)
         return mla.attend_rows(q_lat, q_pe, values, valid, self.cfg.softmax_scale)
 
-    def attend_latent(self, q_lat, q_pe, src, ids, misses=None) -> torch.Tensor:
-        """The kernels' attention in the latent: absorbed queries q_lat [T, H, 512] and q_pe [T,
-        H, 64] over rows ``ids`` [T, K] of the fp8 ``src`` -> latent mix [T, H, 512] bf16
-        (``misses``: see ``attend``)."""
-        q = torch.cat([q_lat, q_pe], dim=-1).to(torch.bfloat16)
+    def attend_latent(self, q, src, ids, misses=None) -> torch.Tensor:
+        """The kernels' attention in the latent: queries q [T, H, 576] bf16 (the absorbed
+        query, then the rotated one) over rows ``ids`` [T, K] of the fp8 ``src`` -> latent mix
+        [T, H, 512] bf16 (``misses``: see ``attend``)."""
         scale = self.cfg.softmax_scale
         if self.attention == "flashmla":
             return self._flash(q, src, ids, scale)
@@ -264,6 +270,14 @@ class SparseMLACore:
             splits = mla_kernel.splits_for(ids.shape[0], q.shape[1], src.device)
             return mla_kernel.sparse_mla(q, src, ids, scale, splits=splits)
         return _bmm_attention(q, src, ids, scale, misses)
+
+
+def _bmm_into(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
+    """``out[:] = a @ b`` (batched), written in place where the dtypes allow."""
+    if out.dtype == a.dtype:
+        torch.bmm(a, b, out=out)
+    else:
+        out.copy_(torch.bmm(a, b))
 
 
 def _bmm_attention(q, src, ids, scale, misses=None) -> torch.Tensor:

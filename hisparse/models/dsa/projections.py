@@ -2,7 +2,8 @@
 the MLA query and latent row of each token, the indexer's query / key / head weights, the sorted
 top-k a query attends to, and the attention output over the rows it read. With ``kernels=True``
 on CUDA the norms and rotary embeddings run as ``hisparse.models.dsa.kernels.elementwise`` (one
-launch each, the same values up to a norm's sum order).
+launch each, the rotations in place on the projections' outputs, the same values up to a norm's
+sum order).
 
 Weights are the layer's ``self_attn.*`` tensors keyed by their suffix (``q_a_proj.weight``,
 ``indexer.wq_b.weight``...), as transformers names them. The row math itself is
@@ -49,7 +50,7 @@ def mla_inputs(h: torch.Tensor, w: Weights, cfg: DSAConfig, rope: CosSin, *, ker
     if kernels and ew.supported(h, cos, sin, *norms):
         q_resid = ew.rms_norm(linear(h, w["q_a_proj.weight"]), norms[0], LATENT_NORM_EPS)
         q = linear(q_resid, w["q_b_proj.weight"]).view(t, cfg.num_heads, -1)
-        q = ew.rope(q, cos, sin, start=nope, interleaved=True)
+        q = ew.rope_(q, cos, sin, start=nope, interleaved=True)
         kv = linear(h, w["kv_a_proj_with_mqa.weight"])
         row = ew.latent_row(kv, norms[1], LATENT_NORM_EPS, cos, sin)
         return q_resid, q[..., :nope], q[..., nope:], row
@@ -75,7 +76,7 @@ def index_inputs(
     cos, sin = rope
     if kernels and ew.supported(q, k, cos, sin):
         turn = dict(cos=cos, sin=sin, start=0, interleaved=cfg.indexer_rope_interleave)
-        q, k = ew.rope(q, **turn), ew.rope(k.view(t, 1, d), **turn).view(t, d)
+        q, k = ew.rope_(q, **turn), ew.rope_(k.view(t, 1, d), **turn).view(t, d)
         return q, k, linear(h, w["indexer.weights_proj.weight"])
     turn = rope_interleaved if cfg.indexer_rope_interleave else rope_half
     q = torch.cat([turn(q[..., :ROPE_DIM], cos, sin), q[..., ROPE_DIM:]], dim=-1)

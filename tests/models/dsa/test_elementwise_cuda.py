@@ -34,16 +34,29 @@ def _ulps(got: torch.Tensor, want: torch.Tensor) -> float:
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("interleaved", [True, False])
 @pytest.mark.parametrize("shape,start", [((37, 16, 192), 128), ((37, 8, 128), 0), ((5, 1, 64), 0)])
-def test_rope_is_bit_identical_to_torch(dtype, interleaved, shape, start):
+def test_rope_is_bit_identical_to_torch_in_place(dtype, interleaved, shape, start):
     g = torch.Generator(device=GPU).manual_seed(1)
     T = shape[0]
-    x = _randn(g, T, shape[1], shape[2] + 8, dtype=dtype)[..., 8:]  # strided rows
+    buf = _randn(g, T, shape[1], shape[2] + 8, dtype=dtype)
+    x = buf[..., 8:]  # strided rows
     cos, sin = _randn(g, T, 64, dtype=dtype), _randn(g, T, 64, dtype=dtype)
     turn = rope_interleaved if interleaved else rope_half
     part = turn(x[..., start : start + 64], cos, sin)
     want = torch.cat([x[..., :start], part, x[..., start + 64 :]], dim=-1)
-    got = ew.rope(x, cos, sin, start=start, interleaved=interleaved)
-    assert got.is_contiguous() and torch.equal(got, want)
+    before = buf[..., :8].clone()
+    got = ew.rope_(x, cos, sin, start=start, interleaved=interleaved)
+    assert got is x and torch.equal(x, want)
+    assert torch.equal(buf[..., :8], before), "rope_ wrote outside x"
+
+
+@pytest.mark.parametrize("heads", [1, 3, 24, 128])
+def test_rope_covers_every_head(heads):
+    """Heads that are not a multiple of the kernel's head block: every one rotated, once."""
+    g = torch.Generator(device=GPU).manual_seed(6)
+    x = _randn(g, 5, heads, 192, dtype=torch.bfloat16)
+    cos, sin = _randn(g, 5, 64, dtype=torch.bfloat16), _randn(g, 5, 64, dtype=torch.bfloat16)
+    want = torch.cat([x[..., :128], rope_interleaved(x[..., 128:], cos, sin)], dim=-1)
+    assert torch.equal(ew.rope_(x, cos, sin, start=128, interleaved=True), want)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -86,7 +99,7 @@ def test_mismatched_inputs_fall_back_or_are_refused_by_name():
     cos = torch.zeros(4, 64, device=GPU)
     assert not ew.supported(x, cos)  # bf16 beside float32: the torch path runs
     with pytest.raises(ValueError, match="cos and sin"):
-        ew.rope(x, cos[:3].bfloat16(), cos[:3].bfloat16(), start=128, interleaved=True)
+        ew.rope_(x, cos[:3].bfloat16(), cos[:3].bfloat16(), start=128, interleaved=True)
     with pytest.raises(ValueError, match="kv must be"):
         ew.encode_fp8_rows(torch.zeros(4, 575, device=GPU))
 
