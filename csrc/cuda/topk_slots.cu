@@ -272,15 +272,6 @@ __global__ void __launch_bounds__(kTopkThreads) topk_slots_kernel(const TopkSlot
     for (int64_t j = written + threadIdx.x; j < a.K; j += blockDim.x) out[j] = -1;
 }
 
-}  // namespace
-
-cudaError_t topk_slots_allow_cache() {
-  return cudaFuncSetAttribute(topk_slots_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                              kTopkCacheRows * int(sizeof(uint32_t)));
-}
-
-namespace {
-
 // A launch of `grid` CTAs in clusters of `cluster`; `attr` must outlive the config.
 cudaLaunchConfig_t cluster_launch(int64_t grid, int cluster, size_t smem, cudaStream_t stream,
                                   cudaLaunchAttribute* attr) {
@@ -299,6 +290,11 @@ cudaLaunchConfig_t cluster_launch(int64_t grid, int cluster, size_t smem, cudaSt
 }
 
 }  // namespace
+
+cudaError_t topk_slots_allow_cache() {
+  return cudaFuncSetAttribute(topk_slots_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                              kTopkCacheRows * int(sizeof(uint32_t)));
+}
 
 cudaError_t launch_topk_slots(const TopkSlotsArgs& a, cudaStream_t stream) {
   cudaLaunchAttribute attr;
