@@ -24,7 +24,7 @@ addresses, so a graph recorded for one split (``graph_key``) serves its later st
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional
 
 import torch
 
@@ -249,13 +249,19 @@ class HybridRows(HiSparseRows):
         if pl["where"] == "mixed" and pl["n_host"]:
             self.worker.save_kv_layer(self.names[layer], rows, None, slot_mapping=pl["host_keys"])
 
-    def decode_rows(self, layer: int, keys: torch.Tensor, defer_misses: bool = False, decodes=None):
+    def decode_rows(
+        self, layer: int, keys: torch.Tensor, defer_misses: bool = False, decodes=None, *,
+        beside: Optional[Callable[[], None]] = None,
+    ):  # fmt: skip
         """(the layer's row buffer, each decode's rows in it, None): page rows of resident
-        decodes, hot rows the connector resolved for spilled ones."""
+        decodes, hot rows the connector resolved for spilled ones (``beside``: as
+        ``HiSparseRows.decode_rows``)."""
         if decodes is not None and decodes.q > 1:
             raise ValueError("hybrid residency decodes one token per request (no MTP verify)")
         pl, name = self._plan, self.names[layer]
         if not pl["n_sp"]:
+            if beside is not None:
+                beside()
             return self.buffers[layer], page_rows(keys, self.table.dev, BLOCK), None
         everyone = pl["n_sp"] == keys.shape[0]
         sp = None if everyone else pl["sp_dec"]
@@ -263,6 +269,8 @@ class HybridRows(HiSparseRows):
             (keys if everyone else keys.index_select(0, sp)) if self.cfg.is_full(layer) else None
         )
         got = self.worker.resolve(name, None if top_k is None else top_k.to(torch.int32))
+        if beside is not None:
+            beside()
         self.worker.wait_for_layer_load(name)
         if everyone:
             return self.buffers[layer], got, None

@@ -25,7 +25,7 @@ import torch
 
 from hisparse.models.dsa.core import CHUNK_ELEMS, SparseMLACore, TokenBatch
 from hisparse.models.dsa.decoder import Rotary, linear, mlp, moe
-from hisparse.models.dsa.projections import index_inputs, mla_inputs, norm
+from hisparse.models.dsa.projections import index_inputs, mla_query, mla_row, norm
 from hisparse.models.dsa.weights import Checkpoint
 from hisparse.models.rows import KV_DIM
 
@@ -144,21 +144,31 @@ class DSAForward:
         cfg, w, core = self.cfg, self.ck.attn[i], self.core
         d = as_decodes(nd)
         fused = core.kernel_rows
-        q_resid, q_nope, q_pe, row = mla_inputs(h, w, cfg, rope, kernels=fused)
+        q_resid, row = mla_row(h, w, cfg, rope, kernels=fused)
         store.save(i, core.encode_rows(row), slots)
         if cfg.is_full(i):
             q, k, head_w = index_inputs(h, q_resid, w, cfg, rope, kernels=fused)
             core.store_keys(self.index_keys[i], slots, k, batch.block_size)
             sel = core.select(q, head_w, self.index_keys[i], batch)
         kv_b = w["kv_b_proj.weight"]
-        parts = []
         td = d.tokens
+        heads = {}
+
+        def queries() -> None:  # attention alone reads them: made while the misses copy in
+            heads["nope"], heads["pe"] = mla_query(q_resid, w, cfg, rope, kernels=fused)
+            if td:
+                heads["decode"] = core.query(heads["nope"][:td], heads["pe"][:td], kv_b)
+
+        parts = []
         if td:
             keys, defer = sel[:td], core.reads_misses(td)
-            # One-token decodes keep the stores' three-argument call (their graph path).
+            # One-token decodes pass no Decodes (their graph path).
             extra = (d,) if d.q > 1 else ()
-            src, ids, misses = store.decode_rows(i, keys, defer, *extra)
-            parts.append(core.attend(q_nope[:td], q_pe[:td], kv_b, src, ids, misses))
+            src, ids, misses = store.decode_rows(i, keys, defer, *extra, beside=queries)
+            parts.append(core.attend_query(heads["decode"], kv_b, src, ids, misses))
+        else:
+            queries()
+        q_nope, q_pe = heads["nope"], heads["pe"]
         # Prefill tokens in chunks: their rows [T, K, 576] would not fit at once. Each token's
         # math is its own: chunks change no value, and both modes chunk alike.
         n = max(1, CHUNK_ELEMS // (cfg.index_topk * KV_DIM))

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import contextlib
 from contextvars import ContextVar
-from typing import List, Optional
+from typing import Callable, List, Optional
 
 import torch
 
@@ -122,7 +122,12 @@ class ResidentRows:
     def save(self, layer: int, rows: torch.Tensor, keys: torch.Tensor) -> None:
         self.rows[layer].index_copy_(0, keys, rows)
 
-    def decode_rows(self, layer: int, keys: torch.Tensor, defer_misses: bool = False, decodes=None):
+    def decode_rows(
+        self, layer: int, keys: torch.Tensor, defer_misses: bool = False, decodes=None, *,
+        beside: Optional[Callable[[], None]] = None,
+    ):  # fmt: skip
+        if beside is not None:
+            beside()
         return self.rows[layer], keys, None
 
     def prefill_rows(self, layer: int, keys: torch.Tensor):
@@ -213,16 +218,23 @@ class HiSparseRows:
         # keys stay on the rows' device: the save path a CUDA vLLM takes (no host sync)
         self.worker.save_kv_layer(self.names[layer], rows, None, slot_mapping=keys)
 
-    def decode_rows(self, layer: int, keys: torch.Tensor, defer_misses: bool = False, decodes=None):
+    def decode_rows(
+        self, layer: int, keys: torch.Tensor, defer_misses: bool = False, decodes=None, *,
+        beside: Optional[Callable[[], None]] = None,
+    ):  # fmt: skip
         """The decodes' rows, resolved into the hot buffers (the batch's leading state rows):
         (hot rows, ids, the misses left to attention's row read where ``defer_misses``).
         ``decodes`` (``model.Decodes``, decodes of several tokens): one union row of its tokens'
-        top-k per request, each token reading its own slice (``hisparse.models.dsa.union``)."""
+        top-k per request, each token reading its own slice (``hisparse.models.dsa.union``).
+        ``beside``: work that needs no row, run on the current stream after the resolve, while
+        the misses copy in (before the wait for them)."""
         name = self.names[layer]
         q, at = (decodes.q, decodes.at) if decodes is not None else (1, None)
         rows = decodes.rows if decodes is not None else keys.shape[0]
         top_k = union_rows(keys, at, rows, q) if self.cfg.is_full(layer) else None
         got = self.worker.resolve(name, top_k, defer_misses=defer_misses)
+        if beside is not None:
+            beside()
         self.worker.wait_for_layer_load(name)
         return self.worker.hot_rows(name), token_ids(got, at, q), self.worker.miss_plan(name)
 

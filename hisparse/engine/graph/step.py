@@ -28,7 +28,7 @@ from hisparse.engine.graph.drift import Drift
 from hisparse.models.dsa.core import SparseMLACore, TokenBatch
 from hisparse.models.dsa.decoder import Rotary
 from hisparse.models.dsa.kernels import elementwise as ew
-from hisparse.models.dsa.projections import index_inputs, mla_inputs, norm
+from hisparse.models.dsa.projections import index_inputs, mla_query, mla_row, norm
 from hisparse.models.rows import ROW_FORMATS, encode_rows
 from hisparse.runtime import HiSparseIndexGroup, HiSparseRuntime
 from hisparse.runtime.miss_plan import defer_misses
@@ -164,7 +164,7 @@ class CoreStep:
         for lay in self.layers:
             w = lay.w
             h = norm(x, w["norm"], 1e-6, kernels=fused)
-            q_resid, q_nope, q_pe, row = mla_inputs(h, w, dsa, self.rope, kernels=fused)
+            q_resid, row = mla_row(h, w, dsa, self.rope, kernels=fused)
             rows = core.encode_rows(row)
             q, k, head_w = index_inputs(h, q_resid, w, dsa, self.rope, kernels=fused)
             core.store_keys(lay.cache, self.new_slots, k, BLOCK)
@@ -174,7 +174,12 @@ class CoreStep:
                 src, ids, misses = lay.store, keys, None
             else:
                 src, (ids, misses) = lay.hot, self._resolve(lay, rows, keys)
-            values = core.attend(q_nope, q_pe, w["kv_b_proj.weight"], src, ids, misses)
+            # Both modes in one order; HiSparse's misses copy in meanwhile (copy stream).
+            kv_b = w["kv_b_proj.weight"]
+            query = core.query(*mla_query(q_resid, w, dsa, self.rope, kernels=fused), kv_b)
+            if mode != "resident" and misses is None:
+                lay.rt.wait_ready()
+            values = core.attend_query(query, kv_b, src, ids, misses)
             x = x + values @ w["o_proj.weight"].t() + 0 * ranked[:, :1]
             gu = norm(x, w["mlp_norm"], 1e-6, kernels=fused) @ w["w13"].t()
             gate, up = gu.split(self.cfg.mlp_inter, dim=1)
@@ -187,8 +192,8 @@ class CoreStep:
         return (hidden @ self.lm_head.t()).argmax(dim=-1), hidden
 
     def _resolve(self, lay: Layer, rows: torch.Tensor, keys: torch.Tensor) -> tuple:
-        """The connector's save on the copy stream, then resolve and gather: the hot rows and
-        (where the row read fetches the misses itself) the miss plan."""
+        """The connector's save on the copy stream, then resolve and the gather launched on it:
+        the hot rows and (where the row read fetches the misses itself) the miss plan."""
         slots = self.new_slots.int()
         if self.device.type == "cuda":
             g = lay.group
@@ -200,6 +205,5 @@ class CoreStep:
         ids = lay.rt.resolve(keys.to(torch.int32), self.state_rows)
         if self.core.reads_misses(self.batch):
             return ids, defer_misses(lay.rt)
-        lay.rt.gather()
-        lay.rt.wait_ready()
+        lay.rt.gather()  # the caller waits for it (lay.rt.wait_ready) once it needs the rows
         return ids, None

@@ -198,36 +198,64 @@ class SparseMLACore:
         misses=None,
     ) -> torch.Tensor:
         """Attention of each token over its rows ``ids`` [T, K] (-1 padding) of ``src`` (uint8
-        [N, row_bytes]) -> per-head values [T, H * v_head_dim] (the input of ``o_proj``).
-        ``misses``: a HiSparse step's miss plan (``hisparse.runtime.miss_plan.MissPlan``) when
-        ``src`` is the hot buffer and ``reads_misses`` said so: the read fetches them."""
+        [N, row_bytes]) -> per-head values [T, H * v_head_dim] (the input of ``o_proj``):
+        ``attend_query`` of ``query(q_nope, q_pe, kv_b_weight)``."""
+        self._check_misses(misses, ids)
+        return self.attend_query(
+            self.query(q_nope, q_pe, kv_b_weight), kv_b_weight, src, ids, misses
+        )
+
+    def query(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_b_weight: torch.Tensor):
+        """Each token's query in the latent, [T, H, 576]: q_nope [T, H, nope] absorbed through
+        kv_b_proj's W_uk, then the rotated q_pe [T, H, 64]. bf16 on the kernel path (what its
+        attention reads). It needs no row: a HiSparse step computes it while the misses copy in."""
+        if not self.kernel_rows:
+            q_lat = mla.absorb_query(q_nope, kv_b_weight, self.cfg)
+            return torch.cat([q_lat, q_pe.to(q_lat.dtype)], dim=-1)
+        w_uk, _ = self._split(kv_b_weight)
+        t, h = q_nope.shape[:2]
+        # The product writes the token-major buffer attention reads, through a transposed view:
+        # no concatenation copies it again.
+        q = q_nope.new_empty(t, h, KV_DIM, dtype=torch.bfloat16)
+        _bmm_into(q_nope.to(w_uk.dtype).transpose(0, 1), w_uk, q[..., :LATENT_DIM].transpose(0, 1))
+        q[..., LATENT_DIM:] = q_pe
+        return q
+
+    def attend_query(
+        self,
+        q: torch.Tensor,
+        kv_b_weight: torch.Tensor,
+        src: torch.Tensor,
+        ids: torch.Tensor,
+        misses=None,
+    ) -> torch.Tensor:
+        """``attend`` from the tokens' ``query`` q [T, H, 576]. ``misses``: a HiSparse step's
+        miss plan (``hisparse.runtime.miss_plan.MissPlan``) when ``src`` is the hot buffer and
+        ``reads_misses`` said so: the read fetches them."""
         cfg = self.cfg
+        self._check_misses(misses, ids)
+        if ids.shape[0] == 0:
+            return kv_b_weight.new_zeros(0, cfg.num_heads * cfg.v_head_dim)
+        if self.kernel_rows:
+            _, w_uv = self._split(kv_b_weight)
+            o = self.attend_latent(q, src, ids, misses).to(w_uv.dtype)
+            # Written token-major through a transposed view: no reshape copies it again.
+            v = o.new_empty(o.shape[0], o.shape[1], w_uv.shape[1])
+            torch.bmm(o.transpose(0, 1), w_uv.transpose(1, 2), out=v.transpose(0, 1))
+            return v.view(o.shape[0], -1)
+        step = max(1, CHUNK_ELEMS // (ids.shape[1] * KV_DIM))
+        parts = [
+            self._attend_torch(q[s : s + step], src, ids[s : s + step])
+            for s in range(0, ids.shape[0], step)
+        ]
+        return mla.expand_values(torch.cat(parts), kv_b_weight, cfg)
+
+    def _check_misses(self, misses, ids: torch.Tensor) -> None:
         if misses is not None and not self.reads_misses(ids.shape[0]):
             raise ValueError(
                 f"misses= given, but this core reads them only where reads_misses() is true "
                 f"(kernel rows, attention='bmm', misses={self.misses!r})"
             )
-        if self.kernel_rows and ids.shape[0]:
-            w_uk, w_uv = self._split(kv_b_weight)
-            t, h = q_nope.shape[:2]
-            # The products write the token-major buffers the next step reads (through
-            # transposed views), so neither the query nor the values are copied again.
-            q = q_nope.new_empty(t, h, KV_DIM, dtype=torch.bfloat16)
-            lat = q[..., :LATENT_DIM].transpose(0, 1)
-            _bmm_into(q_nope.to(w_uk.dtype).transpose(0, 1), w_uk, lat)
-            q[..., LATENT_DIM:] = q_pe
-            o = self.attend_latent(q, src, ids, misses).to(w_uv.dtype)
-            v = o.new_empty(t, h, w_uv.shape[1])
-            torch.bmm(o.transpose(0, 1), w_uv.transpose(1, 2), out=v.transpose(0, 1))
-            return v.view(t, -1)
-        q_lat = mla.absorb_query(q_nope, kv_b_weight, cfg)
-        step = max(1, CHUNK_ELEMS // (ids.shape[1] * KV_DIM))
-        parts = [
-            self._attend_torch(q_lat[s : s + step], q_pe[s : s + step], src, ids[s : s + step])
-            for s in range(0, ids.shape[0], step)
-        ]
-        o = torch.cat(parts) if parts else q_lat.new_zeros(0, cfg.num_heads, LATENT_DIM)
-        return mla.expand_values(o, kv_b_weight, cfg)
 
     def reads_misses(self, num_tokens: int) -> bool:
         """Whether ``attend`` over ``num_tokens`` tokens' hot rows should be handed the miss plan
@@ -251,13 +279,14 @@ class SparseMLACore:
             self._splits[id(kv_b)] = (weakref.ref(kv_b), kv_b._version, *got)
         return got
 
-    def _attend_torch(self, q_lat, q_pe, src, ids) -> torch.Tensor:
+    def _attend_torch(self, q, src, ids) -> torch.Tensor:
         valid = ids >= 0
         rows = src[ids.clamp(min=0)]
         # Padding entries read an arbitrary row: zero it so no NaN byte pattern reaches softmax.
         rows = torch.where(valid.unsqueeze(-1), rows, torch.zeros_like(rows))
-        values = decode_rows(rows, self.row_format, q_lat.dtype)
-        return mla.attend_rows(q_lat, q_pe, values, valid, self.cfg.softmax_scale)
+        values = decode_rows(rows, self.row_format, q.dtype)
+        lat, pe = q[..., :LATENT_DIM], q[..., LATENT_DIM:]
+        return mla.attend_rows(lat, pe, values, valid, self.cfg.softmax_scale)
 
     def attend_latent(self, q, src, ids, misses=None) -> torch.Tensor:
         """The kernels' attention in the latent: queries q [T, H, 576] bf16 (the absorbed

@@ -42,26 +42,31 @@ def norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, kernels=False) ->
     return rms_norm(x, weight, eps)
 
 
-def mla_inputs(h: torch.Tensor, w: Weights, cfg: DSAConfig, rope: CosSin, *, kernels=False):
-    """(q_resid [T, q_lora_rank], q_nope [T, H, nope], q_pe [T, H, 64], row values [T, 576])."""
-    t, nope = h.shape[0], cfg.qk_nope_head_dim
+def mla_row(h: torch.Tensor, w: Weights, cfg: DSAConfig, rope: CosSin, *, kernels=False):
+    """(q_resid [T, q_lora_rank], row values [T, 576]): what the indexer and the row store need
+    before the selection."""
     cos, sin = rope
     norms = w["q_a_layernorm.weight"], w["kv_a_layernorm.weight"]
     if kernels and ew.supported(h, cos, sin, *norms):
         q_resid = ew.rms_norm(linear(h, w["q_a_proj.weight"]), norms[0], LATENT_NORM_EPS)
-        q = linear(q_resid, w["q_b_proj.weight"]).view(t, cfg.num_heads, -1)
-        q = ew.rope_(q, cos, sin, start=nope, interleaved=True)
         kv = linear(h, w["kv_a_proj_with_mqa.weight"])
-        row = ew.latent_row(kv, norms[1], LATENT_NORM_EPS, cos, sin)
-        return q_resid, q[..., :nope], q[..., nope:], row
-    q_resid = rms_norm(linear(h, w["q_a_proj.weight"]), w["q_a_layernorm.weight"], LATENT_NORM_EPS)
-    q = linear(q_resid, w["q_b_proj.weight"]).view(t, cfg.num_heads, -1)
-    q_nope, q_pe = q[..., :nope], q[..., nope:]
+        return q_resid, ew.latent_row(kv, norms[1], LATENT_NORM_EPS, cos, sin)
+    q_resid = rms_norm(linear(h, w["q_a_proj.weight"]), norms[0], LATENT_NORM_EPS)
     kv = linear(h, w["kv_a_proj_with_mqa.weight"])
-    latent = rms_norm(kv[:, :LATENT_DIM], w["kv_a_layernorm.weight"], LATENT_NORM_EPS)
-    q_pe = rope_interleaved(q_pe, cos, sin)
-    k_pe = rope_interleaved(kv[:, LATENT_DIM:], cos, sin)
-    return q_resid, q_nope, q_pe, mla.latent_row(latent, k_pe)
+    latent = rms_norm(kv[:, :LATENT_DIM], norms[1], LATENT_NORM_EPS)
+    return q_resid, mla.latent_row(latent, rope_interleaved(kv[:, LATENT_DIM:], cos, sin))
+
+
+def mla_query(q_resid: torch.Tensor, w: Weights, cfg: DSAConfig, rope: CosSin, *, kernels=False):
+    """(q_nope [T, H, nope], q_pe [T, H, 64]): the query heads. Only attention reads them, so a
+    HiSparse step computes them while the layer's misses copy in."""
+    t, nope = q_resid.shape[0], cfg.qk_nope_head_dim
+    cos, sin = rope
+    q = linear(q_resid, w["q_b_proj.weight"]).view(t, cfg.num_heads, -1)
+    if kernels and ew.supported(q, cos, sin):
+        q = ew.rope_(q, cos, sin, start=nope, interleaved=True)
+        return q[..., :nope], q[..., nope:]
+    return q[..., :nope], rope_interleaved(q[..., nope:], cos, sin)
 
 
 def index_inputs(

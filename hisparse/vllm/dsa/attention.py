@@ -206,29 +206,39 @@ class DSAAttention(nn.Module):
         cfg = self.cfg
         t = h.shape[0]
         q_resid = self.q_a_layernorm(self.q_a_proj(h))
-        q = self.q_b_proj(q_resid).view(t, cfg.num_heads, -1)
-        q_nope, q_pe = q[..., : cfg.qk_nope_head_dim], q[..., cfg.qk_nope_head_dim :]
         kv_a = self.kv_a_proj_with_mqa(h)
         latent = self.kv_a_layernorm(kv_a[:, :LATENT_DIM].contiguous())
-        if step is None:  # profiling: shapes only, no cache
+        if step is None:  # profiling: shapes only, no cache (the query heads' memory counted)
+            self.q_b_proj(q_resid)
             return self._out(latent.new_zeros(t, cfg.num_heads * cfg.v_head_dim)), selection
-        q_pe, k_pe = self.rotary_emb.forward_native(
-            step.positions, q_pe.contiguous(), kv_a[:, None, LATENT_DIM:].contiguous()
+        k_pe, _ = self.rotary_emb.forward_native(
+            step.positions, kv_a[:, None, LATENT_DIM:].contiguous()
         )
         rows = self.core.encode_rows(mla.latent_row(latent, k_pe.view(t, ROPE_DIM)))
         if self.indexer is not None:
             selection = self.indexer.select(h, q_resid, step)
-        values = self._attend(q_nope, q_pe.view(t, cfg.num_heads, ROPE_DIM), rows, selection, step)
+        values = self._attend(lambda: self._heads(q_resid, step), rows, selection, step)
         return self._out(values), selection
+
+    def _heads(self, q_resid: torch.Tensor, step: Step):
+        """(q_nope [T, H, nope], the rotated q_pe [T, H, 64]) of this rank's query heads."""
+        cfg, t = self.cfg, q_resid.shape[0]
+        q = self.q_b_proj(q_resid).view(t, cfg.num_heads, -1)
+        q_pe, _ = self.rotary_emb.forward_native(
+            step.positions, q[..., cfg.qk_nope_head_dim :].contiguous()
+        )
+        return q[..., : cfg.qk_nope_head_dim], q_pe.view(t, cfg.num_heads, ROPE_DIM)
 
     def _out(self, values: torch.Tensor) -> torch.Tensor:
         """``o_proj`` of this rank's heads' values, summed over the ranks' heads."""
         out = self.o_proj(values)
         return tensor_model_parallel_all_reduce(out) if self.tp_size > 1 else out
 
-    def _attend(self, q_nope, q_pe, rows, selection: torch.Tensor, step: Step) -> torch.Tensor:
+    def _attend(self, heads, rows, selection: torch.Tensor, step: Step) -> torch.Tensor:
         """Per-head values [T, H * v_head_dim]: decodes (the leading rows) over the hot buffer
-        or the resident rows, then the prefill tokens in chunks over rows read by slot."""
+        or the resident rows, then the prefill tokens in chunks over rows read by slot.
+        ``heads()`` makes the query heads (q_nope, q_pe); no row is needed for them, so a
+        HiSparse step makes them while its misses copy in."""
         meta, connector = step.meta, step.connector
         name, kv_b = self.kv_rows.prefix, self.kv_b_proj.weight
         if connector is not None:
@@ -238,7 +248,7 @@ class DSAAttention(nn.Module):
             store.index_copy_(0, meta.slot_mapping, rows)
         nd, q = meta.num_decodes, meta.decode_len
         td = meta.query_start[nd]  # the decodes' tokens lead
-        parts = []
+        parts, q_nope = [], None
         if nd:
             keys = selection[:td]
             if connector is not None:
@@ -248,11 +258,17 @@ class DSAAttention(nn.Module):
                 defer = self.core.reads_misses(td)  # the row read fetches them (kernels/misses)
                 got = connector.resolve(name, top_k, state_rows=step.state_rows, defer_misses=defer)
                 ids = token_ids(got, at, q)
+                q_nope, q_pe = heads()  # the misses copy in meanwhile (copy stream)
+                query = self.core.query(q_nope[:td], q_pe[:td], kv_b)
                 connector.wait_for_layer_load(name)
                 src, misses = connector.hot_rows(name), connector.miss_plan(name)
             else:
+                q_nope, q_pe = heads()
+                query = self.core.query(q_nope[:td], q_pe[:td], kv_b)
                 src, ids, misses = store, keys, None
-            parts.append(self.core.attend(q_nope[:td], q_pe[:td], kv_b, src, ids, misses))
+            parts.append(self.core.attend_query(query, kv_b, src, ids, misses))
+        if q_nope is None:
+            q_nope, q_pe = heads()
         t, k = selection.shape
         n = max(1, CHUNK_ELEMS // (k * KV_DIM))
         for s in range(td, t, n):

@@ -81,9 +81,9 @@ def spy(monkeypatch):
         seen["prefill_reads"].append(src.device.type)
         return src, ids
 
-    def decode(self, layer, keys, defer_misses=False):
+    def decode(self, layer, keys, defer_misses=False, *, beside=None):
         seen["decode_reads"] += 1
-        return real_decode(self, layer, keys, defer_misses)
+        return real_decode(self, layer, keys, defer_misses, beside=beside)
 
     monkeypatch.setattr(host_save, "_save_cuda", save)
     monkeypatch.setattr(HiSparseRows, "prefill_rows", prefill)

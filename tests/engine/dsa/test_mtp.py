@@ -71,7 +71,7 @@ class StaleReadCheck:
         self.stale_reads += len(hit)
         assert not hit, f"layer {layer} read rejected rows {sorted(hit)} before rewriting them"
 
-    def decode_rows(self, layer, keys, defer_misses=False, decodes=None):
+    def decode_rows(self, layer, keys, defer_misses=False, decodes=None, *, beside=None):
         self._check(layer, keys)
         self.decode_tokens[layer] += keys.shape[0]
         if self.cfg.is_full(layer):
@@ -81,8 +81,8 @@ class StaleReadCheck:
                 k = keys[row == r]
                 self.lookups += len(set(k[k >= 0].tolist()))
         if decodes is None:
-            return self.inner.decode_rows(layer, keys, defer_misses)
-        return self.inner.decode_rows(layer, keys, defer_misses, decodes)
+            return self.inner.decode_rows(layer, keys, defer_misses, beside=beside)
+        return self.inner.decode_rows(layer, keys, defer_misses, decodes, beside=beside)
 
     def prefill_rows(self, layer, keys):
         self._check(layer, keys)

@@ -10,7 +10,7 @@ import torch
 from hisparse.models.dsa.config import DSAConfig
 from hisparse.models.dsa.decoder import Rotary, rms_norm, rope_half, rope_interleaved
 from hisparse.models.dsa.kernels import elementwise as ew
-from hisparse.models.dsa.projections import index_inputs, mla_inputs
+from hisparse.models.dsa.projections import index_inputs, mla_query, mla_row
 from hisparse.models.dsa.random_checkpoint import random_config
 from hisparse.models.rows import encode_rows
 from tests.devices import needs_cuda
@@ -129,11 +129,16 @@ def test_projections_with_the_kernels_match_torch(arch, dtype):
     cos, sin = Rotary(cfg, 4096, GPU)(torch.arange(100, 100 + T, device=GPU))
     rope = (cos.to(dtype), sin.to(dtype))
     tol = 0.05 if dtype == torch.bfloat16 else 1e-4
-    fast = mla_inputs(h, w, cfg, rope, kernels=True)
-    slow = mla_inputs(h, w, cfg, rope)
+    fast = mla_row(h, w, cfg, rope, kernels=True)
+    slow = mla_row(h, w, cfg, rope)
     for a, b in zip(fast, slow):
         assert a.shape == b.shape and a.dtype == b.dtype
         assert torch.allclose(a.float(), b.float(), rtol=tol, atol=tol)
+    # the same q_resid in: the product and the rotary are exact
+    fast_q = mla_query(fast[0], w, cfg, rope, kernels=True)
+    slow_q = mla_query(fast[0], w, cfg, rope)
+    for a, b in zip(fast_q, slow_q):
+        assert a.shape == b.shape and torch.equal(a, b)
     fast_i = index_inputs(h, fast[0], w, cfg, rope, kernels=True)
     slow_i = index_inputs(h, fast[0], w, cfg, rope)
     for a, b in zip(fast_i, slow_i):
