@@ -94,6 +94,10 @@ constexpr int kCopyThreads = 256;
 constexpr int kCopyWarps = kCopyThreads / 32;
 constexpr int kCopyUnroll = 8;          // independent 16-byte loads in flight per lane
 constexpr int kCopyMaxBatch = 8192;     // batch rows per launch (chunk prefix in shared memory)
+// CTAs of a copy with one side in pinned host memory (HISPARSE_PCIE_COPY_CTAS overrides; 0: no
+// cap). PCIe sets its rate, which this many CTAs reach (H200); the other SMs stay free for the
+// work beside it, such as the query heads made while a step's misses copy in.
+constexpr int kPcieCopyCtas = 64;
 
 struct CopyLayer {
   const uint8_t* src;

@@ -9,6 +9,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <atomic>
 #include <mutex>
 #include <string>
@@ -145,7 +146,23 @@ struct CopyPlan {
   const int32_t* count;  // nullptr: every planned row
   int64_t B, K;
   bool align_dst;
+  bool over_pcie = false;  // a host view in pinned host memory
 };
+
+// kPcieCopyCtas, or HISPARSE_PCIE_COPY_CTAS where set (read once).
+int pcie_copy_ctas() {
+  static const int ctas = [] {
+    const char* s = std::getenv("HISPARSE_PCIE_COPY_CTAS");
+    if (s == nullptr || *s == '\0') return kPcieCopyCtas;
+    char* end = nullptr;
+    const long n = std::strtol(s, &end, 10);
+    TORCH_CHECK(end != s && *end == '\0' && n >= 0 && n <= (1 << 20),
+                "HISPARSE_PCIE_COPY_CTAS must be a whole number from 0 (no cap) to 2^20, got '",
+                s, "'");
+    return static_cast<int>(n);
+  }();
+  return ctas;
+}
 
 int copy_blocks(int device, bool many) {
   static std::atomic<int> cached[2][64];
@@ -187,8 +204,10 @@ void copy_launches(const CopyPlan& plan, int64_t l0, int64_t L, unsigned long lo
   a.K = static_cast<int>(plan.K);
   a.L = static_cast<int>(L);
   a.align_dst = plan.align_dst ? 1 : 0;
-  const int64_t resident_warps =
-      int64_t(num_sms(device)) * copy_blocks(device, MAXL > kSmallCopyLayers) * kCopyWarps;
+  int64_t max_grid = int64_t(num_sms(device)) * copy_blocks(device, MAXL > kSmallCopyLayers);
+  if (plan.over_pcie && pcie_copy_ctas() > 0)
+    max_grid = std::min<int64_t>(max_grid, pcie_copy_ctas());
+  const int64_t resident_warps = max_grid * kCopyWarps;
   for (int64_t r0 = 0; r0 < plan.B; r0 += kCopyMaxBatch) {
     const int Bc = static_cast<int>(std::min<int64_t>(kCopyMaxBatch, plan.B - r0));
     a.src_idx = plan.src_idx + r0 * plan.K;
@@ -202,7 +221,6 @@ void copy_launches(const CopyPlan& plan, int64_t l0, int64_t L, unsigned long lo
     while (chunk_log2 < 3 && (upper_rows >> (chunk_log2 + 1)) >= 2 * resident_warps) ++chunk_log2;
     a.chunk_log2 = chunk_log2;
     const int64_t items = int64_t(Bc) * ((plan.K + (1 << chunk_log2) - 1) >> chunk_log2) * L;
-    const int64_t max_grid = resident_warps / kCopyWarps;
     const int grid = static_cast<int>(
         std::max<int64_t>(1, std::min((items + kCopyWarps - 1) / kCopyWarps, max_grid)));
     const size_t smem = static_cast<size_t>(Bc + 1) * sizeof(int);
@@ -247,6 +265,7 @@ void run_copy(CopyPlan& cp, at::TensorList host, const at::Tensor& index,
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device);
   const bool host_is_dst = cp.align_dst;
   for (size_t l = 0; l < cp.src.size(); ++l) {
+    cp.over_pcie = cp.over_pcie || host[l].device().is_cpu();
     uint8_t* h = host_is_dst ? cp.dst[l].base : cp.src[l].base;
     uint8_t* h_dev = const_cast<uint8_t*>(
         device_address(host[l], h, device, op, "host[" + std::to_string(l) + "]"));

@@ -413,6 +413,43 @@ def test_gather_host_on_device_and_registered_host_memory():
         cudart.cudaHostUnregister(registered.data_ptr())
 
 
+_CAPPED_GATHER = """
+import torch
+from hisparse import ops
+g = torch.Generator().manual_seed(5)
+host = torch.randint(0, 256, (20000, 656), generator=g, dtype=torch.uint8).pin_memory()
+src = torch.randint(0, 20000, (64, 512), generator=g, dtype=torch.int64).to(torch.int32)
+dst = torch.randperm(64 * 512, generator=g).to(torch.int32).view(64, 512)
+cnt = torch.randint(0, 513, (64,), generator=g, dtype=torch.int64).to(torch.int32)
+ref = [torch.zeros(64 * 512, 656, dtype=torch.uint8)]
+ops.gather([host], ref, src, dst, cnt)
+hot = [torch.zeros(64 * 512, 656, dtype=torch.uint8, device="cuda")]
+ops.gather([host], hot, src.cuda(), dst.cuda(), cnt.cuda())
+torch.cuda.synchronize()
+assert torch.equal(hot[0].cpu(), ref[0])
+print("equal")
+"""
+
+
+@pytest.mark.parametrize("ctas, ok", [("1", True), ("0", True), ("", True), ("64x", False)])
+def test_gather_over_pcie_with_any_cta_cap(ctas, ok):
+    """HISPARSE_PCIE_COPY_CTAS: one CTA, no cap and the default copy the same rows; a value
+    that is not a whole number is refused by name (read once per process: a child each)."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, HISPARSE_PCIE_COPY_CTAS=ctas)
+    run = subprocess.run(
+        [sys.executable, "-c", _CAPPED_GATHER], env=env, capture_output=True, text=True, timeout=120
+    )
+    if ok:
+        assert run.returncode == 0 and run.stdout.split() == ["equal"], run.stderr[-2000:]
+    else:
+        assert run.returncode != 0
+        assert "HISPARSE_PCIE_COPY_CTAS must be a whole number" in run.stderr, run.stderr[-2000:]
+
+
 def test_gather_many_layers_one_call():
     """Any number of layers per call (the CUDA backend splits into launches of 64)."""
     g = torch.Generator().manual_seed(4)
