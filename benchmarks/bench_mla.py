@@ -53,8 +53,7 @@ def main(argv=None) -> int:
             [torch.randperm(R, generator=g, device="cuda")[:K] + b * R for b in range(n)]
         )
         q = torch.randn(n, cfg.heads, 576, generator=g, device="cuda").bfloat16()
-        q_lat, q_pe = q[..., :512], q[..., 512:]
-        base = median_us(lambda: core.attend_latent(q_lat, q_pe, src, ids), args.reps)
+        base = median_us(lambda: core.attend_latent(q, src, ids), args.reps)
         splits = splits_for(n, cfg.heads, "cuda")  # for the default heads per program
         row = dict(batch=n, bmm_path_us=base, splits=splits, shapes={})
         for hb, bn, w, st in SHAPES:

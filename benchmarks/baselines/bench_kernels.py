@@ -281,12 +281,11 @@ def bench_mla(args, timer, g) -> list:
              for b in range(n)]
         )  # fmt: skip
         q = (torch.randn(n, HEADS, 576, device="cuda", generator=g) * 0.5).bfloat16()
-        q_lat, q_pe = q[..., :512], q[..., 512:]
         kv = gather_decode(src, ids).double()  # the rows' exact values
         s = torch.einsum("nhd,nkd->nhk", q.double(), kv) * scale
         want = torch.einsum("nhk,nkd->nhd", s.softmax(-1), kv[..., :512])
         del kv, s
-        fns = {a: (lambda c=c: c.attend_latent(q_lat, q_pe, src, ids)) for a, c in cores.items()}
+        fns = {a: (lambda c=c: c.attend_latent(q, src, ids)) for a, c in cores.items()}
         errs = {a: err(fn(), want) for a, fn in fns.items()}
         if fm is not None:
             try:

@@ -97,7 +97,7 @@ constexpr int kCopyMaxBatch = 8192;     // batch rows per launch (chunk prefix i
 // CTAs of a copy with one side in pinned host memory (HISPARSE_PCIE_COPY_CTAS overrides; 0: no
 // cap). PCIe sets its rate, which this many CTAs reach (H200); the other SMs stay free for the
 // work beside it, such as the query heads made while a step's misses copy in.
-constexpr int kPcieCopyCtas = 64;
+constexpr int kPcieCopyCtas = 32;
 
 struct CopyLayer {
   const uint8_t* src;

@@ -42,15 +42,15 @@ def test_flashmla_agrees_with_the_triton_path_and_ignores_padding(heads):
     cfg, src, ids, q = _setup(heads)
     flash = SparseMLACore(cfg, "fp8", GPU, attention="flashmla")
     bmm = SparseMLACore(cfg, "fp8", GPU, attention="bmm")
-    a = flash.attend_latent(q[..., :512], q[..., 512:], src, ids).float()
-    b = bmm.attend_latent(q[..., :512], q[..., 512:], src, ids).float()
+    a = flash.attend_latent(q, src, ids).float()
+    b = bmm.attend_latent(q, src, ids).float()
     assert float((a - b).abs().max() / b.abs().max()) < 2e-2
     # the padded request: its 40 rows only (garbage in the padded ids' rows changes nothing)
     other = src.clone()
     keep = torch.zeros(N, dtype=torch.bool, device=GPU)
     keep[ids[ids >= 0]] = True
     other[~keep] = encode_rows(torch.randn(int((~keep).sum()), 576, device=GPU), "fp8")
-    c = flash.attend_latent(q[..., :512], q[..., 512:], other, ids).float()
+    c = flash.attend_latent(q, other, ids).float()
     assert torch.equal(a, c), "rows outside the selection changed the result"
 
 
@@ -61,12 +61,12 @@ def test_the_same_bytes_elsewhere_give_the_same_bits_eagerly_and_replayed():
     hot = torch.empty_like(src)
     hot[perm] = src
     hot_ids = torch.where(ids >= 0, perm[ids.clamp(min=0)], ids)
-    a = core.attend_latent(q[..., :512], q[..., 512:], src, ids)
-    b = core.attend_latent(q[..., :512], q[..., 512:], hot, hot_ids)
+    a = core.attend_latent(q, src, ids)
+    b = core.attend_latent(q, hot, hot_ids)
     assert torch.equal(a, b)
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        out = core.attend_latent(q[..., :512], q[..., 512:], hot, hot_ids)
+        out = core.attend_latent(q, hot, hot_ids)
     g.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, a)
