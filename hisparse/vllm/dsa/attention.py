@@ -211,9 +211,7 @@ class DSAAttention(nn.Module):
         if step is None:  # profiling: shapes only, no cache (the query heads' memory counted)
             self.q_b_proj(q_resid)
             return self._out(latent.new_zeros(t, cfg.num_heads * cfg.v_head_dim)), selection
-        k_pe, _ = self.rotary_emb.forward_native(
-            step.positions, kv_a[:, None, LATENT_DIM:].contiguous()
-        )
+        k_pe = self._rotated(step.positions, kv_a[:, None, LATENT_DIM:].contiguous())
         rows = self.core.encode_rows(mla.latent_row(latent, k_pe.view(t, ROPE_DIM)))
         if self.indexer is not None:
             selection = self.indexer.select(h, q_resid, step)
@@ -224,10 +222,14 @@ class DSAAttention(nn.Module):
         """(q_nope [T, H, nope], the rotated q_pe [T, H, 64]) of this rank's query heads."""
         cfg, t = self.cfg, q_resid.shape[0]
         q = self.q_b_proj(q_resid).view(t, cfg.num_heads, -1)
-        q_pe, _ = self.rotary_emb.forward_native(
-            step.positions, q[..., cfg.qk_nope_head_dim :].contiguous()
-        )
+        q_pe = self._rotated(step.positions, q[..., cfg.qk_nope_head_dim :].contiguous())
         return q[..., : cfg.qk_nope_head_dim], q_pe.view(t, cfg.num_heads, ROPE_DIM)
+
+    def _rotated(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """x [T, n, 64] rotated at ``positions``. The key and the query heads are rotated apart
+        (the heads wait for the resolve), but DeepSeek's YaRN rotary wants a key beside every
+        query: a one-head view of x goes along (each value's math is its own)."""
+        return self.rotary_emb.forward_native(positions, x, x[:, :1])[0]
 
     def _out(self, values: torch.Tensor) -> torch.Tensor:
         """``o_proj`` of this rank's heads' values, summed over the ranks' heads."""
