@@ -113,7 +113,9 @@ def _split_hooks(step: CoreStep) -> list:
         (rows, "gather_decode", "row read / misses"),
         (misses, "read_with_misses", "row read / misses"),
         (misses, "stage_misses", "row read / misses"),
-        (step.core, "attend", "attention"),  # the absorbed products, scores, softmax, values
+        (step.core, "query", "attention"),  # the absorbed query (made beside the misses' copy)
+        (step.core, "attend_query", "attention"),  # scores, softmax, the values' product
+        (step.core, "attend", "attention"),  # both, where a caller makes them in one call
         (ops, "save_rows", "save (copy stream)"),
         (step, "stage", "staging"),  # the next step's selection: not part of a step
     ]

@@ -1,5 +1,6 @@
 """Capacity by context length from bench_decode_tpot.py runs with --capacity (one JSON per
---context): each mode at the most requests the KV budget holds, its tokens/s, and the ratio.
+--context): each mode at the most requests the KV budget holds, its tokens/s, the ratio (both
+modes of one run), and the commit the run measured.
 
     python benchmarks/capacity_report.py benchmarks/results/engine_tpot_h200*.json \
         --out benchmarks/results/capacity_by_context_h200.md
@@ -16,15 +17,16 @@ def table(runs: list) -> str:
     rows = sorted(runs, key=lambda r: r["capacity"]["context"])
     out = [
         "| context | requests that fit: resident / HiSparse | resident tok/s | HiSparse tok/s "
-        "| ratio | hit rate |",
-        "|---:|---:|---:|---:|---:|---:|",
+        "| ratio | hit rate | commit |",
+        "|---:|---:|---:|---:|---:|---:|---|",
     ]
     for r in rows:
         c = r["capacity"]
         n, tok = c["max_batch"], c["tok_s"]
         out.append(
             f"| {c['context']} | {n['resident']} / {n['hisparse']} | {tok['resident']:.0f} | "
-            f"{tok['hisparse']:.0f} | {c['ratio']:.2f}x | {c['hit_rate']:.3f} |"
+            f"{tok['hisparse']:.0f} | {c['ratio']:.2f}x | {c['hit_rate']:.3f} | "
+            f"{r.get('commit', '?')} |"
         )
     return "\n".join(out)
 
