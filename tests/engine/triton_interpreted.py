@@ -28,8 +28,9 @@ import triton.language as tl
 
 from hisparse.models.dsa import index_keys
 from hisparse.models.dsa.config import DSAConfig
-from hisparse.models.dsa.core import SparseMLACore, TokenBatch, _sorted
+from hisparse.models.dsa.core import SparseMLACore, TokenBatch
 from hisparse.models.dsa.decoder import rms_norm, rope_half, rope_interleaved
+from hisparse.models.dsa.indexer import sorted_positions
 from hisparse.models.dsa.kernels import elementwise as ew
 from hisparse.models.dsa.kernels import fp8_queries as fq
 from hisparse.models.dsa.kernels import indexer as idx_kernel
@@ -75,7 +76,7 @@ def check_kernels() -> None:
         best, idx = scores.topk(k, dim=-1, sorted=False)
         got = select_kernel.selection_slots(best, idx, b.req, bt, bs, top_k)
         pos = torch.where(torch.isfinite(best), idx, torch.full_like(idx, -1))
-        assert torch.equal(got, b.slots(_sorted(pos, top_k))), f"selection_slots k={k}"
+        assert torch.equal(got, b.slots(sorted_positions(pos, top_k))), f"selection_slots k={k}"
     # the masked softmax: padding (-1) takes no weight
     s = torch.randn(3, 6, 40, generator=g)
     ids = torch.randint(0, 99, (3, 40), generator=g)

@@ -4,13 +4,11 @@ connector's host pool and continue through hot buffers; spilled requests come ba
 when enough are free (policy: ``hisparse.engine.dsa.residency``).
 
 One registered row buffer per layer: ``device_blocks * BLOCK`` page rows, then the connector's
-hot buffers (``hot_slots * hot_size`` rows, one per connector state row, so at most
-``hot_slots`` requests are spilled at once; default one per request). A step
-decodes resident and spilled requests together: attention reads each decode's selected rows out
-of that one buffer, page rows through the page table (resident) or the hot rows the connector
-resolved (spilled), so one ``attend`` call serves the mixed batch. The connector sees only
-spilled requests (its batch is their decodes, in batch order). Keys are the engine's:
-``slot * max_context + position`` for the index keys and the host pool alike.
+hot buffers (``hot_slots * hot_size`` rows, one per state row: at most ``hot_slots`` requests
+spilled at once; default one per request). A step decodes both kinds together: attention reads
+each decode's rows out of that one buffer, page rows through the page table or the hot rows the
+connector resolved, so one ``attend`` serves the mixed batch. The connector sees only spilled
+requests, in batch order. Keys are ``slot * max_context + position``, index keys and host pool.
 
 A spill writes the request's rows, every layer, to the host pool with the connector's
 ``save_kv_layer``; a return reads them back with ``load_host_rows``. A spilled request's new
@@ -36,6 +34,7 @@ from hisparse.engine.dsa.stores import (
     Request,
     injected_fault,
     layer_buffers,
+    nothing,
     upload,
 )
 from hisparse.models.dsa.config import DSAConfig
@@ -125,11 +124,9 @@ class HybridRows(HiSparseRows):
         resident = sum(s in pages for s in slots)
         decodes = sum(bool(self.held[s]) for s in slots)
         where = {len(slots): "device", 0: "host"}.get(resident, "mixed")
-        r = (
-            route(slots, new, self.held, pages, self.max_context, BLOCK)
-            if where == "mixed"
-            else None
-        )
+        r = None
+        if where == "mixed":
+            r = route(slots, new, self.held, pages, self.max_context, BLOCK)
         for s, n in zip(slots, new):
             self.held[s] += n
         self.table.update(slots, pages)
@@ -211,8 +208,7 @@ class HybridRows(HiSparseRows):
         self.worker.save_kv_layer(self.names[layer], rows, None, slot_mapping=keys)
 
     def _return(self, s: int) -> None:
-        """A spilled request's rows [0, held) back into its new pages; the connector forgets
-        it."""
+        """A spilled request's rows [0, held) back into new pages; the connector forgets it."""
         n = self.held[s]
         rows = [self.res.row(s, p) for p in range(n)]
         dst, keys = upload(rows + self._keys(s, n), self.device).split(n)
@@ -251,26 +247,22 @@ class HybridRows(HiSparseRows):
 
     def decode_rows(
         self, layer: int, keys: torch.Tensor, defer_misses: bool = False, decodes=None, *,
-        beside: Optional[Callable[[], None]] = None,
+        beside: Callable[[], None] = nothing,
     ):  # fmt: skip
         """(the layer's row buffer, each decode's rows in it, None): page rows of resident
-        decodes, hot rows the connector resolved for spilled ones (``beside``: as
-        ``HiSparseRows.decode_rows``)."""
+        decodes, hot rows the connector resolved for spilled ones (``beside``: as HiSparse's)."""
         if decodes is not None and decodes.q > 1:
             raise ValueError("hybrid residency decodes one token per request (no MTP verify)")
         pl, name = self._plan, self.names[layer]
         if not pl["n_sp"]:
-            if beside is not None:
-                beside()
+            beside()
             return self.buffers[layer], page_rows(keys, self.table.dev, BLOCK), None
         everyone = pl["n_sp"] == keys.shape[0]
         sp = None if everyone else pl["sp_dec"]
-        top_k = (
-            (keys if everyone else keys.index_select(0, sp)) if self.cfg.is_full(layer) else None
-        )
-        got = self.worker.resolve(name, None if top_k is None else top_k.to(torch.int32))
-        if beside is not None:
-            beside()
+        full = self.cfg.is_full(layer)
+        top_k = (keys if everyone else keys.index_select(0, sp)).to(torch.int32) if full else None
+        got = self.worker.resolve(name, top_k)
+        beside()
         self.worker.wait_for_layer_load(name)
         if everyone:
             return self.buffers[layer], got, None

@@ -79,6 +79,10 @@ def layer_names(n: int) -> List[str]:
     return [f"model.layers.{i}.self_attn.attn" for i in range(n)]
 
 
+def nothing() -> None:
+    """``decode_rows``' default ``beside``: no work."""
+
+
 class Request:
     """What the connector's scheduler side needs of a request."""
 
@@ -124,10 +128,9 @@ class ResidentRows:
 
     def decode_rows(
         self, layer: int, keys: torch.Tensor, defer_misses: bool = False, decodes=None, *,
-        beside: Optional[Callable[[], None]] = None,
+        beside: Callable[[], None] = nothing,
     ):  # fmt: skip
-        if beside is not None:
-            beside()
+        beside()
         return self.rows[layer], keys, None
 
     def prefill_rows(self, layer: int, keys: torch.Tensor):
@@ -220,7 +223,7 @@ class HiSparseRows:
 
     def decode_rows(
         self, layer: int, keys: torch.Tensor, defer_misses: bool = False, decodes=None, *,
-        beside: Optional[Callable[[], None]] = None,
+        beside: Callable[[], None] = nothing,
     ):  # fmt: skip
         """The decodes' rows, resolved into the hot buffers (the batch's leading state rows):
         (hot rows, ids, the misses left to attention's row read where ``defer_misses``).
@@ -233,8 +236,7 @@ class HiSparseRows:
         rows = decodes.rows if decodes is not None else keys.shape[0]
         top_k = union_rows(keys, at, rows, q) if self.cfg.is_full(layer) else None
         got = self.worker.resolve(name, top_k, defer_misses=defer_misses)
-        if beside is not None:
-            beside()
+        beside()
         self.worker.wait_for_layer_load(name)
         return self.worker.hot_rows(name), token_ids(got, at, q), self.worker.miss_plan(name)
 

@@ -32,11 +32,10 @@ import torch
 from hisparse.models.dsa import attention as mla
 from hisparse.models.dsa import index_keys
 from hisparse.models.dsa.config import DSAConfig
-from hisparse.models.dsa.indexer import causal_top_k
+from hisparse.models.dsa.indexer import causal_top_k, sorted_positions
 from hisparse.models.dsa.kernels import deepgemm, flashmla
 from hisparse.models.dsa.kernels import elementwise as ew
 from hisparse.models.dsa.kernels import indexer as idx_kernel
-from hisparse.models.dsa.kernels import misses as miss_kernel
 from hisparse.models.dsa.kernels import mla as mla_kernel
 from hisparse.models.dsa.kernels import rows as row_kernels
 from hisparse.models.dsa.kernels import select as select_kernel
@@ -45,8 +44,6 @@ from hisparse.models.rows import KV_DIM, LATENT_DIM, ROW_FORMATS, decode_rows, e
 
 # Bound on one torch-path chunk (index scores [tokens, heads, context] or rows [tokens, K, 576]).
 CHUNK_ELEMS = 1 << 24
-# Larger than any position: sorts padding (-1) after every selected position.
-_PAD_SORT = torch.iinfo(torch.int64).max
 ATTENTION = ("auto", "bmm", "fused", "flashmla")
 INDEXER = ("auto", "triton", "deepgemm")
 # How a HiSparse step's misses reach the row read: copied into the hot buffer by the resolve
@@ -103,7 +100,9 @@ class SparseMLACore:
         if attention == "auto":  # measured once per device and shape (flashmla.choose)
             attention = "bmm"
             if self._flash is not None:
-                attention = flashmla.choose(device, cfg.num_heads, cfg.index_topk, _bmm_attention)
+                attention = flashmla.choose(
+                    device, cfg.num_heads, cfg.index_topk, mla_kernel.bmm_attention
+                )
         self.attention = attention
         self.indexer, self._scores_fn = deepgemm.pick(  # "auto": measured (deepgemm.choose)
             indexer, self.kernel_index, cfg, device, idx_kernel.paged_scores
@@ -153,7 +152,7 @@ class SparseMLACore:
             for s in range(0, batch.num_tokens, step):
                 b = batch.narrow(s, min(step, batch.num_tokens - s))
                 scores = self._scores(q[s : s + step], head_w[s : s + step], cache, b)
-                parts.append(_sorted(self._top_k(scores, b), cfg.index_topk))
+                parts.append(sorted_positions(self._top_k(scores, b), cfg.index_topk))
             pos = torch.cat(parts) if parts else batch.positions.new_zeros(0, cfg.index_topk)
         return batch.slots(pos)
 
@@ -176,7 +175,8 @@ class SparseMLACore:
         """Positions int64 [T, <= top_k] of the best visible keys (-1 where too few)."""
         top_k = self.cfg.index_topk
         if scores.device.type != "cpu":  # one ranking over the padded rows, no host sync
-            return _masked_top_k(scores, batch.positions, top_k)
+            key_pos = torch.arange(scores.shape[1], device=scores.device)
+            return causal_top_k(scores, key_pos, batch.positions, top_k)
         # The CPU: rank each token's own context (the request's seq_len keys), as transformers.
         lens = batch.seq_lens[batch.req]
         out = torch.full((batch.num_tokens, top_k), -1, dtype=torch.int64)
@@ -188,15 +188,7 @@ class SparseMLACore:
         return out
 
     # ------------------------------------------------------------------ attention
-    def attend(
-        self,
-        q_nope: torch.Tensor,
-        q_pe: torch.Tensor,
-        kv_b_weight: torch.Tensor,
-        src: torch.Tensor,
-        ids: torch.Tensor,
-        misses=None,
-    ) -> torch.Tensor:
+    def attend(self, q_nope, q_pe, kv_b_weight, src, ids, misses=None) -> torch.Tensor:
         """Attention of each token over its rows ``ids`` [T, K] (-1 padding) of ``src`` (uint8
         [N, row_bytes]) -> per-head values [T, H * v_head_dim] (the input of ``o_proj``):
         ``attend_query`` of ``query(q_nope, q_pe, kv_b_weight)``."""
@@ -221,14 +213,7 @@ class SparseMLACore:
         q[..., LATENT_DIM:] = q_pe
         return q
 
-    def attend_query(
-        self,
-        q: torch.Tensor,
-        kv_b_weight: torch.Tensor,
-        src: torch.Tensor,
-        ids: torch.Tensor,
-        misses=None,
-    ) -> torch.Tensor:
+    def attend_query(self, q, kv_b_weight, src, ids, misses=None) -> torch.Tensor:
         """``attend`` from the tokens' ``query`` q [T, H, 576]. ``misses``: a HiSparse step's
         miss plan (``hisparse.runtime.miss_plan.MissPlan``) when ``src`` is the hot buffer and
         ``reads_misses`` said so: the read fetches them."""
@@ -298,7 +283,7 @@ class SparseMLACore:
         if self.attention == "fused":
             splits = mla_kernel.splits_for(ids.shape[0], q.shape[1], src.device)
             return mla_kernel.sparse_mla(q, src, ids, scale, splits=splits)
-        return _bmm_attention(q, src, ids, scale, misses)
+        return mla_kernel.bmm_attention(q, src, ids, scale, misses)
 
 
 def _bmm_into(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
@@ -307,35 +292,3 @@ def _bmm_into(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
         torch.bmm(a, b, out=out)
     else:
         out.copy_(torch.bmm(a, b))
-
-
-def _bmm_attention(q, src, ids, scale, misses=None) -> torch.Tensor:
-    """The row read (fetching a deferred plan's misses), two batched products and the masked
-    softmax: q [T, H, 576] bf16 over rows ``ids`` [T, K] of ``src`` -> [T, H, 512] bf16."""
-    if misses is None:
-        kv = row_kernels.gather_decode(src, ids.clamp(min=0))  # [T, K, 576] bf16
-    else:
-        plan = (misses.src, misses.dst, misses.count)
-        miss_kernel.stage_misses(misses.pending, *plan)
-        kv = miss_kernel.read_with_misses(src, misses.host, misses.pending, ids.clamp(min=0))
-        miss_kernel.stage_misses(misses.pending, *plan, clear=True)
-    s = torch.baddbmm(
-        q.new_empty(q.shape[0], q.shape[1], ids.shape[1]),
-        q,
-        kv.transpose(1, 2),
-        beta=0.0,
-        alpha=scale,
-    )
-    return torch.bmm(mla_kernel.masked_softmax(s, ids), kv[..., :LATENT_DIM])
-
-
-def _masked_top_k(scores: torch.Tensor, positions: torch.Tensor, top_k: int) -> torch.Tensor:
-    key_pos = torch.arange(scores.shape[1], device=scores.device)
-    return causal_top_k(scores, key_pos, positions, top_k)
-
-
-def _sorted(pos: torch.Tensor, top_k: int) -> torch.Tensor:
-    """[T, <= top_k] positions -> [T, top_k], ascending, -1 padding last."""
-    pos = torch.nn.functional.pad(pos, (0, top_k - pos.shape[1]), value=-1)
-    order = torch.where(pos >= 0, pos, torch.full_like(pos, _PAD_SORT)).sort(dim=-1).values
-    return torch.where(order == _PAD_SORT, torch.full_like(order, -1), order)

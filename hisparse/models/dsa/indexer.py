@@ -13,7 +13,8 @@ API (tensors on any device):
 * ``normalise_key(k, weight, bias)`` -> [T, D] (LayerNorm, eps 1e-6, before the rope);
 * ``index_scores(q, w, keys, cfg)`` -> float32 [T, N] (q [T, H, D], w [T, H], keys [N, D]);
 * ``causal_top_k(scores, key_pos, query_pos, top_k)`` -> int64 [T, min(top_k, N)] indices
-  into the N keys, -1 where fewer than top_k keys are visible.
+  into the N keys, -1 where fewer than top_k keys are visible;
+* ``sorted_positions(pos, top_k)`` -> [T, top_k]: those ascending, -1 padding last.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ import torch
 from hisparse.models.dsa.config import DSAConfig
 
 KEY_NORM_EPS = 1e-6
+# Larger than any position: sorts padding (-1) after every selected position.
+_PAD_SORT = torch.iinfo(torch.int64).max
 
 
 def normalise_key(k: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
@@ -47,3 +50,12 @@ def causal_top_k(
     k = min(top_k, scores.shape[-1])
     best, idx = masked.topk(k, dim=-1)
     return torch.where(torch.isfinite(best), idx, torch.full_like(idx, -1))
+
+
+def sorted_positions(pos: torch.Tensor, top_k: int) -> torch.Tensor:
+    """[T, <= top_k] positions (-1 padding anywhere) -> [T, top_k], ascending, -1 padding last.
+    Attention sums over the rows in this order, so every store that reads the same rows gives
+    the same bits whatever order the top-k returned them in."""
+    pos = torch.nn.functional.pad(pos, (0, top_k - pos.shape[1]), value=-1)
+    order = torch.where(pos >= 0, pos, torch.full_like(pos, _PAD_SORT)).sort(dim=-1).values
+    return torch.where(order == _PAD_SORT, torch.full_like(order, -1), order)

@@ -31,8 +31,6 @@ from hisparse.models.rows import LATENT_DIM, ROPE_DIM
 
 Weights = Mapping[str, torch.Tensor]
 CosSin = Tuple[torch.Tensor, torch.Tensor]
-# Larger than any position: sorts padding (-1) after every selected position.
-_PAD_SORT = torch.iinfo(torch.int64).max
 
 
 def norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, kernels=False) -> torch.Tensor:
@@ -96,17 +94,12 @@ def select_sorted(
     positions: torch.Tensor,
     cfg: DSAConfig,
 ) -> torch.Tensor:
-    """Positions each query attends to, int64 [T, index_topk], ascending, -1 padding last.
-
-    ``keys`` [N, D]: the index keys of positions 0..N-1. Ascending order matters: attention
-    sums over the rows in this order, so every store that reads the same rows gives the same
-    bits whatever order topk returned them in."""
+    """Positions each query attends to, int64 [T, index_topk], ascending, -1 padding last
+    (``indexer.sorted_positions``). ``keys`` [N, D]: the index keys of positions 0..N-1."""
     scores = dsa_index.index_scores(q, head_w, keys, cfg)
     key_pos = torch.arange(keys.shape[0], device=keys.device)
     sel = dsa_index.causal_top_k(scores, key_pos, positions, cfg.index_topk)
-    sel = torch.nn.functional.pad(sel, (0, cfg.index_topk - sel.shape[1]), value=-1)
-    order = torch.where(sel >= 0, sel, torch.full_like(sel, _PAD_SORT)).sort(dim=-1).values
-    return torch.where(order == _PAD_SORT, torch.full_like(order, -1), order)
+    return dsa_index.sorted_positions(sel, cfg.index_topk)
 
 
 def attention_output(

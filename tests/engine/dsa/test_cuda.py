@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from hisparse.engine.dsa.generate import byte_prompts, generate
-from hisparse.engine.dsa.stores import HiSparseRows
+from hisparse.engine.dsa.stores import HiSparseRows, nothing
 from hisparse.models.dsa.random_checkpoint import write_random_checkpoint
 from hisparse.models.dsa.weights import load_checkpoint
 from tests.devices import needs_cuda
@@ -81,7 +81,7 @@ def spy(monkeypatch):
         seen["prefill_reads"].append(src.device.type)
         return src, ids
 
-    def decode(self, layer, keys, defer_misses=False, *, beside=None):
+    def decode(self, layer, keys, defer_misses=False, *, beside=nothing):
         seen["decode_reads"] += 1
         return real_decode(self, layer, keys, defer_misses, beside=beside)
 

@@ -18,6 +18,7 @@ from hisparse.engine.dsa import mtp as mtp_module
 from hisparse.engine.dsa.generate import MODES, byte_prompts, generate
 from hisparse.engine.dsa.mtp import load_mtp
 from hisparse.engine.dsa.mtp_generate import generate_mtp
+from hisparse.engine.dsa.stores import nothing
 from hisparse.models.dsa.mtp_checkpoint import write_mtp_checkpoint
 from hisparse.models.dsa.random_checkpoint import write_random_checkpoint
 from hisparse.models.dsa.weights import CheckpointError, load_checkpoint
@@ -71,7 +72,7 @@ class StaleReadCheck:
         self.stale_reads += len(hit)
         assert not hit, f"layer {layer} read rejected rows {sorted(hit)} before rewriting them"
 
-    def decode_rows(self, layer, keys, defer_misses=False, decodes=None, *, beside=None):
+    def decode_rows(self, layer, keys, defer_misses=False, decodes=None, *, beside=nothing):
         self._check(layer, keys)
         self.decode_tokens[layer] += keys.shape[0]
         if self.cfg.is_full(layer):

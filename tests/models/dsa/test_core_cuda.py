@@ -185,7 +185,7 @@ def test_paged_indexer_reads_whole_blocks_and_single_keys_alike(block_size):
 
 
 def test_selection_slots_are_the_sorted_positions_slots():
-    from hisparse.models.dsa.core import _sorted
+    from hisparse.models.dsa.indexer import sorted_positions
     from hisparse.models.dsa.kernels.select import selection_slots
 
     b = _batch([200, 37, 256, 90], [1, 1, 4, 2], seed=8)
@@ -198,4 +198,4 @@ def test_selection_slots_are_the_sorted_positions_slots():
         best, idx = scores.topk(k, dim=-1, sorted=False)
         got = selection_slots(best, idx, b.req, b.block_table, BS, top_k)
         pos = torch.where(torch.isfinite(best), idx, torch.full_like(idx, -1))
-        assert torch.equal(got, b.slots(_sorted(pos, top_k)))
+        assert torch.equal(got, b.slots(sorted_positions(pos, top_k)))

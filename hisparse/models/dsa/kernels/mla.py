@@ -18,13 +18,24 @@ warpgroup MMA and the fewest register spills of the shapes tried
 64 x 32 x 8 x 2 was the fastest shape alone from batch 30 to 64 (187 against 326 us for the bmm
 path at 30) but slower than the bmm path at 112; in the engine the default made every mode's step
 slower (engine_tpot_fused_attention_h200.md), so "bmm" stays the step's default.
+
+``bmm_attention`` is that path: the row read (fetching a deferred plan's misses), two batched
+products and ``masked_softmax``.
 """
 
 from __future__ import annotations
 
 import torch
 
-from hisparse.models.dsa.kernels.rows import ROPE_AT, ROW_BYTES, SCALE_AT, check_rows, triton
+from hisparse.models.dsa.kernels import misses as misses_kernels
+from hisparse.models.dsa.kernels.rows import (
+    ROPE_AT,
+    ROW_BYTES,
+    SCALE_AT,
+    check_rows,
+    gather_decode,
+    triton,
+)
 from hisparse.models.rows import FP8_TILE, LATENT_DIM, ROPE_DIM
 
 if triton is not None:
@@ -223,3 +234,23 @@ def splits_for(batch: int, heads: int, device, heads_per_program: int = 64) -> i
     )
     programs = batch * -(-heads // heads_per_program)
     return max(1, min(MAX_SPLITS, -(-sms // programs)))
+
+
+def bmm_attention(q, src, ids, scale, misses=None) -> torch.Tensor:
+    """The row read (fetching a deferred plan's misses), two batched products and the masked
+    softmax: q [T, H, 576] bf16 over rows ``ids`` [T, K] of ``src`` -> [T, H, 512] bf16."""
+    if misses is None:
+        kv = gather_decode(src, ids.clamp(min=0))  # [T, K, 576] bf16
+    else:
+        plan = (misses.src, misses.dst, misses.count)
+        misses_kernels.stage_misses(misses.pending, *plan)
+        kv = misses_kernels.read_with_misses(src, misses.host, misses.pending, ids.clamp(min=0))
+        misses_kernels.stage_misses(misses.pending, *plan, clear=True)
+    s = torch.baddbmm(
+        q.new_empty(q.shape[0], q.shape[1], ids.shape[1]),
+        q,
+        kv.transpose(1, 2),
+        beta=0.0,
+        alpha=scale,
+    )
+    return torch.bmm(masked_softmax(s, ids), kv[..., :LATENT_DIM])
