@@ -1,7 +1,8 @@
 """The DSA engine's two test seams (the parity eval's): ``stores.inject_faults`` and
 ``model.observe``. Both are off unless their block is active, the faults do what the negative
 controls need (the connector refuses a base-offset binding, a resident store aliases its layers,
-a hybrid spill leaves its last row behind), and the observer sees every layer of every step."""
+a hybrid spill leaves its last row behind), and the observer sees every layer of every step.
+Also the order a decode keeps around the connector: resolve, the query heads, the wait."""
 
 from __future__ import annotations
 
@@ -106,3 +107,38 @@ def test_observe_sees_every_layer_of_every_step_and_stops_after(ck):
         generate(ck, "resident", "fp8", CPU, prompts, 4, max_batch=1)
     assert len(seen.rows) == steps  # nothing recorded outside the block
     assert g.tokens
+
+
+@pytest.mark.parametrize("mode", ["hisparse", "hybrid"])
+def test_a_decode_makes_its_query_heads_between_the_resolve_and_the_wait(ck, monkeypatch, mode):
+    """The query heads need no row: each layer makes them after the resolve launched the
+    misses' copy and before the wait for it (on CUDA the copy runs beside them). Either order
+    the other way round would leave nothing to run beside the copy."""
+    from hisparse.connector.facade import HiSparseConnectorImpl
+    from hisparse.engine.dsa import model
+
+    calls = []
+    real = {n: getattr(HiSparseConnectorImpl, n) for n in ("resolve", "wait_for_layer_load")}
+    real_query = model.mla_query
+
+    def record(name):
+        def call(self, *a, **kw):
+            calls.append(name)
+            return real[name](self, *a, **kw)
+
+        return call
+
+    def query(*a, **kw):
+        calls.append("query")
+        return real_query(*a, **kw)
+
+    for name in real:
+        monkeypatch.setattr(HiSparseConnectorImpl, name, record(name))
+    monkeypatch.setattr(model, "mla_query", query)
+    extra = {"device_blocks": 1} if mode == "hybrid" else {}
+    with one_thread():
+        generate(ck, mode, "fp8", CPU, [list(range(70))], 3, max_batch=1, **extra)
+    waits = [i for i, c in enumerate(calls) if c == "wait_for_layer_load"]
+    assert waits, calls  # the decodes resolved through the connector
+    for i in waits:
+        assert calls[i - 2 : i + 1] == ["resolve", "query", "wait_for_layer_load"], calls
