@@ -215,7 +215,7 @@ class DSAAttention(nn.Module):
         rows = self.core.encode_rows(mla.latent_row(latent, k_pe.view(t, ROPE_DIM)))
         if self.indexer is not None:
             selection = self.indexer.select(h, q_resid, step)
-        values = self._attend(lambda: self._heads(q_resid, step), rows, selection, step)
+        values = self._attend(q_resid, rows, selection, step)
         return self._out(values), selection
 
     def _heads(self, q_resid: torch.Tensor, step: Step):
@@ -236,11 +236,10 @@ class DSAAttention(nn.Module):
         out = self.o_proj(values)
         return tensor_model_parallel_all_reduce(out) if self.tp_size > 1 else out
 
-    def _attend(self, heads, rows, selection: torch.Tensor, step: Step) -> torch.Tensor:
+    def _attend(self, q_resid, rows, selection: torch.Tensor, step: Step) -> torch.Tensor:
         """Per-head values [T, H * v_head_dim]: decodes (the leading rows) over the hot buffer
-        or the resident rows, then the prefill tokens in chunks over rows read by slot.
-        ``heads()`` makes the query heads (q_nope, q_pe); no row is needed for them, so a
-        HiSparse step makes them while its misses copy in."""
+        or the resident rows, then the prefill tokens in chunks over rows read by slot. The
+        query heads (``_heads`` of ``q_resid``) are made after the decodes' resolve."""
         meta, connector = step.meta, step.connector
         name, kv_b = self.kv_rows.prefix, self.kv_b_proj.weight
         if connector is not None:
@@ -250,27 +249,25 @@ class DSAAttention(nn.Module):
             store.index_copy_(0, meta.slot_mapping, rows)
         nd, q = meta.num_decodes, meta.decode_len
         td = meta.query_start[nd]  # the decodes' tokens lead
-        parts, q_nope = [], None
+        keys = selection[:td]
+        if nd and connector is not None:
+            # One row per request: the union of its tokens' top-k (``union``).
+            at = step.decode_at
+            top_k = union_rows(keys, at, nd, q) if self.indexer is not None else None
+            defer = self.core.reads_misses(td)  # the row read fetches them (kernels/misses)
+            got = connector.resolve(name, top_k, state_rows=step.state_rows, defer_misses=defer)
+            ids = token_ids(got, at, q)
+        # The query heads need no row: made while the resolve's misses copy in (copy stream).
+        q_nope, q_pe = self._heads(q_resid, step)
+        parts = []
         if nd:
-            keys = selection[:td]
+            query = self.core.query(q_nope[:td], q_pe[:td], kv_b)
             if connector is not None:
-                # One row per request: the union of its tokens' top-k (``union``).
-                at = step.decode_at
-                top_k = union_rows(keys, at, nd, q) if self.indexer is not None else None
-                defer = self.core.reads_misses(td)  # the row read fetches them (kernels/misses)
-                got = connector.resolve(name, top_k, state_rows=step.state_rows, defer_misses=defer)
-                ids = token_ids(got, at, q)
-                q_nope, q_pe = heads()  # the misses copy in meanwhile (copy stream)
-                query = self.core.query(q_nope[:td], q_pe[:td], kv_b)
                 connector.wait_for_layer_load(name)
                 src, misses = connector.hot_rows(name), connector.miss_plan(name)
             else:
-                q_nope, q_pe = heads()
-                query = self.core.query(q_nope[:td], q_pe[:td], kv_b)
                 src, ids, misses = store, keys, None
             parts.append(self.core.attend_query(query, kv_b, src, ids, misses))
-        if q_nope is None:
-            q_nope, q_pe = heads()
         t, k = selection.shape
         n = max(1, CHUNK_ELEMS // (k * KV_DIM))
         for s in range(td, t, n):
