@@ -223,3 +223,48 @@ def test_deferred_misses_count_the_gathers_bytes_and_copy_nothing():
                 want = rt.host_rows_view[int(src[b, j])]
                 assert torch.equal(gathered[rts.index(rt)].hot_view[int(dst[b, j])], want)
     assert plans[0].pending is plans[1].pending, "one table per index group"
+
+
+def test_a_step_resolved_in_parts_equals_one_resolve():
+    """resolve(start=) in parts, each part's misses gathered from its start before the next
+    part resolves: the same rows, hot bytes, residency and counters as one resolve."""
+    (g, rts), (g1, rts1) = make_group(), make_group()
+    workload = [
+        ([[1, 2, 3, 4], [9, 9, 10, 11], [20, 21, 22, -1]], [0, 2, 1]),
+        ([[2, 3, 4, 5], [9, 10, 11, 12], [21, 22, 23, 24]], [0, 2, 1]),
+        ([[40, 41, 42, 43], [-1, 9, 60, 61], [1, 2, 3, 4]], [1, 0, 2]),
+    ]
+    for top_k, rows in workload:
+        keys, state = torch.tensor(top_k, dtype=torch.int32), torch.tensor(rows, dtype=torch.int32)
+        whole = step(g1, rts1, top_k, rows).clone()
+        for a, b in ((0, 1), (1, 3)):
+            part = rts[0].resolve(keys[a:b], state[a:b], start=a)
+            assert part.data_ptr() == g.out_rows[a].data_ptr()
+            for rt in rts:
+                rt.gather(start=a)
+        assert g.batch == 3
+        assert torch.equal(g.out_rows[:3], whole)
+    for rt, rt1 in zip(rts, rts1):
+        assert torch.equal(rt.hot_view, rt1.hot_view)
+    assert torch.equal(g.slot_keys, g1.slot_keys) and torch.equal(g.lru, g1.lru)
+    assert g.counters.tolist() == g1.counters.tolist()
+    assert int(g.counters[2]) == int(g.counters[1]) * 4 * RB
+
+
+def test_a_part_must_follow_the_rows_resolved_so_far():
+    g, rts = make_group(1)
+    keys, state = (
+        torch.tensor([[1, 2, 3, 4]], dtype=torch.int32),
+        torch.tensor([0], dtype=torch.int32),
+    )
+    with pytest.raises(ValueError, match=r"start must be 0 \(a new step\) or 0"):
+        g.resolve(keys, state, start=1)
+    g.resolve(keys, state)
+    for bad in (2, -1, True):
+        with pytest.raises(ValueError, match=r"start must be 0 \(a new step\) or 1"):
+            g.resolve(keys, state, start=bad)
+    with pytest.raises(ValueError, match="exceeds max_batch"):
+        g.resolve(keys.repeat(4, 1), state.repeat(4), start=1)
+    with pytest.raises(ValueError, match=r"start must lie in \[0, 1\]"):
+        rts[0].gather(start=2)
+    assert g.batch == 1, "a refused part leaves the plan as it was"

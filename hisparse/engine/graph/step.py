@@ -25,7 +25,7 @@ import torch
 from hisparse import ops
 from hisparse.engine.graph.config import GraphConfig
 from hisparse.engine.graph.drift import Drift
-from hisparse.models.dsa.core import SparseMLACore, TokenBatch
+from hisparse.models.dsa.core import SparseMLACore, TokenBatch, even_cuts
 from hisparse.models.dsa.decoder import Rotary
 from hisparse.models.dsa.kernels import elementwise as ew
 from hisparse.models.dsa.projections import index_inputs, mla_query, mla_row, norm
@@ -113,9 +113,14 @@ class CoreStep:
         misses: str = "auto",
         indexer: str = "auto",
         miss: float = 0.05,
+        resolve_parts: int = 1,
     ) -> None:
         if not batch >= 1:
             raise ValueError(f"batch must be >= 1, got {batch}")
+        if isinstance(resolve_parts, bool) or not isinstance(resolve_parts, int):
+            raise ValueError(f"resolve_parts must be a whole number, got {resolve_parts!r}")
+        if not 1 <= resolve_parts <= batch:
+            raise ValueError(f"resolve_parts must lie in [1, batch={batch}], got {resolve_parts}")
         if not set(modes) <= set(MODES) or not modes:
             raise ValueError(f"modes must be among {MODES}, got {modes!r}")
         cfg.check()
@@ -143,6 +148,11 @@ class CoreStep:
         self.sel = torch.zeros(batch, cfg.top_k, dtype=torch.int64, device=dev)
         self.state_rows = torch.arange(batch, dtype=torch.int32, device=dev)
         self.drift = Drift(batch, ctx, cfg.top_k, miss, dev, seed=cfg.seed + batch)
+        # HiSparse ranks and resolves the requests in parts, so each part's misses copy in
+        # while the next part is ranked; the row read that fetches the misses takes them whole.
+        self.reads_misses = self.core.reads_misses(batch)
+        parts = 1 if self.reads_misses else resolve_parts
+        self.cuts = even_cuts(batch, parts)
 
     @property
     def groups(self) -> list:
@@ -168,12 +178,16 @@ class CoreStep:
             rows = core.encode_rows(row)
             q, k, head_w = index_inputs(h, q_resid, w, dsa, self.rope, kernels=fused)
             core.store_keys(lay.cache, self.new_slots, k, BLOCK)
-            ranked = core.select(q, head_w, lay.cache, tok)
             if mode == "resident":
+                ranked = core.select(q, head_w, lay.cache, tok)
                 lay.store.index_copy_(0, self.new_slots, rows)
                 src, ids, misses = lay.store, keys, None
             else:
-                src, (ids, misses) = lay.hot, self._resolve(lay, rows, keys)
+                self._save(lay, rows)
+                resolve = lambda a, b, _, lay=lay: self._resolve(lay, keys, a, b)  # noqa: E731
+                ranked = core.select_parts(q, head_w, lay.cache, tok, self.cuts, resolve)
+                src, ids = lay.hot, lay.group.out_rows[: self.batch]
+                misses = defer_misses(lay.rt) if self.reads_misses else None
             # Both modes in one order; HiSparse's misses copy in meanwhile (copy stream).
             kv_b = w["kv_b_proj.weight"]
             query = core.query(*mla_query(q_resid, w, dsa, self.rope, kernels=fused), kv_b)
@@ -191,19 +205,20 @@ class CoreStep:
         hidden = norm(x, self.final_norm, 1e-6, kernels=fused)
         return (hidden @ self.lm_head.t()).argmax(dim=-1), hidden
 
-    def _resolve(self, lay: Layer, rows: torch.Tensor, keys: torch.Tensor) -> tuple:
-        """The connector's save on the copy stream, then resolve and the gather launched on it:
-        the hot rows and (where the row read fetches the misses itself) the miss plan."""
+    def _save(self, lay: Layer, rows: torch.Tensor) -> None:
+        """The connector's save of the new rows to the host pool, on the copy stream."""
         slots = self.new_slots.int()
         if self.device.type == "cuda":
-            g = lay.group
-            g.copy_stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(g.copy_stream):
+            lay.group.copy_stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(lay.group.copy_stream):
                 ops.save_rows([rows], [lay.host], self.state_rows, slots)
         else:
             ops.save_rows([rows], [lay.host], self.state_rows, slots)
-        ids = lay.rt.resolve(keys.to(torch.int32), self.state_rows)
-        if self.core.reads_misses(self.batch):
-            return ids, defer_misses(lay.rt)
-        lay.rt.gather()  # the caller waits for it (lay.rt.wait_ready) once it needs the rows
-        return ids, None
+
+    def _resolve(self, lay: Layer, keys: torch.Tensor, a: int, b: int) -> None:
+        """Requests a .. b resolved against their hot buffers and, unless the row read fetches
+        the misses itself, their gather launched on the copy stream (the caller waits for it
+        with ``lay.rt.wait_ready`` once it needs the rows)."""
+        lay.rt.resolve(keys[a:b].to(torch.int32), self.state_rows[a:b], start=a)
+        if not self.reads_misses:
+            lay.rt.gather(start=a)
