@@ -8,13 +8,14 @@ layer's attention waits only for its own rows (`wait_ready`).
 
 from __future__ import annotations
 
-from typing import Callable, Optional, Sequence, Union
+from typing import Callable, Optional, Union
 
 import torch
 
 from hisparse import ops
-from hisparse.ops.limits import INT32_MAX, MAX_HOT_SIZE, as_index, check_int
+from hisparse.ops.limits import INT32_MAX, MAX_HOT_SIZE, check_int
 from hisparse.runtime import streams
+from hisparse.runtime.host_ints import IntsLike, int64_cpu
 from hisparse.runtime.residency import empty_residency, reset_residency
 from hisparse.runtime.state_rows import StateRowAllocator
 from hisparse.runtime.views import BindingError
@@ -26,26 +27,6 @@ __all__ = [
     "empty_residency",
     "reset_residency",
 ]
-
-IntsLike = Union[Sequence[int], torch.Tensor]
-
-
-def _int64_cpu(name: str, values: IntsLike) -> torch.Tensor:
-    """Flat int64 copy on the CPU; anything that is not a sequence of integers (floats,
-    bools, values past int64) is refused by name instead of being truncated. Each element
-    follows ``as_index``, the rule the scheduler and the step metadata apply as well."""
-    if isinstance(values, torch.Tensor):
-        if values.dtype.is_floating_point or values.dtype.is_complex or values.dtype == torch.bool:
-            raise ValueError(f"{name} must hold integers, got {values.dtype}")
-        return values.detach().reshape(-1).to("cpu", torch.int64)
-    try:
-        seq = list(values)
-    except TypeError:
-        raise ValueError(
-            f"{name} must be a sequence of integers, got {type(values).__name__}"
-        ) from None
-    ints = [as_index(f"{name}[{i}]", v, -(2**63), 2**63 - 1) for i, v in enumerate(seq)]
-    return torch.tensor(ints, dtype=torch.int64)
 
 
 class HiSparseIndexGroup:
@@ -185,7 +166,7 @@ class HiSparseIndexGroup:
         reset_residency(self.slot_keys, self.lru)
 
     def _rows_tensor(self, name: str, rows: IntsLike) -> torch.Tensor:
-        t = _int64_cpu(name, rows)
+        t = int64_cpu(name, rows)
         if t.numel() and (int(t.min()) < 0 or int(t.max()) >= self.num_state_rows):
             raise ValueError(f"{name} must lie in [0, {self.num_state_rows}), got {t.tolist()}")
         return self._upload(t)
@@ -206,7 +187,7 @@ class HiSparseIndexGroup:
     def invalidate_keys(self, state_rows: IntsLike, keys: IntsLike) -> None:
         """Drop hot copies of keys whose KV was rewritten (keys[i] on state_rows[i])."""
         rows = self._rows_tensor("state_rows", state_rows)
-        k = _int64_cpu("keys", keys)
+        k = int64_cpu("keys", keys)
         if k.numel() != rows.numel():
             raise ValueError(
                 f"keys must match state_rows in length, got {k.numel()} and {rows.numel()}"

@@ -30,9 +30,8 @@ import weakref
 import torch
 
 from hisparse.models.dsa import attention as mla
-from hisparse.models.dsa import index_keys
+from hisparse.models.dsa import index_keys, paged_select
 from hisparse.models.dsa.config import DSAConfig
-from hisparse.models.dsa.indexer import causal_top_k, sorted_positions
 from hisparse.models.dsa.kernels import deepgemm, flashmla
 from hisparse.models.dsa.kernels import elementwise as ew
 from hisparse.models.dsa.kernels import indexer as idx_kernel
@@ -156,14 +155,7 @@ class SparseMLACore:
             return select_kernel.top_k_slots(
                 scores, b.req, b.block_table, b.block_size, cfg.index_topk
             )
-        else:
-            step = max(1, CHUNK_ELEMS // (cfg.index_n_heads * batch.max_context))
-            parts = []
-            for s in range(0, batch.num_tokens, step):
-                b = batch.narrow(s, min(step, batch.num_tokens - s))
-                scores = self._scores(q[s : s + step], head_w[s : s + step], cache, b)
-                parts.append(sorted_positions(self._top_k(scores, b), cfg.index_topk))
-            pos = torch.cat(parts) if parts else batch.positions.new_zeros(0, cfg.index_topk)
+        pos = paged_select.positions(q, head_w, cache, batch, cfg, self.key_format, CHUNK_ELEMS)
         return batch.slots(pos)
 
     def select_parts(self, q, head_w, cache, batch: TokenBatch, cuts, then) -> torch.Tensor:
@@ -181,37 +173,6 @@ class SparseMLACore:
             then(a, b, part)
             parts.append(part)
         return parts[0] if len(parts) == 1 else torch.cat(parts)
-
-    def _scores(self, q, head_w, cache, batch: TokenBatch) -> torch.Tensor:
-        """float32 [T, max_context] over each token's request's keys (any position)."""
-        ctx = torch.arange(batch.max_context, device=q.device)
-        bs = batch.block_size
-        # Each request's keys are read once (a prefill's tokens share them), then handed to its
-        # tokens: the same slots as batch.slots gives per token, so the same values.
-        blk = batch.block_table[:, torch.div(ctx, bs, rounding_mode="floor")]
-        per_req = index_keys.load_keys(
-            cache, blk.long() * bs + ctx % bs, self.key_format, self.cfg.index_head_dim, bs
-        )
-        keys = per_req[batch.req]
-        logits = torch.einsum("thd,tnd->thn", q.float(), keys) * self.cfg.index_head_dim**-0.5
-        weights = head_w.float() * self.cfg.index_n_heads**-0.5
-        return torch.einsum("th,thn->tn", weights, torch.relu(logits))
-
-    def _top_k(self, scores: torch.Tensor, batch: TokenBatch) -> torch.Tensor:
-        """Positions int64 [T, <= top_k] of the best visible keys (-1 where too few)."""
-        top_k = self.cfg.index_topk
-        if scores.device.type != "cpu":  # one ranking over the padded rows, no host sync
-            key_pos = torch.arange(scores.shape[1], device=scores.device)
-            return causal_top_k(scores, key_pos, batch.positions, top_k)
-        # The CPU: rank each token's own context (the request's seq_len keys), as transformers.
-        lens = batch.seq_lens[batch.req]
-        out = torch.full((batch.num_tokens, top_k), -1, dtype=torch.int64)
-        for n in lens.unique().tolist():
-            rows = (lens == n).nonzero().squeeze(1)
-            key_pos = torch.arange(n)
-            sel = causal_top_k(scores[rows, :n], key_pos, batch.positions[rows], top_k)
-            out[rows, : sel.shape[1]] = sel
-        return out
 
     # ------------------------------------------------------------------ attention
     def attend(self, q_nope, q_pe, kv_b_weight, src, ids, misses=None) -> torch.Tensor:
