@@ -13,7 +13,9 @@
 # category at 32k, then each kernel beside its baseline: kernels_vs_baselines_h200.{json,md}) and
 # "external" (both built where not yet importable, their adapters' CUDA tests, then the step as
 # a CUDA vLLM user gets it: attention and indexer each chosen by measurement, split by category
-# and at capacity); each fits one 10-minute device call.
+# and at capacity) and "parts" (the runtime's and the step's CUDA tests, then the step at 30, 64
+# and 112 requests with HiSparse ranking and resolving in PARTS="1 2 3 4" parts); each fits one
+# 10-minute device call.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/hisparse-out}
@@ -117,6 +119,17 @@ if has external; then  # needs the sources under benchmarks/baselines/src (its R
   timeout 200 python3 benchmarks/bench_decode_tpot.py --commit "${COMMIT:-?}" --capacity \
     --json "$OUT/engine_tpot_external_h200.json" > "$OUT/engine_tpot_external.txt" 2>&1 || status=1
   tail -12 "$OUT/engine_tpot_external.txt"
+fi
+if has parts; then  # HiSparse ranking and resolving its requests in parts (--resolve-parts N)
+  baselines  # FlashMLA and DeepGEMM, as a CUDA vLLM user gets them, where their sources are here
+  timeout 150 python3 -m pytest -q -rs -p no:cacheprovider -m cuda tests/runtime/test_runtime_cuda.py \
+    tests/engine/graph > "$OUT/pytest_parts.txt" 2>&1 || status=1
+  tail -2 "$OUT/pytest_parts.txt"
+  for n in ${PARTS:-1 2 3 4}; do
+    timeout 150 python3 benchmarks/bench_decode_tpot.py --commit "${COMMIT:-?}" --batches 30,64,112 \
+      --rounds 2 --capacity --resolve-parts "$n" --json "$OUT/engine_tpot_parts$n.json" > "$OUT/parts$n.txt" 2>&1 || status=1
+    tail -1 "$OUT/parts$n.txt"
+  done
 fi
 if has demo; then
   python3 -m hisparse demo --device cuda --no-progress --json "$OUT/demo_cuda.json" > "$OUT/demo.txt" 2>&1 || status=1

@@ -15,6 +15,8 @@ indexer are computed whole on every rank, so every rank's rows are the same.
 
 from __future__ import annotations
 
+import functools
+import logging
 from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any, Optional
@@ -27,14 +29,26 @@ from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.rotary_embedding import get_rope
 
 from hisparse.models.dsa import attention as mla
-from hisparse.models.dsa import indexer as dsa_index
 from hisparse.models.dsa.config import DSAConfig
-from hisparse.models.dsa.core import CHUNK_ELEMS, SparseMLACore, TokenBatch
+from hisparse.models.dsa.core import CHUNK_ELEMS, SparseMLACore, TokenBatch, even_cuts
 from hisparse.models.dsa.kernels import flashmla
 from hisparse.models.dsa.union import token_ids, union_rows
 from hisparse.models.rows import KV_DIM, LATENT_DIM, ROPE_DIM
 from hisparse.vllm.cache_layers import CacheLayer
 from hisparse.vllm.compat import tensor_parallel_peers
+from hisparse.vllm.dsa.indexer import DSAIndexer, linear, vllm_rope_parameters
+
+logger = logging.getLogger("vllm.hisparse")  # under vLLM's configured "vllm" logger
+
+
+@functools.lru_cache(maxsize=None)
+def _say_parts(parts: int) -> None:
+    """One line per process and setting, the first time decodes are resolved in parts."""
+    logger.info(
+        "hisparse: leader layers rank and resolve one-token decodes in up to %d parts "
+        "(resolve_parts), each part's misses copying in while the next is ranked",
+        parts,
+    )
 
 
 @dataclass
@@ -61,20 +75,6 @@ flashmla.add_source("vllm.v1.attention.ops.flashmla")
 # (``forward_cpu``) rotates a [T, H, 64] query wrongly when the key has one head.
 
 
-def vllm_rope_parameters(cfg: DSAConfig) -> dict:
-    """rope parameters as vLLM's DeepSeek rotary expects them (YaRN -> its deepseek_yarn)."""
-    rope = cfg.rope_parameters()
-    if rope["rope_type"] != "default":
-        rope["rope_type"] = (
-            "deepseek_llama_scaling" if rope.get("attention_factor") == 1.0 else "deepseek_yarn"
-        )
-    return rope
-
-
-def _linear(n_in: int, n_out: int) -> nn.Linear:
-    return nn.Linear(n_in, n_out, bias=False)
-
-
 def _tp() -> tuple:
     """(rank, size) of the tensor-parallel group; (0, 1) outside one."""
     peers = tensor_parallel_peers()
@@ -85,7 +85,7 @@ def _head_shard(n_in: int, n_out: int, dim: int, tp: tuple) -> nn.Linear:
     """This rank's part of a head-major weight: 1/TP of its rows (``dim`` 0) or columns (1).
     Plain ``nn.Linear`` (not vLLM's parallel layers): MLA reads ``kv_b_proj.weight`` itself."""
     rank, size = tp
-    lin = _linear(n_in // size if dim == 1 else n_in, n_out // size if dim == 0 else n_out)
+    lin = linear(n_in // size if dim == 1 else n_in, n_out // size if dim == 0 else n_out)
     if size > 1:
         lin.weight.weight_loader = partial(_load_shard, dim=dim, rank=rank)
     return lin
@@ -94,42 +94,6 @@ def _head_shard(n_in: int, n_out: int, dim: int, tp: tuple) -> nn.Linear:
 def _load_shard(param: torch.Tensor, w: torch.Tensor, *, dim: int, rank: int) -> None:
     n = param.shape[dim]
     param.data.copy_(w.narrow(dim, rank * n, n))
-
-
-class DSAIndexer(nn.Module):
-    """A full layer's indexer weights (``self_attn.indexer.*``) and its key cache."""
-
-    def __init__(self, cfg: DSAConfig, cache_name: str, max_pos: int, core: SparseMLACore) -> None:
-        super().__init__()
-        self.cfg, self.core = cfg, core
-        d, h = cfg.index_head_dim, cfg.index_n_heads
-        self.wq_b = _linear(cfg.q_lora_rank, h * d)
-        self.wk = _linear(cfg.hidden_size, d)
-        self.k_norm = nn.LayerNorm(d, eps=dsa_index.KEY_NORM_EPS)
-        self.weights_proj = _linear(cfg.hidden_size, h)
-        self.rotary_emb = get_rope(
-            ROPE_DIM,
-            max_position=max_pos,
-            rope_parameters=vllm_rope_parameters(cfg),
-            is_neox_style=not cfg.indexer_rope_interleave,
-        )
-        self.cache = CacheLayer(cache_name, core.key_bytes, torch.uint8, True)
-
-    def select(self, h: torch.Tensor, q_resid: torch.Tensor, step: Step) -> torch.Tensor:
-        """Store the new tokens' keys; the slots of each token's top-k positions, int64
-        [T, index_topk] in ascending position order, -1 padding."""
-        cfg = self.cfg
-        t, d = h.shape[0], cfg.index_head_dim
-        q = self.wq_b(q_resid).view(t, cfg.index_n_heads, d)
-        k = dsa_index.normalise_key(self.wk(h), self.k_norm.weight, self.k_norm.bias)
-        q_pe, k_pe = self.rotary_emb.forward_native(
-            step.positions, q[..., :ROPE_DIM].contiguous(), k[:, None, :ROPE_DIM].contiguous()
-        )
-        q = torch.cat([q_pe.view(t, -1, ROPE_DIM), q[..., ROPE_DIM:]], -1)
-        k = torch.cat([k_pe.view(t, ROPE_DIM), k[:, ROPE_DIM:]], -1)
-        cache = self.cache.blocks()
-        self.core.store_keys(cache, step.meta.slot_mapping, k, step.tokens.block_size)
-        return self.core.select(q, self.weights_proj(h), cache, step.tokens)
 
 
 class DSAAttention(nn.Module):
@@ -161,10 +125,10 @@ class DSAAttention(nn.Module):
         self.core = SparseMLACore(cfg, row_format, device, key_format=key_format)
         self.kv_rows = rows
         hq = cfg.num_heads * tp[1] * (cfg.qk_nope_head_dim + ROPE_DIM)
-        self.q_a_proj = _linear(cfg.hidden_size, cfg.q_lora_rank)
+        self.q_a_proj = linear(cfg.hidden_size, cfg.q_lora_rank)
         self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, eps=1e-6)
         self.q_b_proj = _head_shard(cfg.q_lora_rank, hq, 0, tp)
-        self.kv_a_proj_with_mqa = _linear(cfg.hidden_size, KV_DIM)
+        self.kv_a_proj_with_mqa = linear(cfg.hidden_size, KV_DIM)
         self.kv_a_layernorm = RMSNorm(LATENT_DIM, eps=1e-6)
         kv_b = cfg.num_heads * tp[1] * (cfg.qk_nope_head_dim + cfg.v_head_dim)
         self.kv_b_proj = _head_shard(LATENT_DIM, kv_b, 0, tp)
@@ -213,10 +177,40 @@ class DSAAttention(nn.Module):
             return self._out(latent.new_zeros(t, cfg.num_heads * cfg.v_head_dim)), selection
         k_pe = self._rotated(step.positions, kv_a[:, None, LATENT_DIM:].contiguous())
         rows = self.core.encode_rows(mla.latent_row(latent, k_pe.view(t, ROPE_DIM)))
+        self._save(rows, step)
+        resolved = None
         if self.indexer is not None:
-            selection = self.indexer.select(h, q_resid, step)
-        values = self._attend(q_resid, rows, selection, step)
+            selection, resolved = self._select(h, q_resid, step)
+        values = self._attend(q_resid, selection, step, resolved)
         return self._out(values), selection
+
+    def _save(self, rows: torch.Tensor, step: Step) -> None:
+        """The step's new rows: to the host pool through the connector, or the resident rows."""
+        if step.connector is not None:
+            step.connector.save_kv_layer(self.kv_rows.prefix, rows, step.meta)
+        else:
+            self.kv_rows.rows().index_copy_(0, step.meta.slot_mapping, rows)
+
+    def _select(self, h: torch.Tensor, q_resid: torch.Tensor, step: Step) -> tuple:
+        """(the top-k slots, the decodes' rows where they were resolved as they were ranked,
+        else None). With the connector's ``resolve_parts`` the one-token decodes are ranked in
+        parts, each part resolved (its misses copying in) while the next is ranked."""
+        meta, connector = step.meta, step.connector
+        nd = meta.num_decodes
+        parts = connector.config.resolve_parts if connector is not None else 1
+        if min(parts, nd) < 2 or meta.decode_len != 1 or self.core.reads_misses(nd):
+            return self.indexer.select(h, q_resid, step), None
+        _say_parts(parts)
+        cuts = even_cuts(nd, parts) + ([h.shape[0]] if h.shape[0] > nd else [])
+        got = []
+
+        def resolve(a: int, b: int, slots: torch.Tensor) -> None:
+            if a < nd:  # the prefill tokens after the decodes read rows by slot
+                rows = step.state_rows[a:b]
+                top_k = slots.to(torch.int32)
+                got.append(connector.resolve(self.kv_rows.prefix, top_k, state_rows=rows, start=a))
+
+        return self.indexer.select(h, q_resid, step, cuts, resolve), got[-1]
 
     def _heads(self, q_resid: torch.Tensor, step: Step):
         """(q_nope [T, H, nope], the rotated q_pe [T, H, 64]) of this rank's query heads."""
@@ -236,26 +230,26 @@ class DSAAttention(nn.Module):
         out = self.o_proj(values)
         return tensor_model_parallel_all_reduce(out) if self.tp_size > 1 else out
 
-    def _attend(self, q_resid, rows, selection: torch.Tensor, step: Step) -> torch.Tensor:
+    def _attend(self, q_resid, selection: torch.Tensor, step: Step, resolved) -> torch.Tensor:
         """Per-head values [T, H * v_head_dim]: decodes (the leading rows) over the hot buffer
         or the resident rows, then the prefill tokens in chunks over rows read by slot. The
-        query heads (``_heads`` of ``q_resid``) are made after the decodes' resolve."""
+        query heads (``_heads`` of ``q_resid``) are made after the decodes' resolve (already
+        done where ``resolved``, the rows ``_select`` resolved in parts)."""
         meta, connector = step.meta, step.connector
         name, kv_b = self.kv_rows.prefix, self.kv_b_proj.weight
-        if connector is not None:
-            connector.save_kv_layer(name, rows, meta)
-        else:
-            store = self.kv_rows.rows()
-            store.index_copy_(0, meta.slot_mapping, rows)
+        store = self.kv_rows.rows() if connector is None else None
         nd, q = meta.num_decodes, meta.decode_len
         td = meta.query_start[nd]  # the decodes' tokens lead
         keys = selection[:td]
         if nd and connector is not None:
             # One row per request: the union of its tokens' top-k (``union``).
             at = step.decode_at
-            top_k = union_rows(keys, at, nd, q) if self.indexer is not None else None
-            defer = self.core.reads_misses(td)  # the row read fetches them (kernels/misses)
-            got = connector.resolve(name, top_k, state_rows=step.state_rows, defer_misses=defer)
+            got = resolved
+            if got is None:
+                top_k = union_rows(keys, at, nd, q) if self.indexer is not None else None
+                defer = self.core.reads_misses(td)  # the row read fetches them (kernels/misses)
+                rows = step.state_rows
+                got = connector.resolve(name, top_k, state_rows=rows, defer_misses=defer)
             ids = token_ids(got, at, q)
         # The query heads need no row: made while the resolve's misses copy in (copy stream).
         q_nope, q_pe = self._heads(q_resid, step)
