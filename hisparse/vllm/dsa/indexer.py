@@ -4,7 +4,7 @@ parameters and the plain linear layers the attention module shares."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 from torch import nn
@@ -15,9 +15,6 @@ from hisparse.models.dsa.config import DSAConfig
 from hisparse.models.dsa.core import SparseMLACore
 from hisparse.models.rows import ROPE_DIM
 from hisparse.vllm.cache_layers import CacheLayer
-
-if TYPE_CHECKING:
-    from hisparse.vllm.dsa.attention import Step
 
 
 def vllm_rope_parameters(cfg: DSAConfig) -> dict:
@@ -54,11 +51,11 @@ class DSAIndexer(nn.Module):
         self.cache = CacheLayer(cache_name, core.key_bytes, torch.uint8, True)
 
     def select(
-        self, h: torch.Tensor, q_resid: torch.Tensor, step: Step, cuts=None, then=None
+        self, h: torch.Tensor, q_resid: torch.Tensor, step: Any, cuts=None, then=None
     ) -> torch.Tensor:
         """Store the new tokens' keys; the slots of each token's top-k positions, int64
-        [T, index_topk] in ascending position order, -1 padding (``cuts`` / ``then``: ranked
-        in parts, ``core.select_parts``)."""
+        [T, index_topk] in ascending position order, -1 padding. ``step``: the forward's
+        ``attention.Step``; ``cuts`` / ``then``: ranked in parts (``core.select_parts``)."""
         cfg = self.cfg
         t, d = h.shape[0], cfg.index_head_dim
         q = self.wq_b(q_resid).view(t, cfg.index_n_heads, d)
