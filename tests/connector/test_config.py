@@ -79,3 +79,12 @@ def test_resolve_parts_is_a_whole_number_of_parts(bad):
     assert HiSparseConfig().resolve_parts == 1
     with pytest.raises(HiSparseConfigError, match=r"^kv_connector_extra_config\['resolve_parts'\]"):
         config_from_extra({"resolve_parts": bad})
+
+
+def test_every_setting_has_a_row_in_the_connector_docs():
+    """Users set these keys by name from docs/connector.md's table: none may go unlisted."""
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "connector.md").read_text()
+    listed = {line.split("`")[1] for line in doc.splitlines() if line.startswith("| `")}
+    assert set(HiSparseConfig.keys()) <= listed, set(HiSparseConfig.keys()) - listed
