@@ -5,11 +5,12 @@ for long generations.
 * One rank's worker killed (SIGKILL): the server ends within ``END_BOUND_S`` with a line naming
   the dead rank, every client gets an error (none hangs), and nothing of the pool is left: no
   process of the server, no mapping of its segment, nothing named hisparse in /dev/shm.
-* TP rank 0 stopped (SIGSTOP) with ``tp_wait_timeout_s`` at 2 s: rank 1, waiting at a layer for
-  rank 0's rows, fails with the stalled-rank line naming rank 0, and the server ends as above
-  (not after vLLM's own 300 s execute-model timeout). Rank 1 may instead be waiting in one of
-  vLLM's collectives, where no HiSparse timeout applies; rank 0 is then resumed and stopped
-  again later, up to ``STOP_TRIES`` times.
+* TP rank 0 stalled with ``tp_wait_timeout_s`` at 2 s: it stops itself (SIGSTOP) just before
+  it flags a layer's rows written (``stall_hook/sitecustomize.py``, loaded by this server only).
+  Rank 1, waiting at that layer for the rows, fails with the stalled-rank line naming rank 0,
+  and the server ends as above (not after vLLM's own 300 s execute-model timeout). A stop sent
+  from outside would often find rank 1 inside one of vLLM's collectives, where no HiSparse
+  timeout applies, and make the test a matter of luck.
 
 Run by .ci/vllm_conformance.sh (HISPARSE_VLLM_CONFORMANCE=1); never collected otherwise.
 """
@@ -38,7 +39,8 @@ GEN = 280  # prompts of 200 tokens: within the checkpoint's 512 positions
 END_BOUND_S = 60.0
 LINGER_S = 20.0
 WAIT_TIMEOUT_S = 2
-STOP_TRIES = 12
+STALL_BOUND_S = 30.0  # the trigger seen at the next layer, then the wait times out
+HOOK = Path(__file__).with_name("stall_hook")
 
 pytestmark = pytest.mark.skipif(
     len(os.sched_getaffinity(0)) < 2, reason="TP 2 binds one core per rank: needs 2 cores"
@@ -50,13 +52,13 @@ def model_dir(tmp_path_factory) -> Path:
     return write_random_checkpoint(tmp_path_factory.mktemp(ARCH), ARCH, seed=0)
 
 
-def _serve(model_dir: Path, log: Path, **extra) -> Server:
+def _serve(model_dir: Path, log: Path, env=None, **extra) -> Server:
     overrides = {"architectures": [ARCHS[ARCH]], "hisparse_row_format": "f32"}
     args = ["--hf-overrides", json.dumps(overrides), "--tensor-parallel-size", "2"]
     args += ["--distributed-executor-backend", "mp"]
     kv = {**KV_CONFIG, "kv_connector_extra_config": {**KV_CONFIG["kv_connector_extra_config"]}}
     kv["kv_connector_extra_config"].update(extra)
-    env = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
+    env = {"VLLM_CPU_OMP_THREADS_BIND": "0|1", **(env or {})}
     srv = Server(model_dir, log, None, kv, args, kv_bytes=_budget(model_dir), max_seqs=16, env=env)
     srv.wait_ready(600)
     return srv
@@ -224,39 +226,45 @@ def test_a_killed_rank_ends_the_server_naming_it(rank, model_dir, logs):
     _check_ended_clean(out)
 
 
-def test_a_stopped_rank_is_named_by_the_rank_waiting_for_it(model_dir, logs):
-    srv = _serve(model_dir, logs / "tp-stop.log", tp_wait_timeout_s=WAIT_TIMEOUT_S)
-    line = None
+def _state(pid: int) -> str:
+    """The process's state letter (T: stopped), or "gone"."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return "gone"
+
+
+def test_a_stalled_rank_is_named_by_the_rank_waiting_for_it(model_dir, logs, tmp_path):
+    trigger = tmp_path / "stall-rank-0"
+    path = [str(HOOK)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env = {"PYTHONPATH": os.pathsep.join(path), "HISPARSE_TEST_STALL_FILE": str(trigger)}
+    srv = _serve(model_dir, logs / "tp-stall.log", env, tp_wait_timeout_s=WAIT_TIMEOUT_S)
+    line, state = None, None
     try:
         stalled = _worker(srv, 0)
         segment = _segment(stalled)
         pool, futures = _clients(srv)
-        rng = random.Random(3)
-        tries = 0
-        while tries < STOP_TRIES:
-            tries += 1
-            os.kill(stalled, signal.SIGSTOP)
-            start = time.time()
-            while time.time() - start < WAIT_TIMEOUT_S + 3 and line is None:
-                found = re.findall(
-                    r"HiSparse shared host pool: TP rank 1 waited for rank 0 .*",
-                    srv.log.read_text(errors="replace"),
-                )
-                line = found[0] if found else None
-                time.sleep(0.2)
-            if line is not None:
-                break
-            os.kill(stalled, signal.SIGCONT)  # rank 1 was in a collective: try elsewhere
-            time.sleep(rng.uniform(0.1, 0.8))
-            assert not all(f.done() for f in futures), "the generations ended first"
+        trigger.touch()
+        start = time.time()
+        while time.time() - start < STALL_BOUND_S and line is None:
+            if state is None and not trigger.exists():
+                time.sleep(0.1)  # SIGSTOP follows the unlink
+                state = _state(stalled)
+            found = re.findall(
+                r"HiSparse shared host pool: TP rank 1 waited for rank 0 .*",
+                srv.log.read_text(errors="replace"),
+            )
+            line = found[0] if found else None
+            time.sleep(0.2)
         out = _ends(srv, pool, futures, start, segment)
     finally:
         _cleanup(srv)
     print(
-        f"\nTP rank 0 stopped (attempt {tries}): {line!r}; server ended "
-        f"{out['seconds']:.1f} s after the stop (exit {out['rc']}; every process gone in "
-        f"{out['all_gone_s']:.1f} s), clients "
-        f"{sorted(set(out['outcomes']))}"
+        f"\nTP rank 0 stalled before a layer's flag (state {state}): {line!r}; server ended "
+        f"{out['seconds']:.1f} s after the stall (exit {out['rc']}; every process gone in "
+        f"{out['all_gone_s']:.1f} s), clients {sorted(set(out['outcomes']))}"
     )
+    assert state == "T", f"rank 0 did not stop itself at a layer's flag (state {state})"
     assert line is not None and "is that rank stalled?" in line, out["log"][-3000:]
     _check_ended_clean(out)
