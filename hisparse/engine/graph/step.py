@@ -141,6 +141,7 @@ class CoreStep:
             torch.full((batch,), ctx + 1, device=dev), bt, BLOCK,
         )  # fmt: skip
         self.new_slots = self.tokens.slots(self.tokens.positions.view(-1, 1)).view(-1)
+        self.new_slots32 = self.new_slots.int()  # the host pool's ops take int32 slots
         # bf16 like the model (vLLM's rotary keeps the activations' dtype)
         rope = Rotary(self.dsa, ctx + 1, dev)(self.tokens.positions)
         self.rope = tuple(t.to(DT) for t in rope)
@@ -170,6 +171,7 @@ class CoreStep:
             raise ValueError(f"this step was built for {self.modes}, not {mode!r}")
         x, core, dsa, tok = self.x, self.core, self.dsa, self.tokens
         keys = tok.slots(self.sel)
+        keys32 = keys.to(torch.int32) if mode != "resident" else None  # once, not per layer
         fused = core.kernel_rows
         for lay in self.layers:
             w = lay.w
@@ -184,7 +186,7 @@ class CoreStep:
                 src, ids, misses = lay.store, keys, None
             else:
                 self._save(lay, rows)
-                resolve = lambda a, b, _, lay=lay: self._resolve(lay, keys, a, b)  # noqa: E731
+                resolve = lambda a, b, _, lay=lay: self._resolve(lay, keys32, a, b)  # noqa: E731
                 ranked = core.select_parts(q, head_w, lay.cache, tok, self.cuts, resolve)
                 src, ids = lay.hot, lay.group.out_rows[: self.batch]
                 misses = defer_misses(lay.rt) if self.reads_misses else None
@@ -207,18 +209,18 @@ class CoreStep:
 
     def _save(self, lay: Layer, rows: torch.Tensor) -> None:
         """The connector's save of the new rows to the host pool, on the copy stream."""
-        slots = self.new_slots.int()
-        if self.device.type == "cuda":
-            lay.group.copy_stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(lay.group.copy_stream):
-                ops.save_rows([rows], [lay.host], self.state_rows, slots)
-        else:
-            ops.save_rows([rows], [lay.host], self.state_rows, slots)
+        args = ([rows], [lay.host], self.state_rows, self.new_slots32)
+        if self.device.type != "cuda":
+            ops.save_rows(*args)
+            return
+        lay.group.copy_stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(lay.group.copy_stream):
+            ops.save_rows(*args)
 
-    def _resolve(self, lay: Layer, keys: torch.Tensor, a: int, b: int) -> None:
+    def _resolve(self, lay: Layer, keys32: torch.Tensor, a: int, b: int) -> None:
         """Requests a .. b resolved against their hot buffers and, unless the row read fetches
         the misses itself, their gather launched on the copy stream (the caller waits for it
         with ``lay.rt.wait_ready`` once it needs the rows)."""
-        lay.rt.resolve(keys[a:b].to(torch.int32), self.state_rows[a:b], start=a)
+        lay.rt.resolve(keys32[a:b], self.state_rows[a:b], start=a)
         if not self.reads_misses:
             lay.rt.gather(start=a)
