@@ -85,29 +85,40 @@ def test_cuda_runtime_equals_cpu_runtime():
     gpu[0].release()
 
 
+def captured(step, inst, first):
+    """``step(g, rts, keys, rows)`` of ``inst`` captured in a CUDA graph, after one real step
+    (``first``) on a side stream as torch recommends: ``replay(keys, rows)`` -> its out rows."""
+    keys_in = torch.zeros(B, K, dtype=torch.int32, device="cuda")
+    rows_in = torch.zeros(B, dtype=torch.int32, device="cuda")
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        keys_in.copy_(first[0])
+        rows_in.copy_(first[1])
+        step(inst[1], inst[2], keys_in, rows_in)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step(inst[1], inst[2], keys_in, rows_in)
+
+    def replay(keys, rows):
+        keys_in.copy_(keys)
+        rows_in.copy_(rows)
+        graph.replay()
+        return out
+
+    return replay
+
+
 def test_whole_step_captures_in_a_cuda_graph():
     src = torch.randint(0, 256, (L * NUM_KEYS * RB + 4096,), dtype=torch.uint8)
     eager = build("cuda", src)
     graphed = build("cuda", src)
     steps = workload(12, 2)
-    keys_in = torch.zeros(B, K, dtype=torch.int32, device="cuda")
-    rows_in = torch.zeros(B, dtype=torch.int32, device="cuda")
-    # warm up the graphed instance on a side stream with one real step, as torch recommends
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        keys_in.copy_(steps[0][0])
-        rows_in.copy_(steps[0][1])
-        run_step(graphed[1], graphed[2], keys_in, rows_in)
-    torch.cuda.current_stream().wait_stream(s)
+    replay = captured(run_step, graphed, steps[0])
     run_step(eager[1], eager[2], steps[0][0].cuda(), steps[0][1].cuda())
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out_g = run_step(graphed[1], graphed[2], keys_in, rows_in)
     for keys, rows in steps[1:]:
-        keys_in.copy_(keys)
-        rows_in.copy_(rows)
-        graph.replay()
+        out_g = replay(keys, rows)
         out_e = run_step(eager[1], eager[2], keys.cuda(), rows.cuda())
         torch.cuda.synchronize()
         assert torch.equal(out_g, out_e)
@@ -151,25 +162,12 @@ def test_a_step_in_parts_captured_equals_the_cpu_step_in_one():
     src = torch.randint(0, 256, (L * NUM_KEYS * RB + 4096,), dtype=torch.uint8)
     cpu, eager, graphed = build("cpu", src), build("cuda", src), build("cuda", src)
     steps = workload(12, 3)
-    keys_in = torch.zeros(B, K, dtype=torch.int32, device="cuda")
-    rows_in = torch.zeros(B, dtype=torch.int32, device="cuda")
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        keys_in.copy_(steps[0][0])
-        rows_in.copy_(steps[0][1])
-        run_step_in_parts(graphed[1], graphed[2], keys_in, rows_in)
-    torch.cuda.current_stream().wait_stream(s)
+    replay = captured(run_step_in_parts, graphed, steps[0])
     for inst in (cpu, eager):
         dev = "cpu" if inst is cpu else "cuda"
         run_step_in_parts(inst[1], inst[2], steps[0][0].to(dev), steps[0][1].to(dev))
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out_g = run_step_in_parts(graphed[1], graphed[2], keys_in, rows_in)
     for keys, rows in steps[1:]:
-        keys_in.copy_(keys)
-        rows_in.copy_(rows)
-        graph.replay()
+        out_g = replay(keys, rows)
         out_e = run_step_in_parts(eager[1], eager[2], keys.cuda(), rows.cuda(), (0, 1, 4, B))
         out_c = run_step(cpu[1], cpu[2], keys, rows)
         torch.cuda.synchronize()
