@@ -162,21 +162,24 @@ class Server(OpenAIServer):
         super().__init__(argv, log, env)
 
     def complete(self, prompt_ids, max_tokens=GEN, timeout=300.0):
-        body = {"model": self.model_name(), "prompt": prompt_ids, "max_tokens": max_tokens}
-        body.update(temperature=0.0, ignore_eos=True, return_token_ids=True)
-        return list(_http(self.url + "/v1/completions", body, timeout)["choices"][0]["token_ids"])
+        return list(self._greedy(prompt_ids, max_tokens, {}, timeout)["token_ids"])
 
     def generate(self, prompt_ids, max_tokens=GEN, top=2, timeout=300.0) -> dict:
         """Greedy tokens with their log-probabilities: {"tokens": [...], "lp": [...] (each
         chosen token's), "top": [{token id: log-probability}, ...] (the ``top`` most likely at
         each step)}."""
-        body = {"model": self.model_name(), "prompt": prompt_ids, "max_tokens": max_tokens}
-        body.update(temperature=0.0, ignore_eos=True, return_token_ids=True, logprobs=top)
-        body["return_tokens_as_token_ids"] = True  # byte tokens decode alike: keys must differ
-        choice = _http(self.url + "/v1/completions", body, timeout)["choices"][0]
+        # Byte tokens decode alike: the top tokens are keyed by id.
+        extra = {"logprobs": top, "return_tokens_as_token_ids": True}
+        choice = self._greedy(prompt_ids, max_tokens, extra, timeout)
         lp = choice["logprobs"]
         top_ids = [{int(k.split(":")[1]): v for k, v in t.items()} for t in lp["top_logprobs"]]
         return {"tokens": list(choice["token_ids"]), "lp": lp["token_logprobs"], "top": top_ids}
+
+    def _greedy(self, prompt_ids, max_tokens: int, extra: dict, timeout: float) -> dict:
+        """One greedy completion of ``max_tokens`` tokens: its choice."""
+        body = {"model": self.model_name(), "prompt": prompt_ids, "max_tokens": max_tokens}
+        body.update(temperature=0.0, ignore_eos=True, return_token_ids=True, **extra)
+        return _http(self.url + "/v1/completions", body, timeout)["choices"][0]
 
     def model_name(self) -> str:
         if not hasattr(self, "_name"):

@@ -22,7 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from test_vllm_serve import BLOCK, Server, _flush, _http, _send_all
+from test_vllm_serve import BLOCK, Server, _flush, _send_all
 
 from hisparse.models.dsa.config import DSAConfig
 from hisparse.models.dsa.make_checkpoint import INDEX_TOPK, make_checkpoint
@@ -112,19 +112,9 @@ def _serve(model_dir, log, arch, row_format, hisparse: bool) -> Server:
 
 
 def _first_logprobs(server: Server, prompt) -> tuple:
-    body = {
-        "model": server.model_name(),
-        "prompt": prompt,
-        "max_tokens": GEN,
-        "temperature": 0.0,
-        "ignore_eos": True,
-        "return_token_ids": True,
-        "logprobs": 20,
-        "return_tokens_as_token_ids": True,
-    }
-    choice = _http(server.url + "/v1/completions", body, 300.0)["choices"][0]
-    top = choice["logprobs"]["top_logprobs"][0]
-    return list(choice["token_ids"]), {int(k.split(":")[1]): v for k, v in top.items()}
+    """(the greedy tokens, the first step's 20 most likely tokens: {token id: log-probability})."""
+    got = server.generate(prompt, GEN, top=20)
+    return got["tokens"], got["top"][0]
 
 
 def _lookups(server: Server, groups: int) -> tuple:
