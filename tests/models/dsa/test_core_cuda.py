@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from hisparse.models.dsa import paged_select
 from hisparse.models.dsa.config import DSAConfig
 from hisparse.models.dsa.core import SparseMLACore, TokenBatch
 from hisparse.models.dsa.random_checkpoint import random_config
@@ -64,7 +65,7 @@ def test_paged_indexer_scores_match_the_torch_path():
 
     hw = w * (cfg.index_n_heads**-0.5 * cfg.index_head_dim**-0.5)
     got = paged_scores(q, hw, cache, b.block_table, BS, b.req, b.positions)
-    want = slow._scores(q, w, cache, b)
+    want = paged_select.scores(q, w, cache, b, cfg, slow.key_format)
     visible = torch.arange(got.shape[1], device=GPU)[None, :] <= b.positions[:, None]
     assert torch.isinf(got[~visible]).all() and (got[~visible] < 0).all()
     # bf16 products of the fp8 keys against float32 ones: relative error of bf16 rounding.
