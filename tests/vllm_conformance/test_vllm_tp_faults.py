@@ -27,8 +27,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from served import Server, _http
 from test_vllm_dsa import ARCHS, KV_CONFIG, _budget
-from test_vllm_serve import Server, _http
 
 from hisparse.models.dsa.random_checkpoint import write_random_checkpoint
 
