@@ -102,11 +102,12 @@ def _run(p: workload.Plan, progress: bool, exporter, out) -> dict:
             c = runs[mode].counters
             exporter.observe({k: [c.get(k, 0)] for k in COUNTER_SERIES})
         if mode == "hybrid" and exporter is not None:  # its moves, not its lookups
-            moves = spill_counters(runs[mode].counters, _row_bytes(p.row_format))
+            moves = spill_counters(runs[mode].counters, ck.cfg.row_bytes(p.row_format))
             exporter.observe({k: [v] for k, v in moves.items()})
     summary = _summary(p, runs)
     if exporter is not None:
-        summary["metrics_endpoint"] = _check_endpoint(exporter.port, summary, p.row_format)
+        row_bytes = ck.cfg.row_bytes(p.row_format)
+        summary["metrics_endpoint"] = _check_endpoint(exporter.port, summary, row_bytes)
     return summary
 
 
@@ -152,20 +153,14 @@ def _summary(p: workload.Plan, runs: dict) -> dict:
     return summary
 
 
-def _check_endpoint(port: int, summary: dict, row_format: str) -> dict:
+def _check_endpoint(port: int, summary: dict, row_bytes: int) -> dict:
     """The counters served on /metrics must be the ones the runs counted: the HiSparse run's
     lookups, the hybrid run's moves (zero without one)."""
     scraped = {**scrape_counters(port), **scrape_counters(port, series_of=SPILL_SERIES)}
     mine = {k: summary["hisparse"][k] for k in COUNTER_SERIES}
     hybrid = summary.get("hybrid", {}).get("counters", {})
-    mine.update(spill_counters(hybrid, _row_bytes(row_format)))
+    mine.update(spill_counters(hybrid, row_bytes))
     return {"port": port, "scraped": scraped, "matches": scraped == mine}
-
-
-def _row_bytes(row_format: str) -> int:
-    from hisparse.models.rows import ROW_FORMATS
-
-    return ROW_FORMATS[row_format].row_bytes
 
 
 def _report(summary: dict, json_path: Optional[str], out) -> None:

@@ -21,7 +21,6 @@ from hisparse.cli.capacity import GIB, PlanError, PlanInputs, compute
 
 # MLA's latent row (kv_lora_rank + qk_rope_head_dim), fixed by DSAConfig's checks.
 _LATENT, _ROPE = 512, 64
-_FP8_ROW_BYTES = 656  # FP8 MLA: 512 B latent + 16 B scales + 128 B bf16 rope
 
 
 def read_config(model_dir, config_file) -> Tuple[dict, str, str]:
@@ -65,14 +64,15 @@ def model_from_config(hf: dict, flag: str, path: str) -> dict:
     from hisparse.models.dsa import index_keys
     from hisparse.models.dsa.config import DSAConfig
     from hisparse.models.dsa.decoder import DecoderSpec
-    from hisparse.models.rows import ROW_FORMATS
+    from hisparse.models.rows import fits
 
     try:
         cfg = DSAConfig.from_hf(hf)
         spec = DecoderSpec.from_hf(hf, cfg)
         params = param_count(hf, cfg, spec)
-        fmt = cfg.row_format  # the config's hisparse_row_format; else FP8, as DeepSeek-V3.2 serves
-        key_fmt = hf.get("hisparse_key_format") or index_keys.default_format(fmt or "fp8")
+        # The config's hisparse_row_format; else FP8, as DeepSeek-V3.2 serves, where it fits.
+        fmt = cfg.row_format or ("fp8" if fits("fp8", cfg.kv_lora_rank) else "bf16")
+        key_fmt = hf.get("hisparse_key_format") or index_keys.default_format(fmt)
         key_bytes = index_keys.key_bytes(key_fmt, cfg.index_head_dim)
     except (ValueError, TypeError, KeyError) as e:  # DSAConfigError is a ValueError
         msg = next((ln for ln in str(e).splitlines() if ln.strip()), type(e).__name__)
@@ -83,8 +83,8 @@ def model_from_config(hf: dict, flag: str, path: str) -> dict:
         "source": path,
         "arch": cfg.arch,
         "layers": cfg.num_layers,
-        "row_bytes": ROW_FORMATS[fmt].row_bytes if fmt else _FP8_ROW_BYTES,
-        "row_format": fmt or "fp8",
+        "row_bytes": cfg.row_bytes(fmt),
+        "row_format": fmt,
         "top_k": cfg.index_topk,
         "index_share": max(groups),
         "index_groups": len(groups),

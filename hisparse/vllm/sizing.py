@@ -19,7 +19,6 @@ from typing import Any, Mapping, Optional, Sequence
 
 from hisparse.connector.config import HiSparseConfig
 from hisparse.models.dsa.config import DSAConfig
-from hisparse.models.rows import ROW_FORMATS
 from hisparse.runtime import fence_kernels
 from hisparse.runtime.host_pool import available_host_bytes
 from hisparse.runtime.pool_fence import arch_shares_pool
@@ -83,7 +82,7 @@ def token_row_bytes(vllm_config: Any) -> Optional[int]:
     cfg = DSAConfig.from_hf(hf)
     dtype = str(getattr(model, "dtype", "")).replace("torch.", "")
     layers = cfg.num_layers + _draft_layers(vllm_config)
-    return ROW_FORMATS[cfg.row_format_for(dtype)].row_bytes * layers
+    return cfg.row_bytes(cfg.row_format_for(dtype)) * layers
 
 
 def _draft_layers(vllm_config: Any) -> int:

@@ -276,11 +276,11 @@ def test_bad_model_source_is_one_line_naming_the_flag(argv, flag, capsys):
 
 
 def test_bad_model_dirs_name_the_flag(tmp_path, capsys):
-    not_dsa = json.dumps({**json.loads(DSV32.read_text()), "kv_lora_rank": 256})
+    not_dsa = json.dumps({**json.loads(DSV32.read_text()), "qk_rope_head_dim": 63})
     for name, text, why in [
         ("empty", None, "has no config.json"),
         ("bad", "{not json", "not readable JSON"),
-        ("dsa", not_dsa, "kv_lora_rank"),  # DSAConfig's own error, in one line
+        ("dsa", not_dsa, "qk_rope_head_dim"),  # DSAConfig's own error, in one line
     ]:
         (tmp_path / name).mkdir()
         if text is not None:

@@ -26,7 +26,6 @@ from typing import Optional
 from hisparse.cli.app import main as cli_main
 from hisparse.models.dsa.config import DSAConfig
 from hisparse.models.dsa.index_keys import default_format, key_bytes
-from hisparse.models.rows import ROW_FORMATS
 from hisparse.vllm.server import OpenAIServer
 
 CLASSES = {
@@ -88,7 +87,7 @@ class Model:
 
     @property
     def row_bytes(self) -> int:
-        return ROW_FORMATS[self.row_format or "f32"].row_bytes
+        return self.cfg.row_bytes(self.row_format or "f32")
 
     @property
     def key_bytes(self) -> int:

@@ -27,7 +27,6 @@ from served import AT_ONCE_MAY_DIFFER, BLOCK, Server, _differing, _flush, _send_
 
 from hisparse.models.dsa.config import DSAConfig
 from hisparse.models.dsa.make_checkpoint import INDEX_TOPK, make_checkpoint
-from hisparse.models.rows import ROW_FORMATS
 
 GEN = 32
 NUM_PROMPTS = 16
@@ -100,7 +99,7 @@ def _reference(model_dir: Path) -> list:
 def _budget(model_dir: Path) -> int:
     """A device KV budget of 60 resident blocks: every layer's rows plus the indexer keys."""
     cfg = DSAConfig.from_hf(json.loads((model_dir / "config.json").read_text()))
-    rows = cfg.num_layers * ROW_FORMATS["f32"].row_bytes
+    rows = cfg.num_layers * cfg.row_bytes("f32")
     keys = cfg.indexer_types.count("full") * cfg.index_head_dim * 4
     return 60 * BLOCK * (rows + keys)
 
@@ -149,7 +148,7 @@ def _run(model_dir, log, arch, row_format, hisparse: bool, full: bool) -> dict:
             out["lookups"] = _lookups(srv, cfg.indexer_types.count("full"))
             # A miss of a group copies the row of each of its layers (equal groups here).
             out["row_bytes_per_miss"] = (
-                cfg.num_layers // cfg.indexer_types.count("full") * ROW_FORMATS["f32"].row_bytes
+                cfg.num_layers // cfg.indexer_types.count("full") * cfg.row_bytes("f32")
             )
     finally:
         srv.stop()

@@ -31,7 +31,6 @@ from test_vllm_dsa import ARCHS, GEN, KV_CONFIG, _budget, _lookups
 
 from hisparse.models.dsa.config import DSAConfig
 from hisparse.models.dsa.random_checkpoint import write_random_checkpoint
-from hisparse.models.rows import ROW_FORMATS
 
 ARCH = "glm_moe_dsa"
 SEGMENT = "hisparse-host-pool"
@@ -159,7 +158,7 @@ def test_the_ranks_share_one_pool_held_once_in_host_ram(runs):
     rss = max(m["segments"][seg][0] for m in ranks)
     pss = sum(m["segments"][seg][1] for m in ranks)
     tokens = sum(len(p) + GEN - 1 for p in _prompts())  # the last sampled token is never fed
-    written = tokens * cfg.num_layers * ROW_FORMATS["f32"].row_bytes
+    written = tokens * cfg.num_layers * cfg.row_bytes("f32")
     total = {tp: sum(m["pss"] for m in runs[tp]["memory"].values()) for tp in (1, 2)}
     workers = {tp: [m["pss"] >> 20 for m in _workers(runs[tp]).values()] for tp in (1, 2)}
     print(

@@ -22,7 +22,6 @@ from dataclasses import dataclass
 from hisparse.engine.dsa.stores import BLOCK, ResidentRows
 from hisparse.models.dsa import index_keys
 from hisparse.models.dsa.config import DSAConfig
-from hisparse.models.rows import ROW_FORMATS
 
 
 def context_rows(tokens: int) -> int:
@@ -46,7 +45,7 @@ class DeviceKV:
         kf = key_format or index_keys.default_format(row_format)
         full = sum(cfg.is_full(i) for i in range(cfg.num_layers))
         kb = index_keys.key_bytes(kf, cfg.index_head_dim)
-        rb = ROW_FORMATS[row_format].row_bytes
+        rb = cfg.row_bytes(row_format)
         return cls(cfg.num_layers, full, rb, kb, context, hot_size)
 
     @property

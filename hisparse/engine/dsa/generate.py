@@ -34,7 +34,7 @@ from hisparse.models.dsa.weights import (
     checkpoint_config,
     load_checkpoint,
 )
-from hisparse.models.rows import ROW_FORMATS
+from hisparse.models.rows import FORMATS, FP8_TILE, fits
 from hisparse.ops.limits import default_hot_size
 
 MODES = ("resident", "hisparse")  # the parity run's two
@@ -64,11 +64,15 @@ class Generation:
     device_bytes: dict = field(default_factory=dict)  # budget.held: rows, index_keys
 
 
-def check_options(row_format: str, mode: str = "resident") -> None:
-    """One-line errors for the options, before any weights are read."""
-    if row_format not in ROW_FORMATS:
+def check_options(row_format: str, mode: str = "resident", cfg=None) -> None:
+    """One-line errors for the options, before any weights are read (``cfg``: the
+    checkpoint's ``DSAConfig``, whose latent the row format must hold)."""
+    if row_format not in FORMATS:
+        raise CheckpointError(f"--row-format must be one of {list(FORMATS)}, got {row_format!r}")
+    if cfg is not None and not fits(row_format, cfg.kv_lora_rank):
         raise CheckpointError(
-            f"--row-format must be one of {sorted(ROW_FORMATS)}, got {row_format!r}"
+            f"--row-format {row_format} needs kv_lora_rank to be a multiple of {FP8_TILE}; "
+            f"this checkpoint's is {cfg.kv_lora_rank}: use bf16 or f32"
         )
     if mode not in MODES + (HYBRID,):
         raise CheckpointError(f"mode must be one of {MODES + (HYBRID,)}, got {mode!r}")
@@ -114,7 +118,7 @@ def generate(
     ``device_blocks``: mode "hybrid"'s device budget, in blocks of ``BLOCK`` rows; ``hot_slots``
     its hot buffers (requests spilled at once; default one per request).
     ``prefill_first``: admit every request before the batch decodes (module docstring)."""
-    check_options(row_format, mode)
+    check_options(row_format, mode, ck.cfg)
     try:
         check_device_blocks(device_blocks, mode, hot_slots)
     except ValueError as e:
@@ -151,7 +155,7 @@ def open_run(
 ):  # fmt: skip
     """(row store of ``mode``, forward pass) for ``nmax`` requests of ``ctx`` tokens whose
     decodes have up to ``q`` query tokens (the hot size grows to hold q x top-k)."""
-    rb = ROW_FORMATS[row_format].row_bytes
+    rb = ck.cfg.row_bytes(row_format)
     if mode == "resident":
         store = ResidentRows(ck.cfg, rb, ctx, device, nmax)
     elif mode == HYBRID:
@@ -242,16 +246,16 @@ def parity(
 ) -> dict:
     """Resident vs HiSparse on the checkpoint: the summary ``hisparse demo --model`` prints.
     ``device_blocks``: also hybrid residency under that budget, its tokens equal too."""
-    check_options(row_format)
+    cfg = checkpoint_config(model_dir)[0]
+    check_options(row_format, cfg=cfg)
     modes = MODES + ((HYBRID,) if device_blocks is not None else ())
     try:
         check_device_blocks(device_blocks, modes[-1])
     except ValueError as e:
         raise CheckpointError(str(e)) from None
-    top_k = checkpoint_config(model_dir)[0].index_topk
-    if hot_size is not None and hot_size < top_k:
+    if hot_size is not None and hot_size < cfg.index_topk:
         raise CheckpointError(
-            f"--hot-size must be >= the checkpoint's index_topk ({top_k}), got {hot_size}"
+            f"--hot-size must be >= the checkpoint's index_topk ({cfg.index_topk}), got {hot_size}"
         )
     ck = load_checkpoint(model_dir, device)
     prompts = byte_prompts(ck, num_prompts)

@@ -27,7 +27,6 @@ from hisparse.models.dsa.core import CHUNK_ELEMS, SparseMLACore, TokenBatch
 from hisparse.models.dsa.decoder import Rotary, linear, mlp, moe
 from hisparse.models.dsa.projections import index_inputs, mla_query, mla_row, norm
 from hisparse.models.dsa.weights import Checkpoint
-from hisparse.models.rows import KV_DIM
 
 
 @dataclass(frozen=True)
@@ -169,9 +168,9 @@ class DSAForward:
         else:
             queries()
         q_nope, q_pe = heads["nope"], heads["pe"]
-        # Prefill tokens in chunks: their rows [T, K, 576] would not fit at once. Each token's
+        # Prefill tokens in chunks: their rows [T, K, kv_dim] would not fit at once. Each token's
         # math is its own: chunks change no value, and both modes chunk alike.
-        n = max(1, CHUNK_ELEMS // (cfg.index_topk * KV_DIM))
+        n = max(1, CHUNK_ELEMS // (cfg.index_topk * cfg.kv_dim))
         for s in range(td, sel.shape[0], n):
             src, ids = store.prefill_rows(i, sel[s : s + n])
             parts.append(core.attend(q_nope[s : s + n], q_pe[s : s + n], kv_b, src, ids))

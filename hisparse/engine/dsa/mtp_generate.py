@@ -76,7 +76,7 @@ def generate_mtp(
 ) -> SpecGeneration:
     """Greedy tokens of every prompt by MTP speculation; ``ck`` / ``head`` from
     ``mtp.load_mtp``. ``store_wrapper(store)``: a test wraps the store (e.g. to check reads)."""
-    check_options(row_format, mode)
+    check_options(row_format, mode, ck.cfg)
     ctx = _context(prompts, max_new + 1)
     if mode == "hisparse":
         ctx *= _SCHEDULED_PER_POSITION

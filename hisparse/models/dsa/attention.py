@@ -1,7 +1,8 @@
 """MLA over latent rows (DeepSeek-V3.2 / GLM-5), in the absorbed form a row cache needs.
 
-A token's row is ``[rmsnorm(c_kv) (512) | rope(k_pe) (64)]``: what ``kv_a_proj_with_mqa``
-produces after the latent norm and rotary embedding, and exactly what transformers caches.
+A token's row is ``[rmsnorm(c_kv) (kv_lora_rank: 512) | rope(k_pe) (qk_rope_head_dim: 64)]``:
+what ``kv_a_proj_with_mqa`` produces after the latent norm and rotary embedding, and exactly what
+transformers caches.
 Keys and values of head h are linear in the latent (``kv_b_proj``), so attention runs on rows:
 
     score(t, j) = scale * (q_nope_h W_uk_h . c_j + q_pe_h . k_pe_j)
@@ -20,7 +21,6 @@ from __future__ import annotations
 import torch
 
 from hisparse.models.dsa.config import DSAConfig
-from hisparse.models.rows import LATENT_DIM
 
 
 def latent_row(c_kv_normed: torch.Tensor, k_pe: torch.Tensor) -> torch.Tensor:
@@ -30,7 +30,7 @@ def latent_row(c_kv_normed: torch.Tensor, k_pe: torch.Tensor) -> torch.Tensor:
 
 def _split_kv_b(kv_b_weight: torch.Tensor, cfg: DSAConfig):
     """kv_b_proj weight [H * (nope + v), 512] -> W_uk [H, nope, 512], W_uv [H, v, 512]."""
-    w = kv_b_weight.view(cfg.num_heads, cfg.qk_nope_head_dim + cfg.v_head_dim, LATENT_DIM)
+    w = kv_b_weight.view(cfg.num_heads, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank)
     return w[:, : cfg.qk_nope_head_dim], w[:, cfg.qk_nope_head_dim :]
 
 
@@ -52,9 +52,9 @@ def attend_rows(
     q_latent [T, H, 512], q_pe [T, H, 64], rows [T, K, 576] (values), valid bool [T, K] (False:
     padding, ignored). Returns the attention-weighted latent [T, H, 512]; a token with no valid
     row gets zeros."""
-    latent = rows[..., :LATENT_DIM]
+    latent = rows[..., : q_latent.shape[-1]]
     scores = torch.einsum("thc,tkc->thk", q_latent, latent)
-    scores = scores + torch.einsum("thr,tkr->thk", q_pe, rows[..., LATENT_DIM:])
+    scores = scores + torch.einsum("thr,tkr->thk", q_pe, rows[..., q_latent.shape[-1] :])
     scores = (scores * scale).float()
     scores = scores.masked_fill(~valid.unsqueeze(1), float("-inf"))
     probs = torch.softmax(scores, dim=-1).nan_to_num(0.0).to(latent.dtype)

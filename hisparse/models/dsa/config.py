@@ -16,9 +16,9 @@ import math
 from dataclasses import dataclass
 from typing import Any, Optional, Tuple
 
+from hisparse.models import rows
 from hisparse.models.dsa import schema
 from hisparse.models.dsa.schema import ROW_FORMAT_KEY, DSAConfigError
-from hisparse.models.rows import ROPE_DIM
 
 __all__ = ["ARCHS", "MODEL_TYPES", "ROW_FORMAT_KEY", "DSAConfig", "DSAConfigError"]
 
@@ -73,6 +73,26 @@ def _indexer_types(hf: Any, arch: str, layers: int) -> Tuple[str, ...]:
     return tuple("full" if max(i - off + 1, 0) % freq == 0 else "shared" for i in range(layers))
 
 
+def _check_row_sizes(hf: Any) -> None:
+    """The rotary part is whole pairs and fits an index key; fp8 rows hold whole tiles."""
+    rope_dim, key_dim = schema.get(hf, "qk_rope_head_dim"), schema.get(hf, "index_head_dim")
+    if rope_dim is not None and rope_dim % 2:
+        raise DSAConfigError(
+            f"config.json: qk_rope_head_dim must be even (the rotary turns pairs), got {rope_dim}"
+        )
+    if rope_dim is not None and key_dim is not None and key_dim < rope_dim:
+        raise DSAConfigError(
+            f"config.json: index_head_dim must be >= qk_rope_head_dim ({rope_dim}, an index "
+            f"key's rotary part), got {key_dim}"
+        )
+    latent = schema.get(hf, "kv_lora_rank")
+    if schema.get(hf, ROW_FORMAT_KEY) == "fp8" and latent is not None and latent % rows.FP8_TILE:
+        raise DSAConfigError(
+            f"config.json: {ROW_FORMAT_KEY} 'fp8' needs kv_lora_rank to be a multiple of "
+            f"{rows.FP8_TILE} (one scale per tile), got {latent}: use 'bf16' or 'f32'"
+        )
+
+
 @dataclass(frozen=True)
 class DSAConfig:
     arch: str  # "deepseek_v32" | "glm_moe_dsa"
@@ -90,6 +110,8 @@ class DSAConfig:
     softmax_scale: float  # MLA score scale, YaRN mscale folded in
     rope: Tuple[Tuple[str, Any], ...]  # rope parameters (sorted items)
     row_format: Optional[str]  # None: the unquantized format of the serving dtype
+    kv_lora_rank: int = rows.LATENT_DIM  # a row's latent values
+    qk_rope_head_dim: int = rows.ROPE_DIM  # a row's (and an index key's) rotary values
 
     @staticmethod
     def from_hf(hf: Any) -> "DSAConfig":
@@ -97,12 +119,12 @@ class DSAConfig:
         against ``schema`` first: one ``DSAConfigError`` line naming the field otherwise."""
         arch = _arch(hf)
         schema.validate(hf, arch)
-        for name in ("kv_lora_rank", "qk_rope_head_dim"):
-            schema.need(hf, name)
+        _check_row_sizes(hf)
         layers = schema.need(hf, "num_hidden_layers")
         nope = schema.need(hf, "qk_nope_head_dim")
+        rope_dim = schema.need(hf, "qk_rope_head_dim")
         rope = schema.rope(hf)
-        scale = (nope + ROPE_DIM) ** -0.5
+        scale = (nope + rope_dim) ** -0.5
         if rope["rope_type"] == "yarn" and rope.get("mscale_all_dim"):
             scale *= _yarn_mscale(rope["factor"], rope["mscale_all_dim"]) ** 2
         interleave = schema.get(hf, "indexer_rope_interleave")
@@ -122,7 +144,23 @@ class DSAConfig:
             softmax_scale=scale,
             rope=tuple(sorted(rope.items())),
             row_format=schema.get(hf, ROW_FORMAT_KEY),
+            kv_lora_rank=schema.need(hf, "kv_lora_rank"),
+            qk_rope_head_dim=rope_dim,
         )
+
+    @property
+    def kv_dim(self) -> int:
+        """Values of one latent row: the latent, then the rotary part."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    def row_bytes(self, row_format: str) -> int:
+        """Bytes of one row of this model in ``row_format`` (``rows.row_bytes``)."""
+        return rows.row_bytes(row_format, self.kv_lora_rank, self.qk_rope_head_dim)
+
+    def standard_rows(self) -> bool:
+        """Whether rows have the released models' sizes (512 + 64), the only ones the CUDA
+        row kernels and FlashMLA take; other sizes run the torch math."""
+        return (self.kv_lora_rank, self.qk_rope_head_dim) == (rows.LATENT_DIM, rows.ROPE_DIM)
 
     def is_full(self, layer: int) -> bool:
         return self.indexer_types[layer] == "full"

@@ -39,9 +39,9 @@ from hisparse.models.dsa.kernels import mla as mla_kernel
 from hisparse.models.dsa.kernels import rows as row_kernels
 from hisparse.models.dsa.kernels import select as select_kernel
 from hisparse.models.dsa.tokens import TokenBatch, token_rows  # noqa: F401 (the core's API)
-from hisparse.models.rows import KV_DIM, LATENT_DIM, ROW_FORMATS, decode_rows, encode_rows
+from hisparse.models.rows import FORMATS, decode_rows, encode_rows
 
-# Bound on one torch-path chunk (index scores [tokens, heads, context] or rows [tokens, K, 576]).
+# Bound on one torch-path chunk (index scores [tokens, heads, context] or rows [tokens, K, kv_dim]).
 CHUNK_ELEMS = 1 << 24
 ATTENTION = ("auto", "bmm", "fused", "flashmla")
 INDEXER = ("auto", "triton", "deepgemm")
@@ -78,8 +78,9 @@ class SparseMLACore:
         misses: str = "auto",
         indexer: str = "auto",
     ) -> None:
-        if row_format not in ROW_FORMATS:
-            raise ValueError(f"row_format must be one of {sorted(ROW_FORMATS)}, got {row_format!r}")
+        if row_format not in FORMATS:
+            raise ValueError(f"row_format must be one of {list(FORMATS)}, got {row_format!r}")
+        self.row_bytes = cfg.row_bytes(row_format)  # refuses fp8 rows of a partial tile
         key_format = key_format or index_keys.default_format(row_format)
         self.key_bytes = index_keys.key_bytes(key_format, cfg.index_head_dim)
         if backend not in ("auto", "torch", "triton"):
@@ -95,8 +96,7 @@ class SparseMLACore:
             raise ValueError(f"backend='triton' needs Triton and a CUDA device, not {device}")
         use = can and backend != "torch"
         self.cfg, self.row_format, self.key_format = cfg, row_format, key_format
-        self.row_bytes = ROW_FORMATS[row_format].row_bytes
-        self.kernel_rows = use and row_format == "fp8"
+        self.kernel_rows = use and row_format == "fp8" and cfg.standard_rows()
         self.kernel_index = (
             use and key_format == "fp8" and idx_kernel.fits(cfg.index_n_heads, cfg.index_head_dim)
         )
@@ -119,11 +119,11 @@ class SparseMLACore:
         self._splits: dict = {}  # kv_b_proj weight -> (W_uk, W_uv), kernel path
 
     def encode_rows(self, values: torch.Tensor) -> torch.Tensor:
-        """Row values [T, 576] -> [T, row_bytes] in the row format (``rows.encode_rows``; one
-        launch, the same bytes, for fp8 rows on the kernel path)."""
+        """Row values [T, kv_dim] -> [T, row_bytes] in the row format (``rows.encode_rows``;
+        one launch, the same bytes, for fp8 rows on the kernel path)."""
         if self.kernel_rows and ew.supported(values):
             return ew.encode_fp8_rows(values)
-        return encode_rows(values, self.row_format)
+        return encode_rows(values, self.row_format, self.cfg.kv_lora_rank)
 
     # ------------------------------------------------------------------ indexer
     def key_cache(self, blocks: int, block_size: int, device) -> torch.Tensor:
@@ -185,8 +185,8 @@ class SparseMLACore:
         )
 
     def query(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_b_weight: torch.Tensor):
-        """Each token's query in the latent, [T, H, 576]: q_nope [T, H, nope] absorbed through
-        kv_b_proj's W_uk, then the rotated q_pe [T, H, 64]. bf16 on the kernel path (what its
+        """Each token's query in the latent, [T, H, kv_dim]: q_nope [T, H, nope] absorbed through
+        kv_b_proj's W_uk, then the rotated q_pe [T, H, rope]. bf16 on the kernel path (what its
         attention reads). It needs no row: a HiSparse step computes it while the misses copy in."""
         if not self.kernel_rows:
             q_lat = mla.absorb_query(q_nope, kv_b_weight, self.cfg)
@@ -195,13 +195,14 @@ class SparseMLACore:
         t, h = q_nope.shape[:2]
         # The product writes the token-major buffer attention reads, through a transposed view:
         # no concatenation copies it again.
-        q = q_nope.new_empty(t, h, KV_DIM, dtype=torch.bfloat16)
-        _bmm_into(q_nope.to(w_uk.dtype).transpose(0, 1), w_uk, q[..., :LATENT_DIM].transpose(0, 1))
-        q[..., LATENT_DIM:] = q_pe
+        c = self.cfg.kv_lora_rank
+        q = q_nope.new_empty(t, h, self.cfg.kv_dim, dtype=torch.bfloat16)
+        _bmm_into(q_nope.to(w_uk.dtype).transpose(0, 1), w_uk, q[..., :c].transpose(0, 1))
+        q[..., c:] = q_pe
         return q
 
     def attend_query(self, q, kv_b_weight, src, ids, misses=None) -> torch.Tensor:
-        """``attend`` from the tokens' ``query`` q [T, H, 576]. ``misses``: a HiSparse step's
+        """``attend`` from the tokens' ``query`` q [T, H, kv_dim]. ``misses``: a HiSparse step's
         miss plan (``hisparse.runtime.miss_plan.MissPlan``) when ``src`` is the hot buffer and
         ``reads_misses`` said so: the read fetches them."""
         cfg = self.cfg
@@ -215,7 +216,7 @@ class SparseMLACore:
             v = o.new_empty(o.shape[0], o.shape[1], w_uv.shape[1])
             torch.bmm(o.transpose(0, 1), w_uv.transpose(1, 2), out=v.transpose(0, 1))
             return v.view(o.shape[0], -1)
-        step = max(1, CHUNK_ELEMS // (ids.shape[1] * KV_DIM))
+        step = max(1, CHUNK_ELEMS // (ids.shape[1] * cfg.kv_dim))
         parts = [
             self._attend_torch(q[s : s + step], src, ids[s : s + step])
             for s in range(0, ids.shape[0], step)
@@ -256,8 +257,9 @@ class SparseMLACore:
         rows = src[ids.clamp(min=0)]
         # Padding entries read an arbitrary row: zero it so no NaN byte pattern reaches softmax.
         rows = torch.where(valid.unsqueeze(-1), rows, torch.zeros_like(rows))
-        values = decode_rows(rows, self.row_format, q.dtype)
-        lat, pe = q[..., :LATENT_DIM], q[..., LATENT_DIM:]
+        cfg = self.cfg
+        values = decode_rows(rows, self.row_format, q.dtype, cfg.kv_lora_rank, cfg.qk_rope_head_dim)
+        lat, pe = q[..., : cfg.kv_lora_rank], q[..., cfg.kv_lora_rank :]
         return mla.attend_rows(lat, pe, values, valid, self.cfg.softmax_scale)
 
     def attend_latent(self, q, src, ids, misses=None) -> torch.Tensor:

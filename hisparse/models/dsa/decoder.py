@@ -23,7 +23,6 @@ import torch
 
 from hisparse.models.dsa import schema
 from hisparse.models.dsa.config import DSAConfig
-from hisparse.models.rows import ROPE_DIM
 
 #: The MLA and query-latent norms: transformers builds them with its RMSNorm default eps.
 LATENT_NORM_EPS = 1e-6
@@ -79,9 +78,9 @@ def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
     return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
 
-def _yarn(rope: dict, base: float, max_positions: int) -> Tuple[torch.Tensor, float]:
-    """YaRN inverse frequencies and cos/sin scale, as transformers' ``_compute_yarn_parameters``."""
-    dim = ROPE_DIM
+def _yarn(rope: dict, base: float, max_positions: int, dim: int) -> Tuple[torch.Tensor, float]:
+    """YaRN inverse frequencies of ``dim`` rotary values and the cos/sin scale, as
+    transformers' ``_compute_yarn_parameters``."""
     factor = rope["factor"]  # schema.rope checked it and made it a float
     orig = rope.get("original_max_position_embeddings") or max_positions
     scale = rope.get("attention_factor")
@@ -111,15 +110,17 @@ def _yarn(rope: dict, base: float, max_positions: int) -> Tuple[torch.Tensor, fl
 
 
 class Rotary:
-    """cos / sin of the 64 rotary dims at given positions (``cat(freqs, freqs)`` layout)."""
+    """cos / sin of the ``qk_rope_head_dim`` rotary values at given positions
+    (``cat(freqs, freqs)`` layout)."""
 
     def __init__(self, cfg: DSAConfig, max_positions: int, device: torch.device) -> None:
         rope = cfg.rope_parameters()
         base = rope["rope_theta"]
+        dim = cfg.qk_rope_head_dim
         if rope["rope_type"] == "yarn":
-            inv, self.scale = _yarn(rope, base, max_positions)
+            inv, self.scale = _yarn(rope, base, max_positions, dim)
         else:
-            inv = 1.0 / (base ** (torch.arange(0, ROPE_DIM, 2, dtype=torch.float32) / ROPE_DIM))
+            inv = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
             self.scale = 1.0
         self.inv_freq = inv.to(device)
 

@@ -83,7 +83,7 @@ _ARCH = {
 }
 
 
-def _model(arch: str):
+def _model(arch: str, sizes: dict):
     if arch not in ARCHS:
         raise ValueError(f"arch must be one of {ARCHS}, got {arch!r}")
     import transformers
@@ -92,7 +92,7 @@ def _model(arch: str):
         conf, cls = transformers.DeepseekV32Config, transformers.DeepseekV32ForCausalLM
     else:
         conf, cls = transformers.GlmMoeDsaConfig, transformers.GlmMoeDsaForCausalLM
-    return cls(conf(**_COMMON, **_ARCH[arch]))
+    return cls(conf(**{**_COMMON, **_ARCH[arch], **sizes}))
 
 
 @torch.no_grad()
@@ -106,10 +106,11 @@ def _perturb(model, gen: torch.Generator) -> None:
     model.lm_head.weight.mul_(HEAD_GAIN)
 
 
-def make_checkpoint(out_dir: Union[str, Path], arch: str, seed: int = 0) -> Path:
-    """Write a seeded tiny ``arch`` checkpoint with its tokenizer into ``out_dir``."""
+def make_checkpoint(out_dir: Union[str, Path], arch: str, seed: int = 0, **sizes) -> Path:
+    """Write a seeded tiny ``arch`` checkpoint with its tokenizer into ``out_dir``; ``sizes``:
+    config fields in place of the defaults above (``kv_lora_rank=64``...)."""
     torch.manual_seed(seed)
-    model = _model(arch).float().eval()
+    model = _model(arch, sizes).float().eval()
     _perturb(model, torch.Generator().manual_seed(seed + 1))
     out = Path(out_dir)
     model.save_pretrained(out)

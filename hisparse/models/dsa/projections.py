@@ -27,7 +27,6 @@ from hisparse.models.dsa.decoder import (
     rope_interleaved,
 )
 from hisparse.models.dsa.kernels import elementwise as ew
-from hisparse.models.rows import LATENT_DIM, ROPE_DIM
 
 Weights = Mapping[str, torch.Tensor]
 CosSin = Tuple[torch.Tensor, torch.Tensor]
@@ -51,8 +50,9 @@ def mla_row(h: torch.Tensor, w: Weights, cfg: DSAConfig, rope: CosSin, *, kernel
         return q_resid, ew.latent_row(kv, norms[1], LATENT_NORM_EPS, cos, sin)
     q_resid = rms_norm(linear(h, w["q_a_proj.weight"]), norms[0], LATENT_NORM_EPS)
     kv = linear(h, w["kv_a_proj_with_mqa.weight"])
-    latent = rms_norm(kv[:, :LATENT_DIM], norms[1], LATENT_NORM_EPS)
-    return q_resid, mla.latent_row(latent, rope_interleaved(kv[:, LATENT_DIM:], cos, sin))
+    c = cfg.kv_lora_rank
+    latent = rms_norm(kv[:, :c], norms[1], LATENT_NORM_EPS)
+    return q_resid, mla.latent_row(latent, rope_interleaved(kv[:, c:], cos, sin))
 
 
 def mla_query(q_resid: torch.Tensor, w: Weights, cfg: DSAConfig, rope: CosSin, *, kernels=False):
@@ -82,8 +82,9 @@ def index_inputs(
         q, k = ew.rope_(q, **turn), ew.rope_(k.view(t, 1, d), **turn).view(t, d)
         return q, k, linear(h, w["indexer.weights_proj.weight"])
     turn = rope_interleaved if cfg.indexer_rope_interleave else rope_half
-    q = torch.cat([turn(q[..., :ROPE_DIM], cos, sin), q[..., ROPE_DIM:]], dim=-1)
-    k = torch.cat([turn(k[:, :ROPE_DIM], cos, sin), k[:, ROPE_DIM:]], dim=-1)
+    r = cfg.qk_rope_head_dim
+    q = torch.cat([turn(q[..., :r], cos, sin), q[..., r:]], dim=-1)
+    k = torch.cat([turn(k[:, :r], cos, sin), k[:, r:]], dim=-1)
     return q, k, linear(h, w["indexer.weights_proj.weight"])
 
 

@@ -22,7 +22,6 @@ from hisparse.models.dsa import make_checkpoint as tiny
 from hisparse.models.dsa.config import DSAConfig
 from hisparse.models.dsa.schema import DSAConfigError
 from hisparse.models.export_dir import ExportError, write_export
-from hisparse.models.rows import KV_DIM, LATENT_DIM
 
 ARCH_NAMES = {"deepseek_v32": "DeepseekV32ForCausalLM", "glm_moe_dsa": "GlmMoeDsaForCausalLM"}
 
@@ -51,6 +50,7 @@ def random_config(arch: str, **overrides) -> dict:
 def _layer(hf: dict, i: int, rand, norm) -> Dict[str, torch.Tensor]:
     hid, heads, qr = hf["hidden_size"], hf["num_attention_heads"], hf["q_lora_rank"]
     nope, v = hf["qk_nope_head_dim"], hf["v_head_dim"]
+    c, r = hf["kv_lora_rank"], hf["qk_rope_head_dim"]
     p = f"model.layers.{i}."
     w = {p + "input_layernorm.weight": norm(hid), p + "post_attention_layernorm.weight": norm(hid)}
     a = p + "self_attn."
@@ -58,10 +58,10 @@ def _layer(hf: dict, i: int, rand, norm) -> Dict[str, torch.Tensor]:
         {
             a + "q_a_proj.weight": rand(qr, hid),
             a + "q_a_layernorm.weight": norm(qr),
-            a + "q_b_proj.weight": rand(heads * (nope + KV_DIM - LATENT_DIM), qr),
-            a + "kv_a_proj_with_mqa.weight": rand(KV_DIM, hid),
-            a + "kv_a_layernorm.weight": norm(LATENT_DIM),
-            a + "kv_b_proj.weight": rand(heads * (nope + v), LATENT_DIM),
+            a + "q_b_proj.weight": rand(heads * (nope + r), qr),
+            a + "kv_a_proj_with_mqa.weight": rand(c + r, hid),
+            a + "kv_a_layernorm.weight": norm(c),
+            a + "kv_b_proj.weight": rand(heads * (nope + v), c),
             a + "o_proj.weight": rand(hid, heads * v),
         }
     )

@@ -18,7 +18,7 @@ import math
 import numbers
 from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
 
-from hisparse.models.rows import LATENT_DIM, ROPE_DIM, ROW_FORMATS
+from hisparse.models.rows import ROW_FORMATS
 from hisparse.ops.limits import INT32_MAX, as_index
 
 #: config.json key (``--hf-overrides``) choosing the latent row format.
@@ -33,13 +33,13 @@ INTS: Dict[str, Tuple[int, int, str]] = {
     "hidden_size": (1, MAX_WIDTH, ""),
     "num_attention_heads": (1, MAX_WIDTH, ""),
     "q_lora_rank": (1, MAX_WIDTH, " (the indexer reads the query latent)"),
-    "kv_lora_rank": (LATENT_DIM, LATENT_DIM, " (the latent row width)"),
-    "qk_rope_head_dim": (ROPE_DIM, ROPE_DIM, " (the row's rope part)"),
+    "kv_lora_rank": (1, MAX_WIDTH, " (the latent row width)"),
+    "qk_rope_head_dim": (2, MAX_WIDTH, " (the rotary pairs of a row and an index key)"),
     "qk_nope_head_dim": (1, MAX_WIDTH, ""),
     "v_head_dim": (1, MAX_WIDTH, ""),
     "index_topk": (1, MAX_WIDTH, ""),
     "index_n_heads": (1, MAX_WIDTH, ""),
-    "index_head_dim": (ROPE_DIM, MAX_WIDTH, f" (its first {ROPE_DIM} values are the rope part)"),
+    "index_head_dim": (2, MAX_WIDTH, ""),
     "index_topk_freq": (1, MAX_LAYERS, ""),
     "index_skip_topk_offset": (0, MAX_LAYERS, ""),
     "vocab_size": (2, INT32_MAX, " (greedy decoding compares the best two tokens)"),

@@ -12,7 +12,6 @@ from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
 
 from hisparse.models.dsa.config import DSAConfig
 from hisparse.models.dsa.fp8_weights import is_quantized, scale_name, scale_shape
-from hisparse.models.rows import KV_DIM, LATENT_DIM
 
 Shape = Tuple[int, ...]
 
@@ -39,14 +38,14 @@ def _mlp(p: str, hid: int, inter: int) -> Dict[str, Shape]:
 
 def _attention(a: str, cfg: DSAConfig) -> Dict[str, Shape]:
     hid, heads, qr = cfg.hidden_size, cfg.num_heads, cfg.q_lora_rank
-    nope, v = cfg.qk_nope_head_dim, cfg.v_head_dim
+    nope, v, c = cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
     return {
         a + "q_a_proj.weight": (qr, hid),
         a + "q_a_layernorm.weight": (qr,),
-        a + "q_b_proj.weight": (heads * (nope + KV_DIM - LATENT_DIM), qr),
-        a + "kv_a_proj_with_mqa.weight": (KV_DIM, hid),
-        a + "kv_a_layernorm.weight": (LATENT_DIM,),
-        a + "kv_b_proj.weight": (heads * (nope + v), LATENT_DIM),
+        a + "q_b_proj.weight": (heads * (nope + cfg.qk_rope_head_dim), qr),
+        a + "kv_a_proj_with_mqa.weight": (cfg.kv_dim, hid),
+        a + "kv_a_layernorm.weight": (c,),
+        a + "kv_b_proj.weight": (heads * (nope + v), c),
         a + "o_proj.weight": (hid, heads * v),
     }
 

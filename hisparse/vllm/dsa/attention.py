@@ -33,7 +33,6 @@ from hisparse.models.dsa.config import DSAConfig
 from hisparse.models.dsa.core import CHUNK_ELEMS, SparseMLACore, TokenBatch, even_cuts
 from hisparse.models.dsa.kernels import flashmla
 from hisparse.models.dsa.union import token_ids, union_rows
-from hisparse.models.rows import KV_DIM, LATENT_DIM, ROPE_DIM
 from hisparse.vllm.cache_layers import CacheLayer
 from hisparse.vllm.compat import tensor_parallel_peers
 from hisparse.vllm.dsa.indexer import DSAIndexer, linear, vllm_rope_parameters
@@ -124,17 +123,17 @@ class DSAAttention(nn.Module):
         device = get_current_vllm_config().device_config.device
         self.core = SparseMLACore(cfg, row_format, device, key_format=key_format)
         self.kv_rows = rows
-        hq = cfg.num_heads * tp[1] * (cfg.qk_nope_head_dim + ROPE_DIM)
+        hq = cfg.num_heads * tp[1] * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)
         self.q_a_proj = linear(cfg.hidden_size, cfg.q_lora_rank)
         self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, eps=1e-6)
         self.q_b_proj = _head_shard(cfg.q_lora_rank, hq, 0, tp)
-        self.kv_a_proj_with_mqa = linear(cfg.hidden_size, KV_DIM)
-        self.kv_a_layernorm = RMSNorm(LATENT_DIM, eps=1e-6)
+        self.kv_a_proj_with_mqa = linear(cfg.hidden_size, cfg.kv_dim)
+        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, eps=1e-6)
         kv_b = cfg.num_heads * tp[1] * (cfg.qk_nope_head_dim + cfg.v_head_dim)
-        self.kv_b_proj = _head_shard(LATENT_DIM, kv_b, 0, tp)
+        self.kv_b_proj = _head_shard(cfg.kv_lora_rank, kv_b, 0, tp)
         self.o_proj = _head_shard(cfg.num_heads * tp[1] * cfg.v_head_dim, cfg.hidden_size, 1, tp)
         self.rotary_emb = get_rope(
-            ROPE_DIM,
+            cfg.qk_rope_head_dim,
             max_position=max_pos,
             rope_parameters=vllm_rope_parameters(cfg),
             is_neox_style=False,
@@ -171,12 +170,13 @@ class DSAAttention(nn.Module):
         t = h.shape[0]
         q_resid = self.q_a_layernorm(self.q_a_proj(h))
         kv_a = self.kv_a_proj_with_mqa(h)
-        latent = self.kv_a_layernorm(kv_a[:, :LATENT_DIM].contiguous())
+        c = cfg.kv_lora_rank
+        latent = self.kv_a_layernorm(kv_a[:, :c].contiguous())
         if step is None:  # profiling: shapes only, no cache (the query heads' memory counted)
             self.q_b_proj(q_resid)
             return self._out(latent.new_zeros(t, cfg.num_heads * cfg.v_head_dim)), selection
-        k_pe = self._rotated(step.positions, kv_a[:, None, LATENT_DIM:].contiguous())
-        rows = self.core.encode_rows(mla.latent_row(latent, k_pe.view(t, ROPE_DIM)))
+        k_pe = self._rotated(step.positions, kv_a[:, None, c:].contiguous())
+        rows = self.core.encode_rows(mla.latent_row(latent, k_pe.view(t, cfg.qk_rope_head_dim)))
         self._save(rows, step)
         resolved = None
         if self.indexer is not None:
@@ -213,14 +213,14 @@ class DSAAttention(nn.Module):
         return self.indexer.select(h, q_resid, step, cuts, resolve), got[-1]
 
     def _heads(self, q_resid: torch.Tensor, step: Step):
-        """(q_nope [T, H, nope], the rotated q_pe [T, H, 64]) of this rank's query heads."""
+        """(q_nope [T, H, nope], the rotated q_pe [T, H, rope]) of this rank's query heads."""
         cfg, t = self.cfg, q_resid.shape[0]
         q = self.q_b_proj(q_resid).view(t, cfg.num_heads, -1)
         q_pe = self._rotated(step.positions, q[..., cfg.qk_nope_head_dim :].contiguous())
-        return q[..., : cfg.qk_nope_head_dim], q_pe.view(t, cfg.num_heads, ROPE_DIM)
+        return q[..., : cfg.qk_nope_head_dim], q_pe.view(t, cfg.num_heads, cfg.qk_rope_head_dim)
 
     def _rotated(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """x [T, n, 64] rotated at ``positions``. The key and the query heads are rotated apart
+        """x [T, n, rope] rotated at ``positions``. The key and the query heads are rotated apart
         (the heads wait for the resolve), but DeepSeek's YaRN rotary wants a key beside every
         query: a one-head view of x goes along (each value's math is its own)."""
         return self.rotary_emb.forward_native(positions, x, x[:, :1])[0]
@@ -263,7 +263,7 @@ class DSAAttention(nn.Module):
                 src, ids, misses = store, keys, None
             parts.append(self.core.attend_query(query, kv_b, src, ids, misses))
         t, k = selection.shape
-        n = max(1, CHUNK_ELEMS // (k * KV_DIM))
+        n = max(1, CHUNK_ELEMS // (k * self.cfg.kv_dim))
         for s in range(td, t, n):
             keys = selection[s : s + n]
             if connector is not None:  # this chunk's rows, gathered from the host pool

@@ -13,7 +13,6 @@ from vllm.model_executor.layers.rotary_embedding import get_rope
 from hisparse.models.dsa import indexer as dsa_index
 from hisparse.models.dsa.config import DSAConfig
 from hisparse.models.dsa.core import SparseMLACore
-from hisparse.models.rows import ROPE_DIM
 from hisparse.vllm.cache_layers import CacheLayer
 
 
@@ -43,7 +42,7 @@ class DSAIndexer(nn.Module):
         self.k_norm = nn.LayerNorm(d, eps=dsa_index.KEY_NORM_EPS)
         self.weights_proj = linear(cfg.hidden_size, h)
         self.rotary_emb = get_rope(
-            ROPE_DIM,
+            cfg.qk_rope_head_dim,
             max_position=max_pos,
             rope_parameters=vllm_rope_parameters(cfg),
             is_neox_style=not cfg.indexer_rope_interleave,
@@ -57,14 +56,14 @@ class DSAIndexer(nn.Module):
         [T, index_topk] in ascending position order, -1 padding. ``step``: the forward's
         ``attention.Step``; ``cuts`` / ``then``: ranked in parts (``core.select_parts``)."""
         cfg = self.cfg
-        t, d = h.shape[0], cfg.index_head_dim
+        t, d, r = h.shape[0], cfg.index_head_dim, cfg.qk_rope_head_dim
         q = self.wq_b(q_resid).view(t, cfg.index_n_heads, d)
         k = dsa_index.normalise_key(self.wk(h), self.k_norm.weight, self.k_norm.bias)
         q_pe, k_pe = self.rotary_emb.forward_native(
-            step.positions, q[..., :ROPE_DIM].contiguous(), k[:, None, :ROPE_DIM].contiguous()
+            step.positions, q[..., :r].contiguous(), k[:, None, :r].contiguous()
         )
-        q = torch.cat([q_pe.view(t, -1, ROPE_DIM), q[..., ROPE_DIM:]], -1)
-        k = torch.cat([k_pe.view(t, ROPE_DIM), k[:, ROPE_DIM:]], -1)
+        q = torch.cat([q_pe.view(t, -1, r), q[..., r:]], -1)
+        k = torch.cat([k_pe.view(t, r), k[:, r:]], -1)
         cache = self.cache.blocks()
         self.core.store_keys(cache, step.meta.slot_mapping, k, step.tokens.block_size)
         if cuts is not None:

@@ -34,7 +34,6 @@ from vllm.model_executor.models.deepseek_v2 import DeepseekV2MLP, DeepseekV2MoE
 from hisparse.models.dsa.config import DSAConfig
 from hisparse.models.dsa.core import TokenBatch, token_rows
 from hisparse.models.dsa.union import decode_token_rows
-from hisparse.models.rows import ROW_FORMATS
 from hisparse.vllm.cache_layers import SparseMLACache
 from hisparse.vllm.dsa import attention_op  # noqa: F401  (registers hisparse::dsa_attention)
 from hisparse.vllm.dsa.attention import DSAAttention, Step
@@ -162,7 +161,7 @@ class _Names:
         self.index = [f"model.layers.{i}.self_attn.indexer.k_cache" for i in range(cfg.num_layers)]
         # With the connector vLLM allocates no row storage: the host pool and hot buffers do.
         self.rows = [
-            SparseMLACache(n, ROW_FORMATS[fmt].row_bytes, attn[cfg.leader(i)], not hisparse)
+            SparseMLACache(n, cfg.row_bytes(fmt), attn[cfg.leader(i)], not hisparse)
             for i, n in enumerate(attn)
         ]
         self.first_index = self.index[0]

@@ -28,7 +28,6 @@ from vllm.model_executor.layers.vocab_parallel_embedding import (
 )
 
 from hisparse.models.dsa.config import DSAConfig
-from hisparse.models.rows import ROW_FORMATS
 from hisparse.vllm.cache_layers import SparseMLACache
 from hisparse.vllm.dsa.model import (
     KEY_FORMAT_KEY,
@@ -50,7 +49,7 @@ class _Names:
         self.index = {layer: f"model.layers.{layer}.self_attn.indexer.k_cache"}
         # Its own index group: the draft runs in a forward of its own, without the target's
         # top-k of the same positions.
-        self.rows = {layer: SparseMLACache(attn, ROW_FORMATS[fmt].row_bytes, attn, not hisparse)}
+        self.rows = {layer: SparseMLACache(attn, cfg.row_bytes(fmt), attn, not hisparse)}
         self.first_index = self.index[layer]
 
 

@@ -18,6 +18,13 @@ NEAR_TIE = 0.05
 #: First-step logits of the engine vs transformers, both float32 (see test_transformers.py).
 LOGIT_TOL = 1e-3
 PROMPTS, NEW = 8, 16
+#: Latent sizes other than the released models' 512 + 64, as checkpoints made for tests often
+#: have. Rows pad to 16 B: GLM-5's f32 rows (42 + 8 values, 200 B) to 208, its bf16 ones to 112,
+#: DeepSeek-V3.2's fp8 rows (256 + 32: 256 B, 8 B of scales, 64 B of rope) to 336.
+OTHER_SIZES = {
+    "deepseek_v32": dict(kv_lora_rank=256, qk_rope_head_dim=32, index_head_dim=48),
+    "glm_moe_dsa": dict(kv_lora_rank=42, qk_rope_head_dim=8, index_head_dim=24),
+}
 
 
 @contextlib.contextmanager

@@ -25,6 +25,7 @@ from hisparse.models.dsa.weights import load_checkpoint
 from tests.devices import needs_cuda
 from tests.engine.dsa.helpers import (
     ARCHS,
+    OTHER_SIZES,
     compare_with_transformers,
     dense_checkpoint,
     one_thread,
@@ -154,6 +155,41 @@ def test_cuda_tokens_equal_cpu_tokens_and_hisparse_equals_resident(
         assert diff <= LOGIT_TOL[row_format], (
             f"{arch} {row_format} prompt {i}: CUDA vs CPU first-step logits differ by {diff:.2e}"
         )
+
+
+@pytest.mark.parametrize(
+    "arch, row_format",
+    [
+        ("deepseek_v32", "f32"),
+        ("deepseek_v32", "fp8"),
+        ("glm_moe_dsa", "f32"),
+        ("glm_moe_dsa", "bf16"),
+    ],
+)
+def test_other_latent_sizes_on_cuda(tmp_path, arch, row_format):
+    """Rows of other sizes than 512 + 64 (``helpers.OTHER_SIZES``; padded to 16 B) take the
+    torch math on CUDA, the kernels only where they fit (the indexer, the gathers): HiSparse
+    equals resident on the GPU exactly, replayed from graphs, and f32 tokens equal the CPU's."""
+    d = write_random_checkpoint(tmp_path / arch, arch, seed=2, **OTHER_SIZES[arch])
+    ck_cpu, ck_gpu = load_checkpoint(d, CPU), load_checkpoint(d, GPU)
+    prompts = byte_prompts(ck_cpu, PROMPTS)
+    run = {
+        m: generate(ck_gpu, m, row_format, GPU, prompts, NEW, max_batch=BATCH)
+        for m in ("resident", "hisparse")
+    }
+    assert run["hisparse"].tokens == run["resident"].tokens
+    assert run["hisparse"].counters["misses"] > 0 and run["hisparse"].graph_replays > 0
+    if row_format == "f32":
+        with one_thread():
+            cpu = generate(
+                ck_cpu, "resident", "f32", CPU, prompts, NEW, max_batch=BATCH, key_format="f32"
+            )
+        ref = generate(
+            ck_gpu, "resident", "f32", GPU, prompts, NEW, max_batch=BATCH, key_format="f32"
+        )
+        for i in range(PROMPTS):
+            bad = tie_aware_mismatch(cpu.tokens[i], ref.tokens[i], cpu.gaps[i], ref.gaps[i])
+            assert bad is None, f"{arch} prompt {i}: CUDA vs CPU tokens, {bad}"
 
 
 @pytest.mark.parametrize("graphs", [False, True])

@@ -20,7 +20,7 @@ from hisparse.models.dsa.random_checkpoint import (
     write_random_checkpoint,
 )
 from hisparse.models.dsa.weights import CheckpointError, load_checkpoint
-from tests.engine.dsa.helpers import ARCHS, one_thread, tie_aware_mismatch
+from tests.engine.dsa.helpers import ARCHS, OTHER_SIZES, one_thread, tie_aware_mismatch
 
 CPU = torch.device("cpu")
 
@@ -45,6 +45,27 @@ def test_resident_and_hisparse_tokens_are_bit_identical(checkpoints, arch, row_f
     assert c["misses"] > 0 and c["host_to_device_bytes"] > 0, c
     text = s["tokens"]["resident"][0]
     assert len(set(text)) > 3, f"generation is one repeated token: {text}"
+
+
+@pytest.mark.parametrize("row_format", ["f32", "bf16", "fp8"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_other_latent_sizes_keep_the_tokens_bit_identical(tmp_path, arch, row_format):
+    sizes = OTHER_SIZES[arch]
+    d = write_random_checkpoint(tmp_path / arch, arch, seed=5, **sizes)
+    if row_format == "fp8" and sizes["kv_lora_rank"] % 128:
+        with pytest.raises(CheckpointError) as e:
+            parity(str(d), CPU, row_format, num_prompts=1, max_new=2)
+        assert "--row-format fp8 needs kv_lora_rank" in str(e.value)
+        assert "\n" not in str(e.value)
+        return
+    with one_thread():
+        s = parity(str(d), CPU, row_format, num_prompts=2, max_new=8)
+    assert s["tokens"]["resident"] == s["tokens"]["hisparse"], s
+    c = s["hisparse_counters"]
+    assert c["misses"] > 0, c
+    row = load_checkpoint(d, CPU).cfg.row_bytes(row_format)
+    assert row % 16 == 0 and c["host_to_device_bytes"] % row == 0, (row, c)
+    assert len(set(s["tokens"]["resident"][0])) > 3, s["tokens"]
 
 
 def test_a_skipped_save_breaks_parity(checkpoints, monkeypatch):
@@ -91,8 +112,8 @@ def _bad_checkpoint(tmp_path, case):
     w = random_weights(hf)
     if case == "not_dsa":
         hf["model_type"], hf["architectures"] = "llama", ["LlamaForCausalLM"]
-    elif case == "latent":
-        hf["kv_lora_rank"] = 256
+    elif case == "rope":
+        hf["qk_rope_head_dim"] = 63
     elif case == "missing_tensor":
         del w["model.layers.2.self_attn.indexer.wk.weight"]
     (d / "config.json").write_text(json.dumps(hf))
@@ -112,7 +133,7 @@ def _bad_checkpoint(tmp_path, case):
         ("no_dir", "no such directory"),
         ("no_config", "no config.json"),
         ("not_dsa", "neither deepseek_v32 nor glm_moe_dsa"),
-        ("latent", "kv_lora_rank must be 512"),
+        ("rope", "qk_rope_head_dim must be even"),
         ("no_weights", "no *.safetensors"),
         ("missing_tensor", "model.layers.2.self_attn.indexer.wk.weight"),
         ("quantized", "tensor 'w' is F8_E4M3; only unquantized checkpoints"),

@@ -11,7 +11,7 @@ import torch
 from hisparse.models.dsa import attention as mla
 from hisparse.models.dsa import indexer as dsa_index
 from hisparse.models.dsa.config import DSAConfig, DSAConfigError
-from hisparse.models.rows import KV_DIM, LATENT_DIM, ROW_FORMATS, decode_rows, encode_rows
+from hisparse.models.rows import KV_DIM, ROW_FORMATS, decode_rows, encode_rows
 
 BASE = {
     "model_type": "deepseek_v32",
@@ -71,8 +71,9 @@ def test_deepseek_runs_every_indexer_and_half_split_rope():
 @pytest.mark.parametrize(
     "over, field",
     [
-        ({"kv_lora_rank": 256}, "kv_lora_rank"),
-        ({"qk_rope_head_dim": 32}, "qk_rope_head_dim"),
+        ({"kv_lora_rank": 96, "hisparse_row_format": "fp8"}, "kv_lora_rank"),
+        ({"qk_rope_head_dim": 33}, "qk_rope_head_dim"),
+        ({"qk_rope_head_dim": 96}, "index_head_dim"),
         ({"q_lora_rank": None}, "q_lora_rank"),
         ({"scoring_func": "softmax"}, "scoring_func"),
         ({"hisparse_row_format": "int4"}, "hisparse_row_format"),
@@ -95,14 +96,15 @@ def test_row_format_defaults_to_the_unquantized_row_of_the_dtype():
     )
 
 
-def test_absorbed_attention_over_rows_equals_expanded_mla():
-    cfg = DSAConfig.from_hf(BASE)
+@pytest.mark.parametrize("latent, rope", [(512, 64), (42, 8)])
+def test_absorbed_attention_over_rows_equals_expanded_mla(latent, rope):
+    cfg = DSAConfig.from_hf({**BASE, "kv_lora_rank": latent, "qk_rope_head_dim": rope})
     g = torch.Generator().manual_seed(0)
     T, K, H, n, v = 3, 5, cfg.num_heads, cfg.qk_nope_head_dim, cfg.v_head_dim
-    kv_b = torch.randn(H * (n + v), LATENT_DIM, generator=g, dtype=torch.float64) * 0.05
-    rows = torch.randn(T, K, KV_DIM, generator=g, dtype=torch.float64)
+    kv_b = torch.randn(H * (n + v), latent, generator=g, dtype=torch.float64) * 0.05
+    rows = torch.randn(T, K, latent + rope, generator=g, dtype=torch.float64)
     q_nope = torch.randn(T, H, n, generator=g, dtype=torch.float64)
-    q_pe = torch.randn(T, H, 64, generator=g, dtype=torch.float64)
+    q_pe = torch.randn(T, H, rope, generator=g, dtype=torch.float64)
     valid = torch.tensor([[True] * 5, [True, False, True, False, True], [False] * 4 + [True]])
     o = mla.expand_values(
         mla.attend_rows(mla.absorb_query(q_nope, kv_b, cfg), q_pe, rows, valid, cfg.softmax_scale),
@@ -110,9 +112,10 @@ def test_absorbed_attention_over_rows_equals_expanded_mla():
         cfg,
     )
     # Expanded: per-head keys [k_nope | k_pe] and values from kv_b_proj, masked softmax.
-    kvb = torch.einsum("tkc,oc->tko", rows[..., :LATENT_DIM], kv_b).view(T, K, H, n + v)
-    keys = torch.cat([kvb[..., :n], rows[..., None, LATENT_DIM:].expand(T, K, H, 64)], -1)
+    kvb = torch.einsum("tkc,oc->tko", rows[..., :latent], kv_b).view(T, K, H, n + v)
+    keys = torch.cat([kvb[..., :n], rows[..., None, latent:].expand(T, K, H, rope)], -1)
     s = torch.einsum("thd,tkhd->thk", torch.cat([q_nope, q_pe], -1), keys) * cfg.softmax_scale
+    assert cfg.softmax_scale == (n + rope) ** -0.5  # BASE's rope is plain: no YaRN mscale
     p = torch.softmax(s.masked_fill(~valid[:, None], float("-inf")), -1)
     want = torch.einsum("thk,tkhv->thv", p, kvb[..., n:]).reshape(T, H * v)
     assert torch.allclose(o, want, atol=1e-10)
