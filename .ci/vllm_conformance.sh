@@ -103,8 +103,8 @@ if [ $rc -ne 0 ]; then
     exit $rc
 fi
 echo "--- stage 4: DeepSeek-V3.2 / GLM-5 checkpoints against transformers (bounded: 40 min)"
-served_stage DSA 2400 'dsa-*.log' test_vllm_dsa.py test_vllm_dsa_fp8.py test_vllm_fp8_weights.py \
-    test_vllm_compiled.py
+served_stage DSA 2400 'dsa-*.log' test_vllm_dsa.py test_vllm_dsa_sizes.py test_vllm_dsa_fp8.py \
+    test_vllm_fp8_weights.py test_vllm_compiled.py
 echo "--- stage 5: tensor parallel, TP 2 vs TP 1 with one shared host pool, rank faults (bounded: 25 min)"
 served_stage tensor-parallel 1500 'tp*.log' test_vllm_tp.py test_vllm_tp_faults.py
 echo "--- stage 6: MTP speculative decoding, DeepSeek-V3.2 / GLM-5 drafts, FP8 too (bounded: 40 min)"
