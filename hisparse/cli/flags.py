@@ -164,8 +164,9 @@ def add_workload_flags(
         "--row-format",
         "--row-layout",
         choices=("fp8", "bf16", "f32"),
-        default="fp8",
-        help="latent row bytes: fp8 656 B, bf16 1152 B, f32 2304 B (default: fp8)",
+        default=None,
+        help="latent row bytes: fp8 656 B, bf16 1152 B, f32 2304 B at the released sizes (default: "
+        "fp8; bf16 where a --model's kv_lora_rank is not a multiple of 128)",
     )
     g.add_argument(
         "--threads",

@@ -17,6 +17,7 @@ from hisparse.cli.demo_report import fmt_bytes
 from hisparse.cli.errors import CommandError
 from hisparse.cli.flags import check_retired
 from hisparse.engine.dsa.stores import BLOCK
+from hisparse.models.rows import FP8_TILE, fits
 from hisparse.ops.limits import MAX_HOT_SIZE, default_hot_size
 
 #: Request i's prompt is JITTER x (i mod 4) tokens longer than --prompt-len: requests of
@@ -89,7 +90,7 @@ def plan(
     p = Plan(
         model=choice,
         device=args.device,
-        row_format=args.row_format,
+        row_format=args.row_format or _row_format(choice.cfg.kv_lora_rank),
         requests=args.requests,
         batch=min(args.concurrency, args.requests),
         prompt_len=args.prompt_len,
@@ -105,12 +106,24 @@ def plan(
             f"{choice.max_positions} positions of --model {choice.directory}",
             2,
         )
+    latent = choice.cfg.kv_lora_rank
+    if not fits(p.row_format, latent):
+        raise CommandError(
+            f"argument --row-format: {p.row_format} needs kv_lora_rank to be a multiple of "
+            f"{FP8_TILE}; --model {choice.directory}'s is {latent}: use bf16 or f32",
+            2,
+        )
     p.hot_sizes = _hot_sizes(choice, hot_flag, hot_sizes)
     if device_blocks is None:
         device_blocks = max(1, p.batch * p.context_blocks // 2)
     p.device_blocks = device_blocks or None
     check_memory(p)
     return p
+
+
+def _row_format(latent: int) -> str:
+    """--row-format's default: fp8, as DeepSeek-V3.2 serves, where the latent is whole tiles."""
+    return "fp8" if fits("fp8", latent) else "bf16"
 
 
 def default_sweep(top_k: int) -> List[int]:

@@ -107,7 +107,22 @@ def test_the_row_format_flag_keeps_its_earlier_name():
     p = cli.build_parser()
     assert p.parse_args(["demo", "--row-layout", "bf16"]).row_format == "bf16"
     assert p.parse_args(["demo", "--row-format", "f32"]).row_format == "f32"
-    assert p.parse_args(["demo"]).row_format == "fp8"  # with --model too
+    assert p.parse_args(["demo"]).row_format is None  # the model picks it (below)
+
+
+def test_the_row_format_default_fits_the_model(tmp_path, capsys):
+    from hisparse.cli import demo
+    from hisparse.models.dsa.random_checkpoint import write_random_checkpoint
+
+    small = write_random_checkpoint(tmp_path / "m", "glm_moe_dsa", kv_lora_rank=42)
+    p = cli.build_parser()
+    assert demo.plan(p.parse_args(["demo"])).row_format == "fp8"
+    assert demo.plan(p.parse_args(["demo", "--model", str(small)])).row_format == "bf16"
+    with pytest.raises(SystemExit) as e:
+        cli.main(["demo", "--model", str(small), "--row-format", "fp8"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--row-format: fp8 needs kv_lora_rank" in err[0], err
 
 
 def test_the_dsa_demo_flags_keep_the_earlier_model_demo_names():
