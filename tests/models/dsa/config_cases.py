@@ -197,6 +197,7 @@ def tiny_configs(draw, arch=None) -> dict:
     groups, per = draw(st.integers(1, 3)), draw(st.integers(1, 3))
     top_groups = draw(st.integers(1, groups))
     positions = draw(st.integers(16, 512))
+    rope_dim = draw(st.sampled_from([2, 4, 8, 16, 64]))  # the released models: 512 + 64
     hf = random_config(
         arch,
         num_hidden_layers=layers,
@@ -207,7 +208,9 @@ def tiny_configs(draw, arch=None) -> dict:
         v_head_dim=draw(st.integers(1, 16)),
         index_topk=draw(st.integers(1, min(24, positions))),
         index_n_heads=draw(st.integers(1, 4)),
-        index_head_dim=draw(st.integers(64, 80)),
+        kv_lora_rank=draw(st.sampled_from([1, 7, 42, 128, 512])),
+        qk_rope_head_dim=rope_dim,
+        index_head_dim=draw(st.integers(rope_dim, rope_dim + 16)),
         vocab_size=draw(st.integers(2, 300)),
         max_position_embeddings=positions,
         n_routed_experts=groups * per,
@@ -274,6 +277,9 @@ def mutations(hf: dict) -> list:
     put("num_experts_per_tok", num_experts_per_tok=hf["n_routed_experts"] + 1)
     put("n_routed_experts", n_group=hf["n_routed_experts"] + 1)
     put("topk_group", topk_group=hf["n_group"] + 1)
+    put("qk_rope_head_dim", qk_rope_head_dim=hf["qk_rope_head_dim"] + 1)  # odd
+    put("index_head_dim", index_head_dim=hf["qk_rope_head_dim"] - 1)
+    put("kv_lora_rank", kv_lora_rank=129, hisparse_row_format="fp8")  # not whole fp8 tiles
     src = "rope_parameters" if hf.get("rope_parameters") else "rope_scaling"
     for field, bad in (("factor", None), ("factor", 0), ("rope_theta", 1), ("rope_type", "ntk")):
         rope = {**hf[src], "rope_type": "yarn", field: bad}
