@@ -119,6 +119,7 @@ def plugin_loaded():
         "refusal": None,
         "sizing": None,
         "cores": None,
+        "cpu_caching": None,
     }, patches.STATUS
     return patches
 
