@@ -61,7 +61,7 @@ class RowFormat:
 
 
 #: The formats at the released models' sizes (512 + 64).
-ROW_FORMATS = {name: RowFormat(name, row_bytes(name)) for name in ("fp8", "bf16", "f32")}
+ROW_FORMATS = {name: RowFormat(name, row_bytes(name)) for name in FORMATS}
 
 
 def _bytes_of(t: torch.Tensor) -> torch.Tensor:
