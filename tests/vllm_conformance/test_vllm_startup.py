@@ -11,7 +11,9 @@ the README's flags and vLLM's defaults: no --num-gpu-blocks-override, no host_po
   finished request;
 * a stock architecture, a DeepSeek-V3.2 directory without the override naming hisparse's class,
   and sleep mode are refused before any weights load, the reason being the last line of vLLM's
-  output; so is a block override the RAM cannot back, naming the flag.
+  output; so is a block override the RAM cannot back, naming the flag, and a --kv-cache-dtype
+  the DSA classes have no rows for or that disagrees with hisparse_row_format;
+* --kv-cache-dtype fp8 serves the 656-B FP8 rows (hisparse_row_format fp8's tokens).
 
 Run by .ci/vllm_conformance.sh (HISPARSE_VLLM_CONFORMANCE=1); never collected otherwise.
 """
@@ -26,7 +28,7 @@ import time
 from pathlib import Path
 
 import pytest
-from served import MAX_LEN, SIZES, Server, _http, export, kv_config, sizing_line
+from served import MAX_LEN, SIZES, Model, Server, _http, export, kv_config, sizing_line
 
 from hisparse.models.checkpoint_files import tokenizer_files
 from hisparse.vllm.server import OpenAIServer
@@ -194,3 +196,56 @@ def test_a_block_override_the_ram_cannot_back_is_refused_early_naming_it(glm, lo
     assert "HiSparseSizingError: --num-gpu-blocks-override 10000000 needs a HiSparse host " in last
     assert last.endswith("lower it, or drop it and let HiSparse size the blocks"), last
     assert "host_pool_gib" not in last
+
+
+@pytest.mark.parametrize(
+    "kv, extra, ends",
+    [
+        # Without the connector too: the DSA class checks its own config at config time.
+        (
+            None,
+            ["--kv-cache-dtype", "fp8_e5m2"],
+            "use one of auto, fp8, fp8_e4m3, fp8_ds_mla, bfloat16",
+        ),
+        (
+            True,
+            ["--kv-cache-dtype", "bfloat16"],
+            "but config.json hisparse_row_format is 'fp8': drop one of them",
+        ),
+    ],
+    ids=["e5m2", "disagrees"],
+)
+def test_what_a_dsa_class_cannot_serve_is_refused_before_weights_load(
+    tmp_path, logs, kv, extra, ends
+):
+    """The flags are vLLM's; the line names the one to change."""
+    m = export(tmp_path / "model", "deepseek_v32", "fp8" if kv else None)
+    kv = kv_config("HiSparseConnector") if kv else None
+    last = _refused(logs, m.dir, kv, m.args() + extra, f"dsa-{extra[1]}")
+    assert last.endswith(ends), last
+
+
+def test_kv_cache_dtype_fp8_serves_the_fp8_rows(tmp_path, logs):
+    """vLLM's --kv-cache-dtype fp8 (as DeepSeek-V3.2 is served on CUDA) gives the DSA classes'
+    656-B FP8 rows: the host pool holds 656 B per token and layer, and the tokens are those of
+    hisparse_row_format fp8."""
+    m = export(tmp_path / "model", "deepseek_v32", None)
+    prompts = [[random.Random(i).randrange(256) for _ in range(120 + 9 * i)] for i in range(4)]
+    got = {}
+    for label, args in {
+        "override": Model(m.dir, m.arch, "fp8").args(),
+        "flag": m.args() + ["--kv-cache-dtype", "fp8"],
+    }.items():
+        srv = ReadmeServer(m.dir, logs / f"kv-cache-dtype-{label}.log", kv_config(), args)
+        try:
+            srv.wait_ready(timeout=400)
+            line = sizing_line(srv.log)
+            pool = float(re.search(r"host pool ([\d.]+) GiB", line).group(1)) * GIB
+            blocks = int(re.search(r"(\d+) KV blocks of 16 tokens", line).group(1))
+            got[label] = ([_complete(srv, p, 12) for p in prompts], pool / (blocks * 16))
+        finally:
+            srv.stop()
+    per_token = got["flag"][1]
+    print(f"\n--kv-cache-dtype fp8: {per_token:.1f} B of host pool per token over 2 layers")
+    assert abs(per_token - 2 * 656) < 1, got
+    assert got["flag"][0] == got["override"][0]

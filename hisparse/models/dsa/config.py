@@ -23,6 +23,15 @@ from hisparse.models.dsa.schema import ROW_FORMAT_KEY, DSAConfigError
 __all__ = ["ARCHS", "MODEL_TYPES", "ROW_FORMAT_KEY", "DSAConfig", "DSAConfigError"]
 
 ARCHS = {"DeepseekV32ForCausalLM": "deepseek_v32", "GlmMoeDsaForCausalLM": "glm_moe_dsa"}
+#: vLLM's --kv-cache-dtype -> the row format it asks for (None: the serving dtype's). vLLM names
+#: DeepSeek-V3.2's 656-byte FP8 MLA row fp8_ds_mla; our fp8 rows are that row (e4m3 values).
+CACHE_DTYPE_ROWS = {
+    "auto": None,
+    "fp8": "fp8",
+    "fp8_e4m3": "fp8",
+    "fp8_ds_mla": "fp8",
+    "bfloat16": "bf16",
+}
 MODEL_TYPES = {"deepseek_v32": "deepseek_v32", "glm_moe_dsa": "glm_moe_dsa"}
 
 
@@ -195,8 +204,26 @@ class DSAConfig:
                 f"{flag} {limit} or less"
             )
 
-    def row_format_for(self, dtype_name: str) -> str:
-        """The row format: the configured one, else the unquantized one of the serving dtype."""
-        if self.row_format is not None:
-            return self.row_format
-        return "f32" if dtype_name == "float32" else "bf16"
+    def row_format_for(self, dtype_name: str, cache_dtype: str = "auto") -> str:
+        """The row format: the configured one (``hisparse_row_format``), else the one vLLM's
+        ``--kv-cache-dtype`` names, else the unquantized one of the serving dtype; a cache dtype
+        with no row format here, or one that disagrees with the configured format, is refused
+        in one line naming the flag."""
+        if cache_dtype not in CACHE_DTYPE_ROWS:
+            known = ", ".join(CACHE_DTYPE_ROWS)
+            raise DSAConfigError(
+                f"--kv-cache-dtype {cache_dtype} has no latent row format here: use one of {known}"
+            )
+        asked = CACHE_DTYPE_ROWS[cache_dtype]
+        if asked and self.row_format and asked != self.row_format:
+            raise DSAConfigError(
+                f"--kv-cache-dtype {cache_dtype} asks for {asked} rows, but config.json "
+                f"{ROW_FORMAT_KEY} is {self.row_format!r}: drop one of them"
+            )
+        fmt = self.row_format or asked or ("f32" if dtype_name == "float32" else "bf16")
+        if not rows.fits(fmt, self.kv_lora_rank):
+            raise DSAConfigError(
+                f"--kv-cache-dtype {cache_dtype}: fp8 rows need kv_lora_rank to be a multiple "
+                f"of {rows.FP8_TILE}, this checkpoint's is {self.kv_lora_rank}: use auto"
+            )
+        return fmt

@@ -35,7 +35,10 @@ from hisparse.models.dsa.config import DSAConfig
 from hisparse.models.dsa.core import TokenBatch, token_rows
 from hisparse.models.dsa.union import decode_token_rows
 from hisparse.vllm.cache_layers import SparseMLACache
-from hisparse.vllm.dsa import attention_op  # noqa: F401  (registers hisparse::dsa_attention)
+from hisparse.vllm.dsa import (
+    attention_op,  # noqa: F401  (registers hisparse::dsa_attention)
+    served_config,
+)
 from hisparse.vllm.dsa.attention import DSAAttention, Step
 from hisparse.vllm.dsa.weights import load_dsa_weights
 from hisparse.vllm.model_connector import active_connector, uses_hisparse_connector
@@ -227,11 +230,11 @@ class _DSAForCausalLM(nn.Module):
         _routing_config(hf)
         self.cfg = cfg
         self.hisparse = uses_hisparse_connector(vllm_config)
-        dtype = str(vllm_config.model_config.dtype).replace("torch.", "")
         # The index keys' format: --hf-overrides '{"hisparse_key_format": "fp8" | "f32"}'
         # (default: fp8 beside fp8 rows, else f32).
         key_fmt = getattr(hf, KEY_FORMAT_KEY, None)
-        self.names = _Names(cfg, cfg.row_format_for(dtype), key_fmt, self.hisparse)
+        fmt = served_config.row_format(vllm_config, cfg)
+        self.names = _Names(cfg, fmt, key_fmt, self.hisparse)
         self.model = DSAModel(vllm_config=vllm_config, prefix="model", cfg=cfg, names=self.names)
         self.lm_head = ParallelLMHead(hf.vocab_size, cfg.hidden_size, prefix="lm_head")
         self.logits_processor = LogitsProcessor(hf.vocab_size)

@@ -29,6 +29,7 @@ from vllm.model_executor.layers.vocab_parallel_embedding import (
 
 from hisparse.models.dsa.config import DSAConfig
 from hisparse.vllm.cache_layers import SparseMLACache
+from hisparse.vllm.dsa import served_config
 from hisparse.vllm.dsa.model import (
     KEY_FORMAT_KEY,
     DSADecoderLayer,
@@ -86,9 +87,9 @@ class HiSparseDeepseekV32MTP(nn.Module):
         self.cfg = replace(base, num_layers=n + 1, indexer_types=base.indexer_types + ("full",))
         self.index = n
         self.hisparse = uses_hisparse_connector(vllm_config)
-        dtype = str(vllm_config.model_config.dtype).replace("torch.", "")
         key_fmt = getattr(hf, KEY_FORMAT_KEY, None)
-        self.names = _Names(self.cfg, n, base.row_format_for(dtype), key_fmt, self.hisparse)
+        fmt = served_config.row_format(vllm_config, base)
+        self.names = _Names(self.cfg, n, fmt, key_fmt, self.hisparse)
         self.model = nn.Module()
         self.model.embed_tokens = VocabParallelEmbedding(hf.vocab_size, base.hidden_size)
         self.model.layers = nn.ModuleDict({str(n): _MTPLayer(vllm_config, self.cfg, n, self.names)})

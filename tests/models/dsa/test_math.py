@@ -96,6 +96,29 @@ def test_row_format_defaults_to_the_unquantized_row_of_the_dtype():
     )
 
 
+@pytest.mark.parametrize(
+    "over, cache_dtype, want",
+    [
+        ({}, "fp8", "fp8"),  # vLLM's FP8 KV cache: the 656-B row
+        ({}, "fp8_ds_mla", "fp8"),
+        ({}, "bfloat16", "bf16"),
+        ({"hisparse_row_format": "fp8"}, "fp8_e4m3", "fp8"),
+        ({"hisparse_row_format": "f32"}, "auto", "f32"),
+        ({}, "fp8_e5m2", "--kv-cache-dtype fp8_e5m2 has no latent row format"),
+        ({"hisparse_row_format": "f32"}, "fp8", "hisparse_row_format is 'f32': drop one"),
+        ({"kv_lora_rank": 96}, "fp8", "--kv-cache-dtype fp8: fp8 rows need kv_lora_rank"),
+    ],
+)
+def test_vllms_kv_cache_dtype_picks_the_row_format_or_is_refused(over, cache_dtype, want):
+    cfg = DSAConfig.from_hf({**BASE, **over})
+    if " " not in want:
+        assert cfg.row_format_for("float32", cache_dtype) == want
+        return
+    with pytest.raises(DSAConfigError) as e:
+        cfg.row_format_for("float32", cache_dtype)
+    assert want in str(e.value) and "\n" not in str(e.value)
+
+
 @pytest.mark.parametrize("latent, rope", [(512, 64), (42, 8)])
 def test_absorbed_attention_over_rows_equals_expanded_mla(latent, rope):
     cfg = DSAConfig.from_hf({**BASE, "kv_lora_rank": latent, "qk_rope_head_dim": rope})
