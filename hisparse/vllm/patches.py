@@ -159,9 +159,7 @@ def _cores(orig: Callable) -> Callable:
 
 
 def _cpu_caching(orig: Callable) -> Callable:
-    from hisparse.vllm.dsa import DSA_ARCHITECTURES
-
-    ours = {name for name, _ in DSA_ARCHITECTURES.values()}
+    ours = served_config.OURS
 
     def check_and_update_config(vllm_config):
         cache, sched = vllm_config.cache_config, vllm_config.scheduler_config

@@ -22,13 +22,12 @@ from hisparse.models.dsa.config import DSAConfig
 from hisparse.runtime import fence_kernels
 from hisparse.runtime.host_pool import available_host_bytes
 from hisparse.runtime.pool_fence import arch_shares_pool
-from hisparse.vllm.dsa import DSA_ARCHITECTURES, served_config
+from hisparse.vllm.dsa import served_config
 from hisparse.vllm.settings import config_from_vllm
 
 _GIB = float(1 << 30)
 # As HostPool / SharedHostPool: what they leave to the rest of the process and the OS.
 _RESERVE_BYTES = 1 << 30
-_OURS_DSA = frozenset(ours for ours, _ in DSA_ARCHITECTURES.values())
 
 
 class HiSparseSizingError(ValueError):
@@ -75,7 +74,7 @@ def token_row_bytes(vllm_config: Any) -> Optional[int]:
     model = getattr(vllm_config, "model_config", None)
     hf = getattr(model, "hf_config", None)
     archs = getattr(model, "architectures", None) or getattr(hf, "architectures", None) or ()
-    if _OURS_DSA.isdisjoint(archs):
+    if served_config.OURS.isdisjoint(archs):
         return None
     # As hisparse.vllm.dsa.model's row layers: one row per token and layer, in the format the
     # checkpoint's override names or the serving dtype implies.

@@ -11,7 +11,8 @@ from typing import Any
 from hisparse.models.dsa.config import DSAConfig
 from hisparse.vllm.dsa import DSA_ARCHITECTURES
 
-_OURS = {name for name, _ in DSA_ARCHITECTURES.values()}
+#: hisparse's DSA class names (the MTP draft's too).
+OURS = frozenset(name for name, _ in DSA_ARCHITECTURES.values())
 
 
 def row_format(vllm_config: Any, cfg: DSAConfig) -> str:
@@ -25,7 +26,7 @@ def check(vllm_config: Any) -> None:
     """For one of hisparse's DSA classes: its config.json, context and row format, each refusal
     one line naming the field or flag (``DSAConfigError``); other models are not looked at."""
     model = getattr(vllm_config, "model_config", None)
-    if _OURS.isdisjoint(getattr(model, "architectures", None) or ()):
+    if OURS.isdisjoint(getattr(model, "architectures", None) or ()):
         return
     cfg = DSAConfig.from_hf(model.hf_config)
     cfg.check_context(int(model.max_model_len), "--max-model-len")
