@@ -91,6 +91,11 @@ class SparseMLACore:
             raise ValueError(f"misses must be one of {MISSES}, got {misses!r}")
         if indexer not in INDEXER:
             raise ValueError(f"indexer must be one of {INDEXER}, got {indexer!r}")
+        if attention in ("fused", "flashmla") and not cfg.standard_rows():
+            raise ValueError(
+                f"attention={attention!r} reads rows of 512 + 64 values; this model's are "
+                f"{cfg.kv_lora_rank} + {cfg.qk_rope_head_dim}: pass attention='auto'"
+            )
         can = row_kernels.available(device)
         if backend == "triton" and not can:
             raise ValueError(f"backend='triton' needs Triton and a CUDA device, not {device}")

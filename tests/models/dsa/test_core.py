@@ -89,6 +89,14 @@ def test_key_format_is_refused_by_name():
         SparseMLACore(_cfg(), "f32", "cpu", key_format="int4")
 
 
+@pytest.mark.parametrize("attention", ["fused", "flashmla"])
+def test_the_512_plus_64_kernels_are_refused_by_size_for_other_rows(attention):
+    cfg = DSAConfig.from_hf(random_config("glm_moe_dsa", kv_lora_rank=42, qk_rope_head_dim=8))
+    with pytest.raises(ValueError, match=r"this model's are 42 \+ 8: pass attention='auto'"):
+        SparseMLACore(cfg, "f32", "cpu", attention=attention)
+    assert SparseMLACore(cfg, "f32", "cpu").row_bytes == 208  # auto: the torch math, padded rows
+
+
 @pytest.mark.parametrize("fmt", ["f32", "fp8"])
 def test_select_of_a_mixed_batch_equals_each_request_alone(fmt):
     cfg = _cfg()
