@@ -299,6 +299,35 @@ def run_python(argv, timeout: float, **kw) -> subprocess.CompletedProcess:
     )
 
 
+def transformers_greedy(model_dir: Path, prompts, max_new: int) -> list:
+    """transformers' greedy ``generate`` of each prompt, one at a time (eager, float32): the
+    outputs with their scores. Byte 0 is a token, not padding."""
+    import torch
+    import transformers
+
+    torch.set_num_threads(1)  # a 2-core runner: more threads only contend
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        model_dir, attn_implementation="eager", dtype=torch.float32
+    ).eval()
+    out = []
+    for p in prompts:
+        ids = torch.tensor([p])
+        with torch.no_grad():
+            out.append(
+                model.generate(
+                    ids,
+                    attention_mask=torch.ones_like(ids),
+                    max_new_tokens=max_new,
+                    do_sample=False,
+                    output_scores=True,
+                    return_dict_in_generate=True,
+                    eos_token_id=None,
+                    pad_token_id=256,
+                )  # fmt: skip
+            )
+    return out
+
+
 def _differing(ref: list, got: list) -> list:
     """(request, first step) of each request whose tokens in ``got`` differ from ``ref``'s."""
     out = []

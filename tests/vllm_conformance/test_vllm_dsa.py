@@ -23,7 +23,15 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from served import AT_ONCE_MAY_DIFFER, BLOCK, Server, _differing, _flush, _send_all
+from served import (
+    AT_ONCE_MAY_DIFFER,
+    BLOCK,
+    Server,
+    _differing,
+    _flush,
+    _send_all,
+    transformers_greedy,
+)
 
 from hisparse.models.dsa.config import DSAConfig
 from hisparse.models.dsa.make_checkpoint import INDEX_TOPK, make_checkpoint
@@ -70,26 +78,9 @@ def _long_prompts():
 def _reference(model_dir: Path) -> list:
     """transformers' greedy tokens and first-step logits, one prompt at a time (eager, f32)."""
     import torch
-    import transformers
 
-    torch.set_num_threads(1)  # a 2-core runner: more threads only contend
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        model_dir, attn_implementation="eager", dtype=torch.float32
-    ).eval()
     out = []
-    for p in _prompts():
-        ids = torch.tensor([p])
-        with torch.no_grad():
-            g = model.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),  # byte 0 is a token, not padding
-                max_new_tokens=GEN,
-                do_sample=False,
-                output_scores=True,
-                return_dict_in_generate=True,
-                eos_token_id=None,
-                pad_token_id=256,
-            )
+    for p, g in zip(_prompts(), transformers_greedy(model_dir, _prompts(), GEN)):
         gaps = [float(s[0].topk(2).values.diff().abs()) for s in g.scores]
         logprobs = torch.log_softmax(g.scores[0][0].double(), -1)
         out.append({"tokens": g.sequences[0, len(p) :].tolist(), "gaps": gaps, "lp": logprobs})

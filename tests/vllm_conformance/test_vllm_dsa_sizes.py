@@ -19,7 +19,7 @@ import random
 from pathlib import Path
 
 import pytest
-from served import Server, _flush
+from served import Server, _flush, transformers_greedy
 
 from hisparse.models.dsa.config import DSAConfig
 from hisparse.models.dsa.make_checkpoint import INDEX_TOPK, make_checkpoint
@@ -51,23 +51,8 @@ def _prompts() -> list:
 
 def _reference(model_dir: Path) -> list:
     """transformers' greedy tokens, one prompt at a time (eager, float32)."""
-    import torch
-    import transformers
-
-    torch.set_num_threads(1)
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        model_dir, attn_implementation="eager", dtype=torch.float32
-    ).eval()
-    out = []
-    for p in _prompts():
-        ids = torch.tensor([p])
-        with torch.no_grad():
-            g = model.generate(
-                ids, attention_mask=torch.ones_like(ids), max_new_tokens=GEN, do_sample=False,
-                eos_token_id=None, pad_token_id=256,
-            )  # fmt: skip
-        out.append(g[0, len(p) :].tolist())
-    return out
+    runs = transformers_greedy(model_dir, _prompts(), GEN)
+    return [g.sequences[0, len(p) :].tolist() for g, p in zip(runs, _prompts())]
 
 
 def _run(model_dir: Path, log: Path, arch: str, fmt: str, hisparse: bool) -> dict:
