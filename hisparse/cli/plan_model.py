@@ -19,9 +19,6 @@ from typing import List, Sequence, Tuple
 
 from hisparse.cli.capacity import GIB, PlanError, PlanInputs, compute
 
-# MLA's latent row (kv_lora_rank + qk_rope_head_dim), fixed by DSAConfig's checks.
-_LATENT, _ROPE = 512, 64
-
 
 def read_config(model_dir, config_file) -> Tuple[dict, str, str]:
     """(config dict, the flag it came from, its path); every problem is one PlanError line
@@ -110,9 +107,9 @@ def param_count(hf: dict, cfg, spec) -> dict:
     layers as DeepSeek-V3 stores them (one MoE layer, eh_proj, three norms and their own copies
     of the embedding and head): published totals leave them out."""
     h, qr, heads = cfg.hidden_size, cfg.q_lora_rank, cfg.num_heads
-    nope, v = cfg.qk_nope_head_dim, cfg.v_head_dim
-    mla = h * qr + qr + qr * heads * (nope + _ROPE) + h * (_LATENT + _ROPE) + _LATENT
-    mla += _LATENT * heads * (nope + v) + heads * v * h
+    nope, v, c, r = cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank, cfg.qk_rope_head_dim
+    mla = h * qr + qr + qr * heads * (nope + r) + h * (c + r) + c
+    mla += c * heads * (nope + v) + heads * v * h
     d, ih = cfg.index_head_dim, cfg.index_n_heads
     indexer = qr * ih * d + h * d + 2 * d + h * ih
     e = spec.n_experts

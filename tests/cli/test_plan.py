@@ -201,13 +201,15 @@ def test_glm5_parameter_count():
     assert p["total"] == pytest.approx(744e9, rel=0.01)
 
 
+@pytest.mark.parametrize("sizes", [{}, {"kv_lora_rank": 42, "qk_rope_head_dim": 8}])
 @pytest.mark.parametrize("arch", ["deepseek_v32", "glm_moe_dsa"])
-def test_parameter_count_matches_the_checkpoint_tensors(arch):
+def test_parameter_count_matches_the_checkpoint_tensors(arch, sizes):
     # the seeded tiny checkpoint writes transformers' tensor names and shapes (GLM's with
-    # shared-indexer layers): the count must be the sum of its tensors' sizes
+    # shared-indexer layers): the count must be the sum of its tensors' sizes, at the released
+    # latent sizes and at others
     from hisparse.models.dsa.random_checkpoint import random_config, random_weights
 
-    hf = random_config(arch)
+    hf = random_config(arch, **sizes)
     n = sum(t.numel() for t in random_weights(hf).values())
     assert model_from_config(hf, "--config", "tiny")["params"]["total"] == n
 
