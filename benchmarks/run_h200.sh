@@ -4,7 +4,7 @@
 #   STAGES="build tests sanitizer bench engine demo" COMMIT=$(git rev-parse --short HEAD) bash benchmarks/run_h200.sh
 # (COMMIT: the tree's commit for the results; a device copy's .git names an older one)
 # STAGES may also name "cudatests" (only the CUDA tests, the oracle property tests and the
-# save_rows tests: the quick gate after a kernel change), "bench2" (a second bench_ops run, for
+# save_rows tests, FlashMLA and DeepGEMM importable: the quick gate after a kernel change), "bench2" (a second bench_ops run, for
 # the spread between runs), "core" (the DSA core vLLM runs: its CUDA tests, then
 # bench_decode_tpot at 32k, 64k and 128k with capacity) and "fusedattn" (the
 # fused sparse-MLA kernel alone, then the step with it) and "flashmla" (FlashMLA's sparse FP8
@@ -29,7 +29,7 @@ status=0
 # a stage that needs them waits for them.
 base=$PWD/benchmarks/baselines
 baseline_builds=()
-if has kernels || has external || has parts; then
+if has kernels || has external || has parts || has cudatests; then
   export DG_JIT_CACHE_DIR=${DG_JIT_CACHE_DIR:-/tmp/deepgemm-jit}
   PYTHONPATH="$base/src/flashmla:$PYTHONPATH" python3 -c "import flash_mla.cuda" 2>/dev/null \
     || { bash "$base/build_flashmla.sh" > "$OUT/flashmla_build.txt" 2>&1 & baseline_builds+=($!); }
@@ -58,6 +58,7 @@ if has tests; then
   tail -15 "$OUT/pytest.txt"
 fi
 if has cudatests; then
+  baselines  # the FlashMLA and DeepGEMM adapters' tests run too, where their sources are here
   timeout 300 python3 -m pytest -q -rs -p no:cacheprovider -m cuda tests/ > "$OUT/pytest_cuda.txt" 2>&1 || status=1
   tail -5 "$OUT/pytest_cuda.txt"
   timeout 200 python3 -m pytest -q -rs -p no:cacheprovider tests/ops/test_property.py tests/ops/test_save_rows.py > "$OUT/pytest_ops.txt" 2>&1 || status=1
