@@ -44,6 +44,7 @@ def _step(args, batch: int, modes) -> CoreStep:
     return CoreStep(
         _config(args), batch, modes, "cuda", attention=args.attention, misses=args.misses,
         indexer=args.indexer, miss=args.miss, resolve_parts=min(args.resolve_parts, batch),
+        attend_parts=args.attend_parts,
     )  # fmt: skip
 
 
@@ -317,6 +318,11 @@ def main(argv=None) -> int:
         help="HiSparse ranks and resolves the requests in this many parts, each part's misses "
         "copying in while the next is ranked (at most one per request)",
     )  # fmt: skip
+    p.add_argument(
+        "--attend-parts", action="store_true",
+        help="with --resolve-parts: attention in the same parts too, in both modes (a HiSparse "
+        "part attends once its own misses are in)",
+    )  # fmt: skip
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--capacity", action="store_true", help="each mode at its budget's limit")
@@ -381,6 +387,7 @@ def main(argv=None) -> int:
             "attention": args.attention,
             "misses": args.misses,
             "resolve_parts": args.resolve_parts,
+            "attend_parts": args.attend_parts,
             "mlp": "dense SwiGLU 18432 (the MoE's active width)",
             "vocab": GraphConfig().vocab,
         },

@@ -130,16 +130,19 @@ if has external; then  # needs the sources under benchmarks/baselines/src (its R
 fi
 if has parts; then  # HiSparse ranking and resolving its requests in parts (--resolve-parts N)
   baselines  # FlashMLA and DeepGEMM, as a CUDA vLLM user gets them, where their sources are here
-  timeout 150 python3 -m pytest -q -rs -p no:cacheprovider -m cuda tests/runtime/test_runtime_cuda.py \
-    tests/engine/graph > "$OUT/pytest_parts.txt" 2>&1 || status=1
-  tail -2 "$OUT/pytest_parts.txt"
+  if [ "${PARTS_TESTS:-1}" = 1 ]; then  # 0: the cudatests stage ran them just before
+    timeout 150 python3 -m pytest -q -rs -p no:cacheprovider -m cuda tests/runtime/test_runtime_cuda.py \
+      tests/engine/graph > "$OUT/pytest_parts.txt" 2>&1 || status=1
+    tail -2 "$OUT/pytest_parts.txt"
+  fi
   # Batch by batch, every part count at each (112 and 64 first: where the copy shows), so a
   # run cut short by the call's limit still leaves same-run pairs. 30 and 112 are each mode's
   # limit at 32k in the 45 GiB budget (HiSparse's tok/s at 112 over resident's at 30: capacity).
-  for b in 112 64 30; do
-    for n in ${PARTS:-1 2 3 4}; do
+  for b in ${PARTS_BATCHES:-112 64 30}; do
+    for n in ${PARTS:-1 2 3 4}; do  # "3a": 3 parts, attention in the same parts (--attend-parts)
+      attend=""; [[ $n == *a ]] && attend="--attend-parts"
       timeout 120 python3 benchmarks/bench_decode_tpot.py --commit "${COMMIT:-?}" --batches $b \
-        --rounds 2 --resolve-parts "$n" --json "$OUT/engine_tpot_parts${n}_b$b.json" > "$OUT/parts${n}_b$b.txt" 2>&1 || status=1
+        --rounds 2 --resolve-parts "${n%a}" $attend --json "$OUT/engine_tpot_parts${n}_b$b.json" > "$OUT/parts${n}_b$b.txt" 2>&1 || status=1
       tail -1 "$OUT/parts${n}_b$b.txt" | cut -c1-300
     done
   done
