@@ -43,8 +43,7 @@ def _config(args) -> GraphConfig:
 def _step(args, batch: int, modes) -> CoreStep:
     return CoreStep(
         _config(args), batch, modes, "cuda", attention=args.attention, misses=args.misses,
-        indexer=args.indexer, miss=args.miss, resolve_parts=min(args.resolve_parts, batch),
-        attend_parts=args.attend_parts,
+        indexer=args.indexer, miss=args.miss,
     )  # fmt: skip
 
 
@@ -57,7 +56,6 @@ def run(args, batch: int, modes, resident_limit: int) -> dict:
     row["indexer"] = step.core.indexer
     if "hisparse" in modes:  # where the misses reached the row read at this batch
         row["misses_read"] = "in_read" if step.core.reads_misses(batch) else "gather"
-        row["resolve_parts"] = len(step.cuts) - 1  # as run: the in-read takes the batch whole
     del step
     torch.cuda.empty_cache()
     return row
@@ -112,7 +110,6 @@ def _split_hooks(step: CoreStep) -> list:
         (step.core, "_scores_fn", "indexer"),  # the Triton kernel or DeepGEMM's
         (step.core, "store_keys", "indexer"),
         (step.core, "select", "top-k"),  # what select runs beside the scores: topk, the slots
-        (step.core, "select_parts", "top-k"),  # select per part, the parts' slots joined
         (rows, "gather_decode", "row read / misses"),
         (misses, "read_with_misses", "row read / misses"),
         (misses, "stage_misses", "row read / misses"),
@@ -313,16 +310,6 @@ def main(argv=None) -> int:
         "--misses", choices=MISSES, default="auto",
         help="HiSparse's misses: gathered before the row read, or fetched by it (in_read)",
     )  # fmt: skip
-    p.add_argument(
-        "--resolve-parts", type=int, default=1,
-        help="HiSparse ranks and resolves the requests in this many parts, each part's misses "
-        "copying in while the next is ranked (at most one per request)",
-    )  # fmt: skip
-    p.add_argument(
-        "--attend-parts", action="store_true",
-        help="with --resolve-parts: attention in the same parts too, in both modes (a HiSparse "
-        "part attends once its own misses are in)",
-    )  # fmt: skip
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--capacity", action="store_true", help="each mode at its budget's limit")
@@ -341,8 +328,6 @@ def main(argv=None) -> int:
     try:
         batches = [int(x) for x in args.batches.split(",") if x]
         _config(args).check()
-        if args.resolve_parts < 1:
-            raise ValueError(f"--resolve-parts must be >= 1, got {args.resolve_parts}")
         if args.kernel_split and (not batches or args.split_steps < 1):
             raise ValueError("--kernel-split needs --batches and --split-steps >= 1")
     except ValueError as e:
@@ -358,8 +343,7 @@ def main(argv=None) -> int:
         result = {
             "core": CORE, "device": torch.cuda.get_device_name(), "commit": args.commit,
             "config": {"context": args.context, "layers": args.layers, "hot_size": args.hot_size,
-                       "miss": args.miss, "attention": args.attention, "misses": args.misses,
-                       "resolve_parts": args.resolve_parts},
+                       "miss": args.miss, "attention": args.attention, "misses": args.misses},
             "rounds": args.rounds, "steps": args.steps, "split_steps": args.split_steps,
             "kernel_split": kernel_split(args, batches),
         }  # fmt: skip
@@ -386,8 +370,6 @@ def main(argv=None) -> int:
             "miss": args.miss,
             "attention": args.attention,
             "misses": args.misses,
-            "resolve_parts": args.resolve_parts,
-            "attend_parts": args.attend_parts,
             "mlp": "dense SwiGLU 18432 (the MoE's active width)",
             "vocab": GraphConfig().vocab,
         },

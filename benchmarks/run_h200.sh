@@ -4,18 +4,16 @@
 #   STAGES="build tests sanitizer bench engine demo" COMMIT=$(git rev-parse --short HEAD) bash benchmarks/run_h200.sh
 # (COMMIT: the tree's commit for the results; a device copy's .git names an older one)
 # STAGES may also name "cudatests" (only the CUDA tests, the oracle property tests and the
-# save_rows tests, FlashMLA and DeepGEMM importable: the quick gate after a kernel change), "bench2" (a second bench_ops run, for
-# the spread between runs), "core" (the DSA core vLLM runs: its CUDA tests, then
-# bench_decode_tpot at 32k, 64k and 128k with capacity) and "fusedattn" (the
-# fused sparse-MLA kernel alone, then the step with it) and "flashmla" (FlashMLA's sparse FP8
-# decode built, its CUDA tests, then the core's step with it) and
-# "kernels" (FlashMLA and DeepGEMM built where not yet importable, the captured step's kernels by
-# category at 32k, then each kernel beside its baseline: kernels_vs_baselines_h200.{json,md}) and
-# "external" (both built where not yet importable, their adapters' CUDA tests, then the step as
-# a CUDA vLLM user gets it: attention and indexer each chosen by measurement, split by category
-# and at capacity) and "parts" (the runtime's and the step's CUDA tests, then the step at 112, 64
-# and 30 requests, one run per batch and part count, HiSparse ranking and resolving in
-# PARTS="1 2 3 4" parts); each fits one 10-minute device call.
+# save_rows tests, FlashMLA and DeepGEMM importable: the quick gate after a kernel change),
+# "bench2" (a second bench_ops run, for the spread between runs), "core" (the DSA core vLLM
+# runs: its CUDA tests, then bench_decode_tpot at 32k, 64k and 128k with capacity),
+# "fusedattn" (the fused sparse-MLA kernel alone, then the step with it), "flashmla"
+# (FlashMLA's sparse FP8 decode built, its CUDA tests, then the core's step with it),
+# "kernels" (FlashMLA and DeepGEMM built where not yet importable, the captured step's kernels
+# by category at 32k, then each kernel beside its baseline: kernels_vs_baselines_h200.{json,md})
+# and "external" (both built where not yet importable, their adapters' CUDA tests, then the
+# step as a CUDA vLLM user gets it: attention and indexer each chosen by measurement, split by
+# category and at capacity); each fits one 10-minute device call.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/hisparse-out}
@@ -29,7 +27,7 @@ status=0
 # a stage that needs them waits for them.
 base=$PWD/benchmarks/baselines
 baseline_builds=()
-if has kernels || has external || has parts || has cudatests; then
+if has kernels || has external || has cudatests; then
   export DG_JIT_CACHE_DIR=${DG_JIT_CACHE_DIR:-/tmp/deepgemm-jit}
   PYTHONPATH="$base/src/flashmla:$PYTHONPATH" python3 -c "import flash_mla.cuda" 2>/dev/null \
     || { bash "$base/build_flashmla.sh" > "$OUT/flashmla_build.txt" 2>&1 & baseline_builds+=($!); }
@@ -127,25 +125,6 @@ if has external; then  # needs the sources under benchmarks/baselines/src (its R
   timeout 200 python3 benchmarks/bench_decode_tpot.py --commit "${COMMIT:-?}" --capacity \
     --json "$OUT/engine_tpot_external_h200.json" > "$OUT/engine_tpot_external.txt" 2>&1 || status=1
   tail -12 "$OUT/engine_tpot_external.txt"
-fi
-if has parts; then  # HiSparse ranking and resolving its requests in parts (--resolve-parts N)
-  baselines  # FlashMLA and DeepGEMM, as a CUDA vLLM user gets them, where their sources are here
-  if [ "${PARTS_TESTS:-1}" = 1 ]; then  # 0: the cudatests stage ran them just before
-    timeout 150 python3 -m pytest -q -rs -p no:cacheprovider -m cuda tests/runtime/test_runtime_cuda.py \
-      tests/engine/graph > "$OUT/pytest_parts.txt" 2>&1 || status=1
-    tail -2 "$OUT/pytest_parts.txt"
-  fi
-  # Batch by batch, every part count at each (112 and 64 first: where the copy shows), so a
-  # run cut short by the call's limit still leaves same-run pairs. 30 and 112 are each mode's
-  # limit at 32k in the 45 GiB budget (HiSparse's tok/s at 112 over resident's at 30: capacity).
-  for b in ${PARTS_BATCHES:-112 64 30}; do
-    for n in ${PARTS:-1 2 3 4}; do  # "3a": 3 parts, attention in the same parts (--attend-parts)
-      attend=""; [[ $n == *a ]] && attend="--attend-parts"
-      timeout 120 python3 benchmarks/bench_decode_tpot.py --commit "${COMMIT:-?}" --batches $b \
-        --rounds 2 --resolve-parts "${n%a}" $attend --json "$OUT/engine_tpot_parts${n}_b$b.json" > "$OUT/parts${n}_b$b.txt" 2>&1 || status=1
-      tail -1 "$OUT/parts${n}_b$b.txt" | cut -c1-300
-    done
-  done
 fi
 if has demo; then
   python3 -m hisparse demo --device cuda --no-progress --json "$OUT/demo_cuda.json" > "$OUT/demo.txt" 2>&1 || status=1

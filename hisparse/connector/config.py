@@ -20,7 +20,6 @@ MAX_INT_SETTING = {
     "index_share": 1024,  # layers per index group: no model has more layers
     "decode_tokens": 1024,  # 1 + vLLM's num_speculative_tokens; the hot-size bound comes first
     "metrics_interval": 1_000_000,
-    "resolve_parts": 65536,  # clamped to the step's decodes when used
 }
 
 #: How errors name a setting (the key users write in vLLM's --kv-transfer-config).
@@ -51,10 +50,6 @@ class HiSparseConfig:
     # so the index groups resolve rows of decode_tokens x top_k keys.
     decode_tokens: int = 1
     index_share: int = 1
-    # A leader layer ranks and resolves its decodes in this many parts, each part's misses
-    # copying in while the next part is ranked (one-token decodes, misses gathered; see
-    # docs/connector.md). 1: the batch at once.
-    resolve_parts: int = 1
     metrics_interval: int = 2000
     # Also snapshot once this many seconds have passed since the last one (0 = steps only).
     metrics_seconds: float = 5.0
@@ -77,8 +72,7 @@ class HiSparseConfig:
             _check_int("hot_size", self.hot_size, minimum=1, maximum=MAX_HOT_SIZE)
         # Before the default hot_size is derived from top_k: a top_k past the
         # hot-buffer limit is reported against top_k, not against a size nobody set.
-        ints = ("top_k", "index_share", "metrics_interval", "max_num_seqs", "block_size")
-        for key in ints + ("resolve_parts",):
+        for key in ("top_k", "index_share", "metrics_interval", "max_num_seqs", "block_size"):
             _check_int(key, getattr(self, key), minimum=1, maximum=MAX_INT_SETTING[key])
         _check_int(
             "decode_tokens", self.decode_tokens, minimum=1, maximum=MAX_INT_SETTING["decode_tokens"]

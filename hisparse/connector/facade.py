@@ -135,17 +135,13 @@ class HiSparseConnectorImpl:
         *,
         state_rows: Any = None,
         defer_misses: bool = False,
-        start: int = 0,
     ):
         """After the indexer: the attention rows of ``layer_name`` for this step's top-k (rows of
         ``hot_rows(layer_name)``). Followers pass ``top_k=None`` and get the leader's plan.
-        ``defer_misses``: attention's row read fetches the misses (``miss_plan``), no gather.
-        ``start``: the leader resolves the batch in parts, each from the rows resolved so far,
-        so each part's misses copy in while the next part's top-k is computed."""
+        ``defer_misses``: attention's row read fetches the misses (``miss_plan``), no gather."""
         return self._need_worker("resolve").resolve(
-            layer_name, top_k, resident_rows, state_rows=state_rows,
-            defer_misses=defer_misses, start=start,
-        )  # fmt: skip
+            layer_name, top_k, resident_rows, state_rows=state_rows, defer_misses=defer_misses
+        )
 
     def next_pass(self) -> None:
         """A further forward within this step (a speculative draft's later pass): each index

@@ -31,7 +31,7 @@ class StepDriver:
         )
         self.host_rows_in_use = 0
         self._resolved: set = set()  # groups whose leader resolved this step
-        self._gathered: dict = {}  # layer -> the plan's rows it gathered this step
+        self._gathered: set = set()  # layers that gathered this step's plan
         self._plans: dict = {}  # layer -> MissPlan left to its row read this step
         self._row_of_slot: Optional[torch.Tensor] = None  # state row by anchor key (CUDA)
         self._anchors: Optional[torch.Tensor] = None  # keys set in _row_of_slot last step
@@ -129,9 +129,7 @@ class StepDriver:
         for g in self.reg.groups:
             if g.name not in self._resolved:
                 continue
-            skipped = [
-                m.layer_name for m in g.members if self._gathered.get(m.layer_name) != g.batch
-            ]
+            skipped = [m.layer_name for m in g.members if m.layer_name not in self._gathered]
             if skipped:
                 g.release(list(range(g.num_state_rows)))
                 offending.append(
@@ -202,7 +200,6 @@ class StepDriver:
         resident_rows: Optional[torch.Tensor],
         state_rows: Optional[torch.Tensor],
         defer: bool = False,
-        start: int = 0,
     ) -> torch.Tensor:
         """See ``HiSparseConnectorWorker.resolve``."""
         g = rt.index_group
@@ -212,63 +209,49 @@ class StepDriver:
                 "call bind_connector_metadata(...) and start_load_kv(...) first"
             )
         if rt.is_leader:
-            self._resolve_leader(rt, top_k, resident_rows, state_rows, defer, start)
+            self._resolve_leader(rt, top_k, resident_rows, state_rows)
         elif g.name not in self._resolved:
             raise RuntimeError(
                 f"layer {rt.layer_name!r} follows {g.leader.layer_name!r}, which has not "
                 "resolved this step"
             )
-        done = self._gathered.get(rt.layer_name, 0)
-        if done < g.batch:  # rows gathered already must not copy (or count) again
+        if rt.layer_name not in self._gathered:  # a second call must not copy (or count) again
             # The row read takes host rows at a fixed 1-row stride: a layer whose pool rows are
             # interleaved with its group's (co-located layouts) gathers instead.
             if defer and rt.host_rows_view.is_contiguous():
                 self._plans[rt.layer_name] = defer_misses(rt)
             else:
-                rt.gather(start=done)
-            self._gathered[rt.layer_name] = g.batch
+                rt.gather()
+            self._gathered.add(rt.layer_name)
         return g.out_rows[: g.batch]
 
     def miss_plan(self, layer_name: str):
         """The plan ``resolve(defer=True)`` left to the layer's read this step, or None."""
         return self._plans.get(layer_name)
 
-    def _resolve_leader(self, rt, top_k, resident_rows, state_rows, defer, start) -> None:
+    def _resolve_leader(self, rt, top_k, resident_rows, state_rows) -> None:
         g = rt.index_group
         if not isinstance(top_k, torch.Tensor) or top_k.dim() != 2:
             raise ValueError(f"top_k must be a 2-D int32 tensor [B, {g.top_k}]")
-        if start == 0 and g.name in self._resolved:
+        if g.name in self._resolved:
             raise RuntimeError(
                 f"layer {rt.layer_name!r} already resolved this step: a second plan would "
                 "replace the one its member layers have not gathered yet"
             )
-        if start != 0:
-            so_far = g.batch if g.name in self._resolved else 0
-            if start != so_far:
-                raise ValueError(
-                    f"start={start!r}: the next part of layer {rt.layer_name!r}'s step starts at "
-                    f"the rows resolved so far ({so_far})"
-                )
-            if defer or rt.layer_name in self._plans:
-                raise ValueError(
-                    "defer_misses: the row read takes the step's misses in one part; resolve "
-                    f"layer {rt.layer_name!r} with start=0 only"
-                )
         n = top_k.shape[0]
-        if start + n > self.config.max_num_seqs:
+        if n > self.config.max_num_seqs:
             raise ValueError(
-                f"top_k has {start + n} rows, more than max_num_seqs = {self.config.max_num_seqs}"
+                f"top_k has {n} rows, more than max_num_seqs = {self.config.max_num_seqs}"
             )
         if state_rows is None:
-            state_rows = self.state_rows[start : start + n]
+            state_rows = self.state_rows[:n]
         elif state_rows.shape != (n,):
             raise ValueError(
                 f"state_rows must have shape ({n},) like top_k's rows, got "
                 f"{tuple(state_rows.shape)}"
             )
-        g.resolve(top_k, state_rows, resident_rows, start=start)
-        if start == 0:
-            self._resolved.add(g.name)
-            for m in g.members:  # a new plan: no member has gathered or deferred it yet
-                self._gathered.pop(m.layer_name, None)
-                self._plans.pop(m.layer_name, None)
+        g.resolve(top_k, state_rows, resident_rows)
+        self._resolved.add(g.name)
+        for m in g.members:  # a new plan: no member has gathered or deferred it yet
+            self._gathered.discard(m.layer_name)
+            self._plans.pop(m.layer_name, None)

@@ -186,7 +186,6 @@ class HiSparseConnectorWorker:
         *,
         state_rows: Optional[torch.Tensor] = None,
         defer_misses: bool = False,
-        start: int = 0,
     ) -> torch.Tensor:
         """Leader: resolve residency for the batch (once per step). Every layer (leader or
         follower) then gathers the group's plan into its own hot rows, here, after its own
@@ -194,12 +193,9 @@ class HiSparseConnectorWorker:
         written yet and cache them as hits. Returns the attention rows [B, top_k]; a follower
         gets the leader's result. ``state_rows``: the batch rows' state rows (device int32 [B],
         e.g. from ``batch_state_rows``); by default the metadata's order. ``defer_misses``:
-        no gather; the layer's row read fetches the misses by ``miss_plan(layer_name)``.
-        ``start`` (leader): these rows are the next part of the step's batch, after the ``start``
-        rows resolved so far; each part's gather is launched as it resolves, and the return is
-        every row resolved so far."""
+        no gather; the layer's row read fetches the misses by ``miss_plan(layer_name)``."""
         rt = self.runtime(layer_name)
-        return self._step.resolve(rt, top_k, resident_rows, state_rows, defer_misses, start)
+        return self._step.resolve(rt, top_k, resident_rows, state_rows, defer_misses)
 
     def miss_plan(self, layer_name: str):
         """See ``HiSparseConnectorImpl.miss_plan``."""

@@ -88,7 +88,7 @@ class HiSparseIndexGroup:
         self._resolve_op = ops.bound_op("hisparse_resolve_residency", self.device.type)
         self._gather_op = ops.bound_op("hisparse_gather", self.device.type)
         self.save_op = ops.bound_op("hisparse_save_rows", self.device.type)  # the connector's
-        self._views: dict = {}  # (start, rows) -> (out_rows, miss_src, miss_dst, miss_count)
+        self._views: dict = {}  # batch size -> (out_rows, miss_src, miss_dst, miss_count)
 
     @property
     def leader(self) -> Optional["HiSparseRuntime"]:
@@ -99,32 +99,17 @@ class HiSparseIndexGroup:
         top_k: torch.Tensor,
         state_rows: torch.Tensor,
         resident_rows: Optional[torch.Tensor] = None,
-        *,
-        start: int = 0,
     ) -> torch.Tensor:
-        """Resolve one step for the batch; returns the physical rows attention reads [B, K].
-
-        ``start``: where these rows go in the step's plan. 0 begins a step; the rows resolved
-        so far (``batch``) add the next part of the same step, so a part's misses can copy in
-        while the next part's top-k is still being computed (``HiSparseRuntime.gather(start=)``).
-        Each state row's residency is its own, so parts give the plan one call would."""
+        """Resolve one step for the batch; returns the physical rows attention reads [B, K]."""
         if top_k.dim() != 2 or top_k.shape[1] != self.top_k:
             raise ValueError(f"top_k must have shape [B, {self.top_k}], got {tuple(top_k.shape)}")
-        if isinstance(start, bool) or start not in (0, self.batch):
-            raise ValueError(
-                f"start must be 0 (a new step) or {self.batch} (the rows resolved so far in "
-                f"group {self.name!r}), got {start!r}"
-            )
         B = top_k.shape[0]
-        if start + B > self.max_batch:
-            raise ValueError(
-                f"batch {start + B} exceeds max_batch {self.max_batch} of group {self.name!r}"
-            )
-        if start == 0 and self.copy_stream is not None:
-            if not torch.cuda.is_current_stream_capturing():
-                # The previous step's gathers read the plan buffers this resolve overwrites.
-                streams.wait_for(streams.current(self.device), self.copy_stream, self._copied)
-        out, src, dst, count = self._batch_views(start, B)
+        if B > self.max_batch:
+            raise ValueError(f"batch {B} exceeds max_batch {self.max_batch} of group {self.name!r}")
+        if self.copy_stream is not None and not torch.cuda.is_current_stream_capturing():
+            # The previous step's gathers read the plan buffers this resolve overwrites.
+            streams.wait_for(streams.current(self.device), self.copy_stream, self._copied)
+        out, src, dst, count = self._batch_views(B)
         self._resolve_op(
             top_k,
             state_rows,
@@ -141,23 +126,20 @@ class HiSparseIndexGroup:
         )
         if self._resolved is not None:
             self._resolved.record(streams.current(self.device))
-        self.batch = start + B
+        self.batch = B
         return out
 
-    def _batch_views(self, start: int, B: int) -> tuple:
-        """The plan buffers' rows ``start .. start + B`` (made once per range)."""
-        views = self._views.get((start, B))
+    def _batch_views(self, B: int) -> tuple:
+        """The plan buffers' first ``B`` rows (made once per batch size)."""
+        views = self._views.get(B)
         if views is None:
             bufs = (self.out_rows, self.miss_src, self.miss_dst, self.miss_count)
-            views = self._views[(start, B)] = tuple(t[start : start + B] for t in bufs)
+            views = self._views[B] = tuple(t[:B] for t in bufs)
         return views
 
-    def plan(self, start: int = 0) -> tuple:
-        """The step's miss plan (miss_src, miss_dst, miss_count) from row ``start`` to the rows
-        resolved so far."""
-        if isinstance(start, bool) or not isinstance(start, int) or not 0 <= start <= self.batch:
-            raise ValueError(f"start must lie in [0, {self.batch}], got {start!r}")
-        return self._batch_views(start, self.batch - start)[1:]
+    def plan(self) -> tuple:
+        """The last resolve's miss plan: (miss_src, miss_dst, miss_count) for its batch."""
+        return self._batch_views(self.batch)[1:]
 
     def reset_hot_state(self) -> None:
         """Empty every state row and reset the LRU order. The counters are kept: they are
@@ -259,19 +241,17 @@ class HiSparseRuntime:
     def is_leader(self) -> bool:
         return self.index_group.leader is self
 
-    def resolve(self, top_k, state_rows, resident_rows=None, *, start: int = 0) -> torch.Tensor:
+    def resolve(self, top_k, state_rows, resident_rows=None) -> torch.Tensor:
         if not self.is_leader:
             raise RuntimeError(f"{self.layer_name} is a follower; only the leader resolves")
-        return self.index_group.resolve(top_k, state_rows, resident_rows, start=start)
+        return self.index_group.resolve(top_k, state_rows, resident_rows)
 
-    def gather(self, copy: Optional[Callable] = None, *, start: int = 0) -> None:
-        """Copy this step's misses host -> hot for this layer (copy stream on CUDA), those of
-        the plan's rows from ``start`` on (a part resolved with ``resolve(start=)``). ``copy``,
+    def gather(self, copy: Optional[Callable] = None) -> None:
+        """Copy this step's misses host -> hot for this layer (copy stream on CUDA). ``copy``,
         called as copy(host_view, hot_view, miss_src, miss_dst, miss_count), replaces the op's
-        gather; the moved bytes are counted either way. ``wait_ready`` waits for every part
-        gathered so far: they run in order on one stream."""
+        gather; the moved bytes are counted either way."""
         g = self.index_group
-        plan = g.plan(start)
+        plan = g.plan()
 
         def run() -> None:
             if copy is None:

@@ -141,12 +141,10 @@ class HiSparseConnector(KVConnectorBase_V1, SupportsHMA):
         *,
         state_rows=None,
         defer_misses: bool = False,
-        start: int = 0,
     ):
         return self.impl.resolve(
-            layer_name, top_k, resident_rows, state_rows=state_rows,
-            defer_misses=defer_misses, start=start,
-        )  # fmt: skip
+            layer_name, top_k, resident_rows, state_rows=state_rows, defer_misses=defer_misses
+        )
 
     def miss_plan(self, layer_name: str):
         return self.impl.miss_plan(layer_name)

@@ -15,9 +15,7 @@ from hisparse.ops.limits import MAX_HOT_SIZE
 from hisparse.vllm.settings import config_from_extra
 
 
-@pytest.mark.parametrize(
-    "key", ["max_num_seqs", "block_size", "index_share", "metrics_interval", "resolve_parts"]
-)
+@pytest.mark.parametrize("key", ["max_num_seqs", "block_size", "index_share", "metrics_interval"])
 def test_integer_settings_have_upper_bounds(key):
     limit = MAX_INT_SETTING[key]
     config_from_extra({key: limit, "top_k": 4})
@@ -71,14 +69,6 @@ def test_the_old_name_of_hot_size_is_read_with_one_line(caplog):
     assert len(lines) == 1 and "'hot_size'" in lines[0]
     with pytest.raises(HiSparseConfigError, match="both 'device_buffer_size' and 'hot_size'"):
         config_from_extra({"device_buffer_size": 8, "hot_size": 8})
-
-
-@pytest.mark.parametrize("bad", [0, -1, 1.5, True, "2"])
-def test_resolve_parts_is_a_whole_number_of_parts(bad):
-    assert config_from_extra({"resolve_parts": 3}).resolve_parts == 3
-    assert HiSparseConfig().resolve_parts == 1
-    with pytest.raises(HiSparseConfigError, match=r"^kv_connector_extra_config\['resolve_parts'\]"):
-        config_from_extra({"resolve_parts": bad})
 
 
 def test_every_setting_has_a_row_in_the_connector_docs():

@@ -104,6 +104,25 @@ def test_a_next_pass_with_an_ungathered_member_is_refused():
         w.next_pass()
 
 
+def test_a_new_plan_in_the_next_pass_drops_the_deferred_one():
+    """A draft's later pass that gathers must not hand the row read the last pass's plan."""
+    w = HiSparseConnectorWorker(HiSparseConfig(top_k=2, hot_size=4, max_num_seqs=3, block_size=4))
+    names = ("l0", "l1")
+    w.register_kv_caches(
+        {n: torch.zeros(12, 16, dtype=torch.uint8) for n in names},
+        host_rows=40,
+        groups=[["l0"], ["l1"]],
+    )
+    w.start_step(HiSparseConnectorMetadata(req_ids=("a", "b", "c"), state_rows=(0, 1, 2)))
+    top = torch.tensor([[1, 2], [3, 4], [5, 6]], dtype=torch.int32)
+    for n in names:
+        w.resolve(n, top, defer_misses=True)
+    assert w.miss_plan("l0") is not None
+    w.next_pass()
+    w.resolve("l0", top)  # gathered this time
+    assert w.miss_plan("l0") is None and w.miss_plan("l1") is not None
+
+
 def test_positions_a_drafts_later_passes_wrote_are_invalidated_when_written_again():
     def sched(q):
         s = HiSparseScheduler(

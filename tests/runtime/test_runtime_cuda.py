@@ -144,36 +144,3 @@ def test_a_pinned_pool_dropped_without_release_is_unpinned():
         src = torch.ones(n, dtype=torch.uint8)
         reused = src.data_ptr() == ptr
         assert int(src.to("cuda").sum()) == n, f"copy failed (allocation reused the pool: {reused})"
-
-
-def run_step_in_parts(g, rts, keys, rows, cuts=(0, 2, B)):
-    """The step resolved in parts, each part's gathers launched before the next resolves."""
-    for a, b in zip(cuts, cuts[1:]):
-        rts[0].resolve(keys[a:b], rows[a:b], start=a)
-        for rt in rts:
-            rt.gather(start=a)
-    for rt in rts:
-        rt.wait_ready()
-    return g.out_rows[:B]
-
-
-def test_a_step_in_parts_captured_equals_the_cpu_step_in_one():
-    """Parts on the copy stream, eager and graph-captured, leave what one CPU resolve does."""
-    src = torch.randint(0, 256, (L * NUM_KEYS * RB + 4096,), dtype=torch.uint8)
-    cpu, eager, graphed = build("cpu", src), build("cuda", src), build("cuda", src)
-    steps = workload(12, 3)
-    replay = captured(run_step_in_parts, graphed, steps[0])
-    for inst in (cpu, eager):
-        dev = "cpu" if inst is cpu else "cuda"
-        run_step_in_parts(inst[1], inst[2], steps[0][0].to(dev), steps[0][1].to(dev))
-    for keys, rows in steps[1:]:
-        out_g = replay(keys, rows)
-        out_e = run_step_in_parts(eager[1], eager[2], keys.cuda(), rows.cuda(), (0, 1, 4, B))
-        out_c = run_step(cpu[1], cpu[2], keys, rows)
-        torch.cuda.synchronize()
-        assert torch.equal(out_g.cpu(), out_c) and torch.equal(out_e.cpu(), out_c)
-    for inst in (eager, graphed):
-        assert torch.equal(inst[1].slot_keys.cpu(), cpu[1].slot_keys)
-        assert torch.equal(inst[1].lru.cpu(), cpu[1].lru)
-        assert inst[1].counters.cpu().tolist() == cpu[1].counters.tolist()
-        assert torch.equal(inst[3].cpu(), cpu[3])

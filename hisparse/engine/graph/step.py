@@ -25,7 +25,7 @@ import torch
 from hisparse import ops
 from hisparse.engine.graph.config import GraphConfig
 from hisparse.engine.graph.drift import Drift
-from hisparse.models.dsa.core import SparseMLACore, TokenBatch, even_cuts
+from hisparse.models.dsa.core import SparseMLACore, TokenBatch
 from hisparse.models.dsa.decoder import Rotary
 from hisparse.models.dsa.kernels import elementwise as ew
 from hisparse.models.dsa.projections import index_inputs, mla_query, mla_row, norm
@@ -113,15 +113,9 @@ class CoreStep:
         misses: str = "auto",
         indexer: str = "auto",
         miss: float = 0.05,
-        resolve_parts: int = 1,
-        attend_parts: bool = False,
     ) -> None:
         if not batch >= 1:
             raise ValueError(f"batch must be >= 1, got {batch}")
-        if isinstance(resolve_parts, bool) or not isinstance(resolve_parts, int):
-            raise ValueError(f"resolve_parts must be a whole number, got {resolve_parts!r}")
-        if not 1 <= resolve_parts <= batch:
-            raise ValueError(f"resolve_parts must lie in [1, batch={batch}], got {resolve_parts}")
         if not set(modes) <= set(MODES) or not modes:
             raise ValueError(f"modes must be among {MODES}, got {modes!r}")
         cfg.check()
@@ -150,22 +144,7 @@ class CoreStep:
         self.sel = torch.zeros(batch, cfg.top_k, dtype=torch.int64, device=dev)
         self.state_rows = torch.arange(batch, dtype=torch.int32, device=dev)
         self.drift = Drift(batch, ctx, cfg.top_k, miss, dev, seed=cfg.seed + batch)
-        # HiSparse ranks and resolves the requests in parts, so each part's misses copy in
-        # while the next part is ranked; the row read that fetches the misses takes them whole.
         self.reads_misses = self.core.reads_misses(batch)
-        parts = 1 if self.reads_misses else resolve_parts
-        self.cuts = even_cuts(batch, parts)
-        # Attention in the same parts, both modes alike (FlashMLA's splits follow the batch):
-        # a HiSparse part attends as soon as its own misses are in.
-        self.attend_parts = attend_parts and len(self.cuts) > 2
-        self._part_ready = (
-            [
-                [torch.cuda.Event() for _ in self.cuts[1:]] if lay.group is not None else None
-                for lay in self.layers
-            ]
-            if self.attend_parts and dev.type == "cuda"
-            else None
-        )
 
     @property
     def groups(self) -> list:
@@ -185,7 +164,7 @@ class CoreStep:
         keys = tok.slots(self.sel)
         keys32 = keys.to(torch.int32) if mode != "resident" else None  # once, not per layer
         fused = core.kernel_rows
-        for li, lay in enumerate(self.layers):
+        for lay in self.layers:
             w = lay.w
             h = norm(x, w["norm"], 1e-6, kernels=fused)
             q_resid, row = mla_row(h, w, dsa, self.rope, kernels=fused)
@@ -198,19 +177,15 @@ class CoreStep:
                 src, ids, misses = lay.store, keys, None
             else:
                 self._save(lay, rows)
-                resolve = lambda a, b, _, li=li: self._resolve(li, keys32, a, b)  # noqa: E731
-                ranked = core.select_parts(q, head_w, lay.cache, tok, self.cuts, resolve)
-                src, ids = lay.hot, lay.group.out_rows[: self.batch]
+                ranked = core.select(q, head_w, lay.cache, tok)
+                src, ids = lay.hot, self._resolve(lay, keys32)
                 misses = defer_misses(lay.rt) if self.reads_misses else None
             # Both modes in one order; HiSparse's misses copy in meanwhile (copy stream).
             kv_b = w["kv_b_proj.weight"]
             query = core.query(*mla_query(q_resid, w, dsa, self.rope, kernels=fused), kv_b)
-            if self.attend_parts:
-                values = self._attend_parts(li, mode, query, kv_b, src, ids)
-            else:
-                if mode != "resident" and misses is None:
-                    lay.rt.wait_ready()
-                values = core.attend_query(query, kv_b, src, ids, misses)
+            if mode != "resident" and misses is None:
+                lay.rt.wait_ready()
+            values = core.attend_query(query, kv_b, src, ids, misses)
             x = x + values @ w["o_proj.weight"].t() + 0 * ranked[:, :1]
             gu = norm(x, w["mlp_norm"], 1e-6, kernels=fused) @ w["w13"].t()
             gate, up = gu.split(self.cfg.mlp_inter, dim=1)
@@ -232,25 +207,11 @@ class CoreStep:
         with torch.cuda.stream(lay.group.copy_stream):
             ops.save_rows(*args)
 
-    def _resolve(self, li: int, keys32: torch.Tensor, a: int, b: int) -> None:
-        """Requests a .. b resolved against their hot buffers and, unless the row read fetches
-        the misses itself, their gather launched on the copy stream (the caller waits for it
-        with ``lay.rt.wait_ready`` once it needs the rows, or for the part's own event)."""
-        lay = self.layers[li]
-        lay.rt.resolve(keys32[a:b], self.state_rows[a:b], start=a)
+    def _resolve(self, lay: Layer, keys32: torch.Tensor) -> torch.Tensor:
+        """The requests resolved against their hot buffers (the rows attention reads) and,
+        unless the row read fetches the misses itself, their gather launched on the copy
+        stream (the caller waits for it with ``lay.rt.wait_ready`` once it needs the rows)."""
+        ids = lay.rt.resolve(keys32, self.state_rows)
         if not self.reads_misses:
-            lay.rt.gather(start=a)
-            if self._part_ready is not None:
-                self._part_ready[li][self.cuts.index(a)].record(lay.group.copy_stream)
-
-    def _attend_parts(self, li, mode, query, kv_b, src, ids) -> torch.Tensor:
-        """``attend_query`` part by part (``cuts``); a HiSparse part waits for its own misses."""
-        lay, out = self.layers[li], []
-        for i, (a, b) in enumerate(zip(self.cuts, self.cuts[1:])):
-            if mode != "resident":
-                if self._part_ready is None:
-                    lay.rt.wait_ready()
-                else:
-                    torch.cuda.current_stream().wait_event(self._part_ready[li][i])
-            out.append(self.core.attend_query(query[a:b], kv_b, src, ids[a:b]))
-        return torch.cat(out)
+            lay.rt.gather()
+        return ids

@@ -52,16 +52,6 @@ MISSES = ("auto", "gather", "in_read")
 IN_READ_FROM = 16
 
 
-def even_cuts(n: int, parts: int) -> list:
-    """``select_parts``' cuts for ``n`` tokens in ``parts`` parts as even as whole tokens go
-    (the larger parts first), never more parts than tokens; no tokens make one empty part."""
-    parts = max(1, min(parts, n))
-    cuts = [0]
-    for i in range(parts):
-        cuts.append(cuts[-1] + n // parts + (i < n % parts))
-    return cuts
-
-
 class SparseMLACore:
     """The sparse attention of a DSA model with rows in ``row_format`` and index keys in
     ``key_format`` (default: fp8 beside fp8 rows, else f32) on ``device``."""
@@ -162,22 +152,6 @@ class SparseMLACore:
             )
         pos = paged_select.positions(q, head_w, cache, batch, cfg, self.key_format, CHUNK_ELEMS)
         return batch.slots(pos)
-
-    def select_parts(self, q, head_w, cache, batch: TokenBatch, cuts, then) -> torch.Tensor:
-        """``select`` over the tokens between consecutive ``cuts`` (0 first, the token count
-        last), calling ``then(start, stop, slots)`` as each part's top-k is launched: a HiSparse
-        step resolves that part there, so its misses copy in while the next part is ranked.
-        The same slots as one ``select`` (each token's ranking is its own)."""
-        cuts, n = list(cuts), batch.num_tokens
-        rising = len(cuts) > 1 and all(a < b for a, b in zip(cuts, cuts[1:]))
-        if cuts[:1] != [0] or cuts[-1] != n or not (rising or cuts == [0, 0]):
-            raise ValueError(f"cuts must rise from 0 to the {n} tokens, got {cuts}")
-        parts = []
-        for a, b in zip(cuts, cuts[1:]):
-            part = self.select(q[a:b], head_w[a:b], cache, batch.narrow(a, b - a))
-            then(a, b, part)
-            parts.append(part)
-        return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     # ------------------------------------------------------------------ attention
     def attend(self, q_nope, q_pe, kv_b_weight, src, ids, misses=None) -> torch.Tensor:

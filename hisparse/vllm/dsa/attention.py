@@ -15,7 +15,6 @@ indexer are computed whole on every rank, so every rank's rows are the same.
 
 from __future__ import annotations
 
-import functools
 import logging
 from dataclasses import dataclass, replace
 from functools import partial
@@ -30,7 +29,7 @@ from vllm.model_executor.layers.rotary_embedding import get_rope
 
 from hisparse.models.dsa import attention as mla
 from hisparse.models.dsa.config import DSAConfig
-from hisparse.models.dsa.core import CHUNK_ELEMS, SparseMLACore, TokenBatch, even_cuts
+from hisparse.models.dsa.core import CHUNK_ELEMS, SparseMLACore, TokenBatch
 from hisparse.models.dsa.kernels import flashmla
 from hisparse.models.dsa.union import token_ids, union_rows
 from hisparse.vllm.cache_layers import CacheLayer
@@ -38,16 +37,6 @@ from hisparse.vllm.compat import tensor_parallel_peers
 from hisparse.vllm.dsa.indexer import DSAIndexer, linear, vllm_rope_parameters
 
 logger = logging.getLogger("vllm.hisparse")  # under vLLM's configured "vllm" logger
-
-
-@functools.lru_cache(maxsize=None)
-def _say_parts(parts: int) -> None:
-    """One line per process and setting, the first time decodes are resolved in parts."""
-    logger.info(
-        "hisparse: leader layers rank and resolve one-token decodes in up to %d parts "
-        "(resolve_parts), each part's misses copying in while the next is ranked",
-        parts,
-    )
 
 
 @dataclass
@@ -178,10 +167,9 @@ class DSAAttention(nn.Module):
         k_pe = self._rotated(step.positions, kv_a[:, None, c:].contiguous())
         rows = self.core.encode_rows(mla.latent_row(latent, k_pe.view(t, cfg.qk_rope_head_dim)))
         self._save(rows, step)
-        resolved = None
         if self.indexer is not None:
-            selection, resolved = self._select(h, q_resid, step)
-        values = self._attend(q_resid, selection, step, resolved)
+            selection = self.indexer.select(h, q_resid, step)
+        values = self._attend(q_resid, selection, step)
         return self._out(values), selection
 
     def _save(self, rows: torch.Tensor, step: Step) -> None:
@@ -190,27 +178,6 @@ class DSAAttention(nn.Module):
             step.connector.save_kv_layer(self.kv_rows.prefix, rows, step.meta)
         else:
             self.kv_rows.rows().index_copy_(0, step.meta.slot_mapping, rows)
-
-    def _select(self, h: torch.Tensor, q_resid: torch.Tensor, step: Step) -> tuple:
-        """(the top-k slots, the decodes' rows where they were resolved as they were ranked,
-        else None). With the connector's ``resolve_parts`` the one-token decodes are ranked in
-        parts, each part resolved (its misses copying in) while the next is ranked."""
-        meta, connector = step.meta, step.connector
-        nd = meta.num_decodes
-        parts = connector.config.resolve_parts if connector is not None else 1
-        if min(parts, nd) < 2 or meta.decode_len != 1 or self.core.reads_misses(nd):
-            return self.indexer.select(h, q_resid, step), None
-        _say_parts(parts)
-        cuts = even_cuts(nd, parts) + ([h.shape[0]] if h.shape[0] > nd else [])
-        got = []
-
-        def resolve(a: int, b: int, slots: torch.Tensor) -> None:
-            if a < nd:  # the prefill tokens after the decodes read rows by slot
-                rows = step.state_rows[a:b]
-                top_k = slots.to(torch.int32)
-                got.append(connector.resolve(self.kv_rows.prefix, top_k, state_rows=rows, start=a))
-
-        return self.indexer.select(h, q_resid, step, cuts, resolve), got[-1]
 
     def _heads(self, q_resid: torch.Tensor, step: Step):
         """(q_nope [T, H, nope], the rotated q_pe [T, H, rope]) of this rank's query heads."""
@@ -230,11 +197,10 @@ class DSAAttention(nn.Module):
         out = self.o_proj(values)
         return tensor_model_parallel_all_reduce(out) if self.tp_size > 1 else out
 
-    def _attend(self, q_resid, selection: torch.Tensor, step: Step, resolved) -> torch.Tensor:
+    def _attend(self, q_resid, selection: torch.Tensor, step: Step) -> torch.Tensor:
         """Per-head values [T, H * v_head_dim]: decodes (the leading rows) over the hot buffer
         or the resident rows, then the prefill tokens in chunks over rows read by slot. The
-        query heads (``_heads`` of ``q_resid``) are made after the decodes' resolve (already
-        done where ``resolved``, the rows ``_select`` resolved in parts)."""
+        query heads (``_heads`` of ``q_resid``) are made after the decodes' resolve."""
         meta, connector = step.meta, step.connector
         name, kv_b = self.kv_rows.prefix, self.kv_b_proj.weight
         store = self.kv_rows.rows() if connector is None else None
@@ -244,12 +210,10 @@ class DSAAttention(nn.Module):
         if nd and connector is not None:
             # One row per request: the union of its tokens' top-k (``union``).
             at = step.decode_at
-            got = resolved
-            if got is None:
-                top_k = union_rows(keys, at, nd, q) if self.indexer is not None else None
-                defer = self.core.reads_misses(td)  # the row read fetches them (kernels/misses)
-                rows = step.state_rows
-                got = connector.resolve(name, top_k, state_rows=rows, defer_misses=defer)
+            top_k = union_rows(keys, at, nd, q) if self.indexer is not None else None
+            defer = self.core.reads_misses(td)  # the row read fetches them (kernels/misses)
+            rows = step.state_rows
+            got = connector.resolve(name, top_k, state_rows=rows, defer_misses=defer)
             ids = token_ids(got, at, q)
         # The query heads need no row: made while the resolve's misses copy in (copy stream).
         q_nope, q_pe = self._heads(q_resid, step)

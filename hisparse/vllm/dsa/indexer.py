@@ -49,12 +49,10 @@ class DSAIndexer(nn.Module):
         )
         self.cache = CacheLayer(cache_name, core.key_bytes, torch.uint8, True)
 
-    def select(
-        self, h: torch.Tensor, q_resid: torch.Tensor, step: Any, cuts=None, then=None
-    ) -> torch.Tensor:
+    def select(self, h: torch.Tensor, q_resid: torch.Tensor, step: Any) -> torch.Tensor:
         """Store the new tokens' keys; the slots of each token's top-k positions, int64
         [T, index_topk] in ascending position order, -1 padding. ``step``: the forward's
-        ``attention.Step``; ``cuts`` / ``then``: ranked in parts (``core.select_parts``)."""
+        ``attention.Step``."""
         cfg = self.cfg
         t, d, r = h.shape[0], cfg.index_head_dim, cfg.qk_rope_head_dim
         q = self.wq_b(q_resid).view(t, cfg.index_n_heads, d)
@@ -66,6 +64,4 @@ class DSAIndexer(nn.Module):
         k = torch.cat([k_pe.view(t, r), k[:, r:]], -1)
         cache = self.cache.blocks()
         self.core.store_keys(cache, step.meta.slot_mapping, k, step.tokens.block_size)
-        if cuts is not None:
-            return self.core.select_parts(q, self.weights_proj(h), cache, step.tokens, cuts, then)
         return self.core.select(q, self.weights_proj(h), cache, step.tokens)

@@ -50,43 +50,6 @@ def test_cpu_modes_are_bit_identical_and_hit_rate_is_counted():
     assert 0.5 < hits / (hits + misses) < 1.0
 
 
-@pytest.mark.parametrize("parts", [2, 3])
-def test_hisparse_resolved_in_parts_keeps_the_bits_and_the_counts(parts):
-    """Ranked and resolved in parts, each part's misses launched before the next part is
-    ranked: the tokens, hidden states and hit counts of the step resolved in one."""
-    cfg = GraphConfig.tiny()
-    one = CoreStep(cfg, 3, ("hisparse",), "cpu")
-    split = CoreStep(cfg, 3, ("hisparse",), "cpu", resolve_parts=parts)
-    assert split.cuts == ([0, 2, 3] if parts == 2 else [0, 1, 2, 3]) and one.cuts == [0, 3]
-    calls = []
-    rt = split.layers[0].rt
-    resolve = rt.resolve
-    rt.resolve = lambda *a, **k: calls.append(k["start"]) or resolve(*a, **k)
-    assert _same(_eager(one, "hisparse", 5), _eager(split, "hisparse", 5))
-    assert calls == split.cuts[:-1] * 5
-    assert torch.equal(hit_counts(one), hit_counts(split))
-
-
-def test_attention_in_parts_keeps_the_bits_in_both_modes():
-    """Attention in the resolve's parts as well: the tokens and hidden states of one call."""
-    cfg = GraphConfig.tiny()
-    one = CoreStep(cfg, 3, device="cpu")
-    split = CoreStep(cfg, 3, device="cpu", resolve_parts=2, attend_parts=True)
-    assert split.attend_parts and not one.attend_parts
-    calls = []
-    attend = split.core.attend_query
-    split.core.attend_query = lambda q, *a: calls.append(q.shape[0]) or attend(q, *a)
-    for mode in ("resident", "hisparse"):
-        assert _same(_eager(one, mode, 4), _eager(split, mode, 4))
-    assert calls == [2, 1] * cfg.layers * 4 * 2
-
-
-def test_resolve_parts_is_checked_by_name():
-    for bad in (0, 4, 1.5, True):
-        with pytest.raises(ValueError, match="resolve_parts must"):
-            CoreStep(GraphConfig.tiny(), 3, ("hisparse",), "cpu", resolve_parts=bad)
-
-
 def test_a_step_refuses_a_mode_it_was_not_built_for():
     step = CoreStep(GraphConfig.tiny(), 1, ("resident",), "cpu")
     with pytest.raises(ValueError, match="built for"):
@@ -99,17 +62,11 @@ def test_a_step_refuses_a_mode_it_was_not_built_for():
 
 @pytest.mark.cuda
 @needs_cuda
-@pytest.mark.parametrize(
-    "misses,parts,attend", [("gather", 1, 0), ("gather", 3, 0), ("gather", 3, 1), ("in_read", 2, 0)]
-)
-def test_replayed_graphs_match_eager_and_each_other_on_cuda(misses, parts, attend):
+@pytest.mark.parametrize("misses", ["gather", "in_read"])
+def test_replayed_graphs_match_eager_and_each_other_on_cuda(misses):
     cfg = GraphConfig.tiny(hidden=128, heads=16, idx_heads=16, top_k=64, hot_size=128)
-    step = CoreStep(
-        cfg, 4, device="cuda", misses=misses, resolve_parts=parts, attend_parts=bool(attend)
-    )
-    assert step.attend_parts == bool(attend)
+    step = CoreStep(cfg, 4, device="cuda", misses=misses)
     assert step.core.reads_misses(4) == (misses == "in_read")
-    assert len(step.cuts) == (2 if misses == "in_read" else parts + 1)
     row = measure(step, rounds=2, steps=3)
     assert row["bit_identical"] and 0.5 < row["hit_rate"] < 1.0
     # the captured step against the same step run eagerly on the same selection

@@ -12,7 +12,7 @@ import torch
 from hisparse.models.dsa import attention as mla
 from hisparse.models.dsa import index_keys
 from hisparse.models.dsa.config import DSAConfig
-from hisparse.models.dsa.core import SparseMLACore, TokenBatch, even_cuts, token_rows
+from hisparse.models.dsa.core import SparseMLACore, TokenBatch, token_rows
 from hisparse.models.dsa.indexer import causal_top_k, index_scores
 from hisparse.models.dsa.random_checkpoint import random_config
 from hisparse.models.rows import KV_DIM, decode_rows, encode_rows
@@ -127,30 +127,6 @@ def test_select_of_a_mixed_batch_equals_each_request_alone(fmt):
         bt = b.block_table[r]
         slots = [int(bt[p // BS]) * BS + p % BS for p in want] + pad
         assert got[t].tolist() == slots, t
-
-
-def test_select_in_parts_equals_one_select_and_hands_over_each_part():
-    cfg = _cfg()
-    core = SparseMLACore(cfg, "f32", "cpu", key_format="fp8")
-    b = _batch([40, 9, 23, 64, 12], [1, 1, 1, 1, 1])
-    g = torch.Generator().manual_seed(2)
-    cache = core.key_cache(b.block_table.numel(), BS, "cpu")
-    every = torch.arange(b.block_table.numel() * BS)
-    core.store_keys(cache, every, torch.randn(every.numel(), cfg.index_head_dim, generator=g), BS)
-    q = torch.randn(5, cfg.index_n_heads, cfg.index_head_dim, generator=g)
-    w = torch.randn(5, cfg.index_n_heads, generator=g)
-    whole = core.select(q, w, cache, b)
-    assert even_cuts(5, 2) == [0, 3, 5] and even_cuts(5, 9) == list(range(6))
-    assert even_cuts(0, 3) == [0, 0] and even_cuts(7, 1) == [0, 7]
-    for cuts in ([0, 5], [0, 3, 5], [0, 1, 2, 4, 5]):
-        seen = []
-        got = core.select_parts(q, w, cache, b, cuts, lambda a, e, p: seen.append((a, e, p)))
-        assert torch.equal(got, whole)
-        assert [(a, e) for a, e, _ in seen] == list(zip(cuts, cuts[1:]))
-        assert all(torch.equal(p, whole[a:e]) for a, e, p in seen)
-    for bad in ([0, 3], [1, 5], [0, 3, 3, 5], [0, 4, 2, 5], [5]):
-        with pytest.raises(ValueError, match="cuts must rise from 0 to the 5 tokens"):
-            core.select_parts(q, w, cache, b, bad, lambda *a: None)
 
 
 @pytest.mark.parametrize("row_format", ["f32", "bf16", "fp8"])
