@@ -15,6 +15,14 @@ logger = logging.getLogger("vllm.hisparse")  # under vLLM's configured "vllm" lo
 #: Earlier names of settings, still read: old key -> its name now.
 ALIASES = {"device_buffer_size": "hot_size"}
 
+#: Settings no longer read (accepted, one log line each): key -> why. They never changed the
+#: tokens, so a server configured with one still starts.
+RETIRED = {
+    "resolve_parts": "ranking and resolving the decodes in parts measured slower on a GPU, so "
+    "each layer resolves its batch at once",
+}
+_said: set = set()  # the retired keys logged in this process
+
 #: The ``kv_connector_module_path`` that names hisparse's connector (``hisparse.vllm.connector``).
 CONNECTOR_MODULE = "hisparse.vllm.connector"
 
@@ -42,6 +50,11 @@ def config_from_extra(extra: Optional[Mapping[str, Any]]) -> HiSparseConfig:
             f"{PREFIX} must be a mapping of settings, got {type(extra).__name__}"
         )
     extra = _renamed(extra)
+    for key in RETIRED.keys() & extra.keys():
+        if key not in _said:  # once per process: vLLM parses the config several times
+            logger.warning("HiSparse: %s[%r] is no longer read: %s", PREFIX, key, RETIRED[key])
+            _said.add(key)
+        del extra[key]
     known = set(HiSparseConfig.keys())
     unknown = sorted(str(k) for k in extra if k not in known)
     if unknown:

@@ -71,6 +71,22 @@ def test_the_old_name_of_hot_size_is_read_with_one_line(caplog):
         config_from_extra({"device_buffer_size": 8, "hot_size": 8})
 
 
+def test_a_retired_setting_is_accepted_with_one_line_and_not_read(caplog):
+    import logging
+
+    from hisparse.vllm import settings
+
+    settings._said.clear()
+    with caplog.at_level(logging.INFO, logger="vllm.hisparse"):
+        cfg = config_from_extra({"top_k": 4, "resolve_parts": 3})
+        config_from_extra({"resolve_parts": 2})  # parsed again in the same process: no line
+    assert cfg == config_from_extra({"top_k": 4})
+    lines = [r.getMessage() for r in caplog.records if "resolve_parts" in r.getMessage()]
+    assert len(lines) == 1 and "no longer read" in lines[0]
+    with pytest.raises(HiSparseConfigError, match=r"\['resolve_part'\] is not a HiSparse"):
+        config_from_extra({"resolve_part": 3})
+
+
 def test_every_setting_has_a_row_in_the_connector_docs():
     """Users set these keys by name from docs/connector.md's table: none may go unlisted."""
     from pathlib import Path
