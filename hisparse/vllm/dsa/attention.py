@@ -15,7 +15,6 @@ indexer are computed whole on every rank, so every rank's rows are the same.
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any, Optional
@@ -35,8 +34,6 @@ from hisparse.models.dsa.union import token_ids, union_rows
 from hisparse.vllm.cache_layers import CacheLayer
 from hisparse.vllm.compat import tensor_parallel_peers
 from hisparse.vllm.dsa.indexer import DSAIndexer, linear, vllm_rope_parameters
-
-logger = logging.getLogger("vllm.hisparse")  # under vLLM's configured "vllm" logger
 
 
 @dataclass
