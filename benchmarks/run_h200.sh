@@ -13,9 +13,9 @@
 # by category at 32k, then each kernel beside its baseline: kernels_vs_baselines_h200.{json,md})
 # and "external" (both built where not yet importable, their adapters' CUDA tests, then the
 # step as a CUDA vLLM user gets it: attention and indexer each chosen by measurement, split by
-# category and at capacity), and "external_long" (the same choice at 64k and 128k: batch 1 and
-# HiSparse's limit, with capacity, then the capacity table over all three contexts); each fits
-# one 10-minute device call.
+# category and at capacity), and "external_contexts" (the same choice at 32k, 64k and 128k: batch 1
+# and each mode's limit, then the capacity table over the three); each fits one 10-minute
+# device call.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/hisparse-out}
@@ -29,7 +29,7 @@ status=0
 # a stage that needs them waits for them.
 base=$PWD/benchmarks/baselines
 baseline_builds=()
-if has kernels || has external || has external_long || has cudatests; then
+if has kernels || has external || has external_contexts || has cudatests; then
   export DG_JIT_CACHE_DIR=${DG_JIT_CACHE_DIR:-/tmp/deepgemm-jit}
   PYTHONPATH="$base/src/flashmla:$PYTHONPATH" python3 -c "import flash_mla.cuda" 2>/dev/null \
     || { bash "$base/build_flashmla.sh" > "$OUT/flashmla_build.txt" 2>&1 & baseline_builds+=($!); }
@@ -128,17 +128,16 @@ if has external; then  # needs the sources under benchmarks/baselines/src (its R
     --json "$OUT/engine_tpot_external_h200.json" > "$OUT/engine_tpot_external.txt" 2>&1 || status=1
   tail -12 "$OUT/engine_tpot_external.txt"
 fi
-if has external_long; then  # needs the sources under benchmarks/baselines/src (its README.md)
+if has external_contexts; then  # needs the sources under benchmarks/baselines/src (its README.md)
   baselines
-  for run in 65536:1,69 131072:1,39; do
+  # batch 1 and each mode's limit at each context (about 2 minutes for the three on an H100)
+  for run in 32768:1,30,112 65536:1,69 131072:1,39; do
     ctx=${run%%:*}
     timeout 200 python3 benchmarks/bench_decode_tpot.py --commit "${COMMIT:-?}" --batches "${run#*:}" --capacity \
       --context $ctx --json "$OUT/engine_tpot_external_h200_ctx$ctx.json" > "$OUT/engine_tpot_external_ctx$ctx.txt" 2>&1 || status=1
-    tail -6 "$OUT/engine_tpot_external_ctx$ctx.txt"
+    tail -1 "$OUT/engine_tpot_external_ctx$ctx.txt"
   done
-  # the 32k run from the results folder where this call did not make one
-  ext32=$OUT/engine_tpot_external_h200.json; [ -f "$ext32" ] || ext32=benchmarks/results/engine_tpot_external_h200.json
-  python3 benchmarks/capacity_report.py "$ext32" "$OUT"/engine_tpot_external_h200_ctx*.json \
+  python3 benchmarks/capacity_report.py "$OUT"/engine_tpot_external_h200_ctx*.json \
     --out "$OUT/capacity_by_context_external_h200.md" || status=1
   cat "$OUT/capacity_by_context_external_h200.md"
 fi
