@@ -280,9 +280,10 @@ def _regime(p: PlanInputs, gpus: int, tp: int, rate, b8: float, c_us: float) -> 
     src = "" if layout.startswith("given") else " (measured on an H200: docs/results.md)"
     lines += [
         f"PCIe: {rate_text} per GPU, {layout}{src}; ~46 GB/s holds only for pools <= 1 GiB",
-        "copy: partly hidden: from 16 requests the row read fetches the misses itself, which hid "
-        "about half their PCIe time at 32k on the H200 (docs/results.md); the tokens/s estimate "
-        "adds the whole copy to the step (a lower bound); it is not a time per token",
+        "copy: not hidden: from 16 requests the row read fetches the misses itself, which added "
+        "about their PCIe time alone at 32k on the H200, half what gathering them first added "
+        "(docs/results.md); the tokens/s estimate adds the whole copy to the step; it is not a "
+        "time per token",
         f"tokens/s: n / (b + n*c + copy) per rank; b = {b8:.2f} ms x {p.layers}/{PROXY_LAYERS} "
         f"layers / TP {tp}, c = {c_us:.2f} us per request-layer at {p.context:,} tokens, "
         "measured on one H200 for the DSA core (8 layers of DeepSeek-V3.2 attention, "

@@ -242,7 +242,7 @@ def test_deepseek_v32_32k_on_8_gpus_by_hand(tmp_path, capsys):
 
 def test_regime_lines_dp_and_tp(tmp_path, capsys):
     r, out = _plan_json(tmp_path, capsys, "--config", str(DSV32), "--gpus", "8")
-    want = "of KV per GPU|per host pool|DP attention over 8 GPU(s)|8 pool(s)|partly hidden"
+    want = "of KV per GPU|per host pool|DP attention over 8 GPU(s)|8 pool(s)|copy: not hidden"
     for text in (want + "|14.2-17.8 GB/s per GPU|measured on one H200").split("|"):
         assert text in out, text
     r8, out8 = _plan_json(tmp_path, capsys, "--config", str(DSV32), "--gpus", "8", "--tp", "8")
