@@ -14,8 +14,9 @@
 # and "external" (both built where not yet importable, their adapters' CUDA tests, then the
 # step as a CUDA vLLM user gets it: attention and indexer each chosen by measurement, split by
 # category and at capacity), and "external_contexts" (the same choice at 32k, 64k and 128k: batch 1
-# and each mode's limit, then the capacity table over the three); each fits one 10-minute
-# device call.
+# and each mode's limit, then the capacity table over the three), and "split_contexts" (the
+# same choice's kernels by category at batch 1 and HiSparse's limit, at 32k, 64k and 128k: the
+# per-request cost split by context); each fits one 10-minute device call.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/hisparse-out}
@@ -29,7 +30,7 @@ status=0
 # a stage that needs them waits for them.
 base=$PWD/benchmarks/baselines
 baseline_builds=()
-if has kernels || has external || has external_contexts || has cudatests; then
+if has kernels || has external || has external_contexts || has split_contexts || has cudatests; then
   export DG_JIT_CACHE_DIR=${DG_JIT_CACHE_DIR:-/tmp/deepgemm-jit}
   PYTHONPATH="$base/src/flashmla:$PYTHONPATH" python3 -c "import flash_mla.cuda" 2>/dev/null \
     || { bash "$base/build_flashmla.sh" > "$OUT/flashmla_build.txt" 2>&1 & baseline_builds+=($!); }
@@ -140,6 +141,23 @@ if has external_contexts; then  # needs the sources under benchmarks/baselines/s
   python3 benchmarks/capacity_report.py "$OUT"/engine_tpot_external_h200_ctx*.json \
     --out "$OUT/capacity_by_context_external_h200.md" || status=1
   cat "$OUT/capacity_by_context_external_h200.md"
+fi
+if has split_contexts; then  # needs the sources under benchmarks/baselines/src (its README.md)
+  baselines
+  for run in 32768:1,112 65536:1,69 131072:1,39; do
+    ctx=${run%%:*}
+    timeout 180 python3 benchmarks/bench_decode_tpot.py --commit "${COMMIT:-?}" --kernel-split --layers 4 \
+      --batches "${run#*:}" --context $ctx --json "$OUT/kernel_split_external_h200_ctx$ctx.json" \
+      > "$OUT/kernel_split_external_ctx$ctx.txt" 2>&1 || status=1
+    tail -1 "$OUT/kernel_split_external_ctx$ctx.txt"
+  done
+  python3 - "$OUT"/kernel_split_external_h200_ctx*.json > "$OUT/kernel_split_contexts_h200.md" <<'PY' || status=1
+import json, sys
+sys.path.insert(0, "benchmarks/baselines")
+from bench_kernels import split_markdown
+for path in sys.argv[1:]:
+    print("\n".join(split_markdown(json.load(open(path)))))
+PY
 fi
 if has demo; then
   python3 -m hisparse demo --device cuda --no-progress --json "$OUT/demo_cuda.json" > "$OUT/demo.txt" 2>&1 || status=1
