@@ -64,11 +64,11 @@ def hit_counts(step: CoreStep) -> torch.Tensor:
     return sum(g.counters[:2].view(torch.int64).clone() for g in step.groups)
 
 
-def measure(step: CoreStep, rounds: int, steps: int) -> dict:
+def measure(step: CoreStep, rounds: int, steps: int, cap=None) -> dict:
     """Per mode ms/step (median of the round medians, min-max spread) and tokens/s; the
     same-round HiSparse / resident ratio and bit-identity when both ran; the hit rate of the
-    timed steps."""
-    cap = Captured(step)
+    timed steps. ``cap``: what replays the step (default: its CUDA graphs, ``Captured``)."""
+    cap = cap if cap is not None else Captured(step)
     counted = torch.zeros_like(hit_counts(step))
     times = {m: [] for m in step.modes}
     identical = True
