@@ -151,7 +151,7 @@ if has split_contexts; then  # needs the sources under benchmarks/baselines/src 
       > "$OUT/kernel_split_external_ctx$ctx.txt" 2>&1 || status=1
     tail -1 "$OUT/kernel_split_external_ctx$ctx.txt"
   done
-  python3 - "$OUT"/kernel_split_external_h200_ctx*.json > "$OUT/kernel_split_contexts_h200.md" <<'PY' || status=1
+  python3 - "$OUT"/kernel_split_external_h200_ctx{32768,65536,131072}.json > "$OUT/kernel_split_contexts_h200.md" <<'PY' || status=1
 import json, sys
 sys.path.insert(0, "benchmarks/baselines")
 from bench_kernels import split_markdown
