@@ -132,7 +132,7 @@ fi
 if has external_contexts; then  # needs the sources under benchmarks/baselines/src (its README.md)
   baselines
   # batch 1 and each mode's limit at each context (about 2 minutes for the three on an H100)
-  for run in 32768:1,30,112 65536:1,69 131072:1,39; do
+  for run in 32768:1,30,112 65536:1,15,69 131072:1,7,39; do
     ctx=${run%%:*}
     timeout 200 python3 benchmarks/bench_decode_tpot.py --commit "${COMMIT:-?}" --batches "${run#*:}" --capacity \
       --context $ctx --json "$OUT/engine_tpot_external_h200_ctx$ctx.json" > "$OUT/engine_tpot_external_ctx$ctx.txt" 2>&1 || status=1
