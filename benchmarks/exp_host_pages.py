@@ -41,6 +41,8 @@ def plans(n, g):
         dst = torch.zeros(B, 2048, dtype=torch.int32)
         for b in range(B):
             src[b, :M] = (b * REGION + torch.randperm(REGION - 64, generator=g)[:M]).int()
+            if os.environ.get("SORTED"):
+                src[b, :M] = src[b, :M].sort().values
             dst[b, :M] = (b * 4096 + torch.randperm(4096, generator=g)[:M]).int()
         out.append((src.cuda(), dst.cuda(), torch.full((B,), M, dtype=torch.int32).cuda()))
     return out
@@ -181,17 +183,22 @@ def main():
 
     def torch_pinned():
         pools = [torch.empty(B * REGION, ROW, dtype=torch.uint8, pin_memory=True) for _ in range(L)]
-        report("torch pinned, 8 pools (triton)", [p.data_ptr() for p in pools], hot, pl)
-        report("torch pinned, 1 pool reused (triton)", [pools[0].data_ptr()], hot, pl)
+        if not os.environ.get("OP_ONLY"):
+            report("torch pinned, 8 pools (triton)", [p.data_ptr() for p in pools], hot, pl)
+            report("torch pinned, 1 pool reused (triton)", [pools[0].data_ptr()], hot, pl)
         moved = torch.zeros(1, dtype=torch.uint64, device="cuda")
+        n = L
 
         def launch(i):
             for l in range(L):
-                ops.gather([pools[l]], [hot], *pl[(i * L + l) % len(pl)], moved)
+                ops.gather([pools[l % n]], [hot], *pl[(i * L + l) % len(pl)], moved)
 
-        med, lo, hi = timed(launch)
-        res["torch pinned, 8 pools (op)"] = dict(us=med, lo=lo, hi=hi, gbs=B * M * ROW / med / 1e3)
-        print(f"{'torch pinned, 8 pools (op)':44s} {med:7.1f} us/layer [{lo:.1f}, {hi:.1f}] {B * M * ROW / med / 1e3:5.1f} GB/s", flush=True)
+        ctas = os.environ.get("HISPARSE_PCIE_COPY_CTAS", "default")
+        for n in (L, 1):
+            med, lo, hi = timed(launch)
+            name = f"torch pinned, {n} pools (op, ctas {ctas})"
+            res[name] = dict(us=med, lo=lo, hi=hi, gbs=B * M * ROW / med / 1e3)
+            print(f"{name:44s} {med:7.1f} us/layer [{lo:.1f}, {hi:.1f}] {B * M * ROW / med / 1e3:5.1f} GB/s", flush=True)
         del pools
         torch._C._host_emptyCache()
 
@@ -223,6 +230,8 @@ def main():
         return f
 
     try_case("torch", torch_pinned)
+    if os.environ.get("OP_ONLY"):
+        return
     try_case("vmm2", vmm(2))
     try_case("vmm3", vmm(3))
     n2 = L * ((POOL >> 21) + 1)
