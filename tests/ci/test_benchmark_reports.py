@@ -29,22 +29,26 @@ def test_the_kept_result_measures_the_core_vllm_runs():
     assert run["capacity"]["ratio"] > 1
 
 
+def _external_run(name: str) -> dict:
+    run = json.loads((RESULTS / f"engine_tpot_external_{name}.json").read_text())
+    assert run["core"] == "hisparse.models.dsa.core"
+    ran = {(r["attention"], r["indexer"]) for r in run["batches"]}
+    assert ran == {("flashmla", "deepgemm")}
+    assert all(r["bit_identical"] for r in run["batches"]) and run["capacity"]["ratio"] > 1
+    assert run["per_request_layer_us"]["resident"] < run["per_request_layer_us"]["hisparse"]
+    return run
+
+
 def test_the_external_kernels_results_say_what_ran_and_where():
-    runs = []
-    for ctx in ("", "_ctx32768", "_ctx65536", "_ctx131072"):
-        run = json.loads((RESULTS / f"engine_tpot_external_h200{ctx}.json").read_text())
-        assert run["core"] == "hisparse.models.dsa.core"
-        ran = {(r["attention"], r["indexer"]) for r in run["batches"]}
-        assert ran == {("flashmla", "deepgemm")}
-        assert all(r["bit_identical"] for r in run["batches"]) and run["capacity"]["ratio"] > 1
-        assert run["per_request_layer_us"]["resident"] < run["per_request_layer_us"]["hisparse"]
-        if ctx:  # the capacity table's rows; "" is the 32k run at five batches the docs cite
-            runs.append(run)
-    # Runs of different trees may share the table: each row names the commit it measured.
-    kept = (RESULTS / "capacity_by_context_external_h200.md").read_text()
-    assert capacity_report.table(runs) in kept
-    for line, run in zip(capacity_report.table(runs).splitlines()[2:], runs):
-        assert line.endswith(f"| {run['commit']} |"), line
+    _external_run("h200")  # the 32k run at five batches the docs cite
+    for gpu in ("h200", "h100"):
+        runs = [_external_run(f"{gpu}_ctx{ctx}") for ctx in (32768, 65536, 131072)]
+        assert {gpu.upper() in r["device"] for r in runs} == {True}
+        # Runs of different trees may share the table: each row names the commit it measured.
+        kept = (RESULTS / f"capacity_by_context_external_{gpu}.md").read_text()
+        assert capacity_report.table(runs) in kept
+        for line, run in zip(capacity_report.table(runs).splitlines()[2:], runs):
+            assert line.endswith(f"| {run['commit']} |"), line
 
 
 def test_the_kernel_split_counts_flashmla_as_attention():
