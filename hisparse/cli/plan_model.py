@@ -18,6 +18,7 @@ from dataclasses import replace
 from typing import List, Sequence, Tuple
 
 from hisparse.cli.capacity import GIB, PlanError, PlanInputs, compute
+from hisparse.cli.copy_rate import WINDOW_BYTES, gather_gbps
 
 
 def read_config(model_dir, config_file) -> Tuple[dict, str, str]:
@@ -150,15 +151,6 @@ def weight_bytes_per_gpu(params: dict, gpus: int, tp: int) -> float:
     return shared / tp + params["experts"] * per / gpus
 
 
-# Gathers of 656-B rows on one H200 over PCIe Gen5 (docs/results.md, docs/hardware.md), GB/s
-# (low, high). A large pool is bound by host address translation, not by the link, so the rate
-# depends on how many layers' rows one translation serves (rows of an index group co-located).
-WINDOW_GIB = 1.0  # pools at most this big gather at the small-pool rate
-GBPS_WINDOW = (44.5, 48.0)  # pool <= 1 GiB: hardware.md 44.5-45.9; op table 48.0 (batch 256)
-GBPS_ONE_LAYER = (14.2, 17.8)  # 32 GiB pool: one request's 2048 misses; batch 256 @ 20 %
-GBPS_COLOCATED = (46.3, 49.4)  # same pool, index groups of 4 co-located, same two plans
-COLOCATED_MEASURED = 4  # groups of 2-3 were not measured: they get the one-layer rate
-
 # Decode step of the DSA core on one H200 (bench_decode_tpot.py: 8 layers of DeepSeek-V3.2
 # attention through hisparse.engine.graph, dense 18432 MLP, LM head, hot buffer 4096, resident
 # rows; engine_tpot_h200.json, engine_tpot_h200_ctx*.json): context -> ((batch, ms/step),
@@ -183,25 +175,6 @@ def step_cost(context: int) -> Tuple[float, float]:
     f = (context - lo[0]) / (hi[0] - lo[0])
     b, c = lo[1] + f * (hi[1] - lo[1]), lo[2] + f * (hi[2] - lo[2])
     return b, max(c, 0.0)
-
-
-def _rate(size: int, pool_bytes: float) -> Tuple[float, float]:
-    if pool_bytes <= WINDOW_GIB * GIB:
-        return GBPS_WINDOW
-    return GBPS_COLOCATED if size >= COLOCATED_MEASURED else GBPS_ONE_LAYER
-
-
-def gather_gbps(group_sizes: Sequence[int], pool_bytes: float) -> Tuple[float, float, str]:
-    """(low, high, layout): the effective rate of one step's copies, each group's bytes (in
-    proportion to its layers) at its own rate."""
-    total = sum(group_sizes)
-    rates = [(s, _rate(s, pool_bytes)) for s in group_sizes]
-    lo = round(total / sum(s / r[0] for s, r in rates), 4)  # rounding: 14.2, not 14.1999...
-    hi = round(total / sum(s / r[1] for s, r in rates), 4)
-    sizes = "/".join(map(str, sorted(set(group_sizes))))
-    kind = "one-layer index groups" if sizes == "1" else f"co-located {sizes}-layer index groups"
-    where = "a pool of at most 1 GiB" if pool_bytes <= WINDOW_GIB * GIB else "a large pool"
-    return lo, hi, f"{kind} from {where}"
 
 
 def plan(p: PlanInputs, group_sizes: Sequence[int], gpus: int, tp: int, pcie_given: bool):
@@ -277,9 +250,10 @@ def _regime(p: PlanInputs, gpus: int, tp: int, rate, b8: float, c_us: float) -> 
             f"requests from its own host pool ({gpus} pool(s))"
         )
     rate_text = f"{lo:g} GB/s" if lo == hi else f"{lo:.1f}-{hi:.1f} GB/s"
-    src = "" if layout.startswith("given") else " (measured on an H200: docs/results.md)"
+    src = "" if layout.startswith("given") else " (measured on an H200 and an H100: docs/plan.md)"
     lines += [
-        f"PCIe: {rate_text} per GPU, {layout}{src}; ~46 GB/s holds only for pools <= 1 GiB",
+        f"PCIe: {rate_text} per GPU, {layout}{src}; ~45 GB/s holds only for pools of at most "
+        f"{WINDOW_BYTES / GIB:.1f} GiB",
         "copy: not hidden: from 16 requests the row read fetches the misses itself, which added "
         "about their PCIe time alone at 32k on the H200, half what gathering them first added "
         "(docs/results.md); the tokens/s estimate adds the whole copy to the step; it is not a "

@@ -313,3 +313,22 @@ def test_an_unknown_key_format_is_named():
     hf = json.loads(DSV32.read_text()) | {"hisparse_key_format": "int4"}
     with pytest.raises(PlanError, match="--config.*index key format"):
         model_from_config(hf, "--config", str(DSV32))
+
+
+def test_the_copy_rate_falls_with_the_host_range_between_the_measured_points():
+    from hisparse.cli.copy_rate import GBPS_BY_RANGE, GBPS_COLOCATED, gather_gbps, range_gbps
+
+    for size, rate in GBPS_BY_RANGE:  # each measured point as measured
+        assert range_gbps(size) == pytest.approx(rate)
+    assert range_gbps(1 << 30) == GBPS_BY_RANGE[0][1]  # flat up to the first point
+    assert range_gbps(1e12) == GBPS_BY_RANGE[-1][1]  # and past the last
+    sizes = [4e9 * 1.1**i for i in range(25)]
+    lows = [range_gbps(s)[0] for s in sizes]
+    assert all(a >= b for a, b in zip(lows, lows[1:])) and lows[0] > lows[-1]
+    # Halfway (in log) between 9.6 and 19.3 GB: halfway between their rates.
+    mid = range_gbps((9.6e9 * 19.3e9) ** 0.5)
+    assert mid == pytest.approx(((38.2 + 27.3) / 2, (42.3 + 33.4) / 2), abs=1e-3)
+    lo, hi, where = gather_gbps([1] * 8, 12e9)
+    assert 27.3 < lo < 38.2 and 33.4 < hi < 42.3 and "11.2 GiB" in where
+    assert gather_gbps([4] * 4, 12e9)[:2] == GBPS_COLOCATED  # groups of 4: one translation
+    assert "at most 4.5 GiB" in gather_gbps([1], 4e9)[2]
