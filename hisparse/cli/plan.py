@@ -251,9 +251,9 @@ def _add_deployment_group(p, int_range, float_range) -> None:
         "--pcie-gbps",
         type=float_range(0.0, 1e5, lo_open=True),
         default=None,
-        help="host->device gather rate per GPU, GB/s (default: the H200's measured rate for "
-        "the pool's size and layout: 44-48 from a pool of at most 4.5 GiB, falling to 14-18 at "
-        "32 GiB and beyond for one-layer index groups; 46-49 for co-located groups of 4)",
+        help="host->device gather rate per GPU, GB/s (default: measured on an H200 and an H100 "
+        "for the pool's size and layout: 44-48 from a pool of at most 4.5 GiB, falling to 14-18 "
+        "at 32 GiB and beyond for one-layer index groups; 46-49 for co-located groups of 4)",
     )
     d.add_argument(
         "--gpus", type=int_range(1, 1 << 16), default=1, help="GPUs in the deployment (default: 1)"
