@@ -10,7 +10,7 @@
 # "fusedattn" (the fused sparse-MLA kernel alone, then the step with it), "flashmla"
 # (FlashMLA's sparse FP8 decode built, its CUDA tests, then the core's step with it),
 # "kernels" (FlashMLA and DeepGEMM built where not yet importable, the captured step's kernels
-# by category at 32k, then each kernel beside its baseline: kernels_vs_baselines_h200.{json,md})
+# by category at 32k, then each kernel beside its baseline: kernels_vs_baselines_<gpu>.{json,md})
 # and "external" (both built where not yet importable, their adapters' CUDA tests, then the
 # step as a CUDA vLLM user gets it: attention and indexer each chosen by measurement, split by
 # category and at capacity), and "external_contexts" (the same choice at 32k, 64k and 128k: batch 1
@@ -24,6 +24,9 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
 STAGES=${STAGES:-"build tests sanitizer bench"}
 has() { [[ " $STAGES " == *" $1 "* ]]; }
+# Result files are named by the GPU that made them (h200, h100, ...), whatever this script's name.
+GPU=${GPU:-$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 | grep -oiE 'h[0-9]{3}' | tr 'A-Z' 'a-z')}
+GPU=${GPU:-gpu}
 status=0
 # FlashMLA and DeepGEMM importable: built from benchmarks/baselines/src where not yet. The
 # builds start before the project's own (they take minutes; 16 cores run all three at once) and
@@ -73,11 +76,11 @@ if has sanitizer; then
   done
 fi
 if has bench; then
-  timeout 300 python3 benchmarks/bench_ops.py --device cuda --json "$OUT/bench_ops_h200.json" > "$OUT/bench.txt" 2>&1 || status=1
+  timeout 300 python3 benchmarks/bench_ops.py --device cuda --json "$OUT/bench_ops_${GPU}.json" > "$OUT/bench.txt" 2>&1 || status=1
   sed -n '/## Issue table/,/^$/p' "$OUT/bench.txt"
 fi
 if has bench2; then
-  timeout 300 python3 benchmarks/bench_ops.py --device cuda --json "$OUT/bench_ops_h200_run2.json" > "$OUT/bench2.txt" 2>&1 || status=1
+  timeout 300 python3 benchmarks/bench_ops.py --device cuda --json "$OUT/bench_ops_${GPU}_run2.json" > "$OUT/bench2.txt" 2>&1 || status=1
   sed -n '/## Issue table/,/^$/p' "$OUT/bench2.txt"
 fi
 if has engine; then
@@ -89,33 +92,33 @@ fi
 if has core; then
   timeout 200 python3 -m pytest -q -p no:cacheprovider -m cuda tests/models/dsa tests/engine/dsa/test_cuda.py tests/engine/graph > "$OUT/pytest_core.txt" 2>&1 || status=1
   tail -2 "$OUT/pytest_core.txt"
-  timeout 300 python3 benchmarks/bench_decode_tpot.py --commit "${COMMIT:-?}" --capacity --json "$OUT/engine_tpot_h200.json" || status=1
+  timeout 300 python3 benchmarks/bench_decode_tpot.py --commit "${COMMIT:-?}" --capacity --json "$OUT/engine_tpot_${GPU}.json" || status=1
   # batch 1 and HiSparse's limit at each context: the two points of the planner's step cost
   for run in 65536:1,69 131072:1,39; do
     ctx=${run%%:*}
-    timeout 150 python3 benchmarks/bench_decode_tpot.py --commit "${COMMIT:-?}" --batches "${run#*:}" --capacity --context $ctx --json "$OUT/engine_tpot_h200_ctx$ctx.json" || status=1
+    timeout 150 python3 benchmarks/bench_decode_tpot.py --commit "${COMMIT:-?}" --batches "${run#*:}" --capacity --context $ctx --json "$OUT/engine_tpot_${GPU}_ctx$ctx.json" || status=1
   done
-  python3 benchmarks/tpot_report.py "$OUT/engine_tpot_h200.json" > "$OUT/engine_tpot_h200.md" || status=1
-  python3 benchmarks/capacity_report.py "$OUT"/engine_tpot_h200*.json --out "$OUT/capacity_by_context_h200.md" || status=1
+  python3 benchmarks/tpot_report.py "$OUT/engine_tpot_${GPU}.json" > "$OUT/engine_tpot_${GPU}.md" || status=1
+  python3 benchmarks/capacity_report.py "$OUT"/engine_tpot_${GPU}*.json --out "$OUT/capacity_by_context_${GPU}.md" || status=1
 fi
 if has fusedattn; then
-  timeout 120 python3 benchmarks/bench_mla.py --json "$OUT/mla_h200.json" 2>&1 | tail -3 || status=1
-  timeout 300 python3 benchmarks/bench_decode_tpot.py --commit "${COMMIT:-?}" --batches 1,16,30,64 --attention fused --json "$OUT/engine_tpot_fused_attention_h200.json" || status=1
+  timeout 120 python3 benchmarks/bench_mla.py --json "$OUT/mla_${GPU}.json" 2>&1 | tail -3 || status=1
+  timeout 300 python3 benchmarks/bench_decode_tpot.py --commit "${COMMIT:-?}" --batches 1,16,30,64 --attention fused --json "$OUT/engine_tpot_fused_attention_${GPU}.json" || status=1
 fi
 if has flashmla; then  # needs the sources under benchmarks/baselines/src (its README.md)
   bash benchmarks/baselines/build_flashmla.sh > "$OUT/flashmla_build.txt" 2>&1 || { tail -20 "$OUT/flashmla_build.txt"; status=1; }
   export PYTHONPATH="$PWD/benchmarks/baselines/src/flashmla:$PYTHONPATH"
   # the core with FlashMLA importable: its tests, then the step (auto measures and takes it)
   timeout 120 python3 -m pytest -q -p no:cacheprovider -m cuda tests/models/dsa/test_flashmla_cuda.py 2>&1 | tail -2 || status=1
-  timeout 150 python3 benchmarks/bench_decode_tpot.py --commit "${COMMIT:-?}" --capacity --json "$OUT/engine_tpot_flashmla_h200.json" || status=1
+  timeout 150 python3 benchmarks/bench_decode_tpot.py --commit "${COMMIT:-?}" --capacity --json "$OUT/engine_tpot_flashmla_${GPU}.json" || status=1
 fi
 if has kernels; then  # needs the sources under benchmarks/baselines/src (its README.md)
   baselines
   timeout 200 python3 benchmarks/bench_decode_tpot.py --commit "${COMMIT:-?}" --kernel-split --batches 1,64 --layers 4 \
-    --attention bmm --json "$OUT/kernel_split_h200.json" > "$OUT/kernel_split.txt" 2>&1 || status=1
+    --attention bmm --json "$OUT/kernel_split_${GPU}.json" > "$OUT/kernel_split.txt" 2>&1 || status=1
   timeout 300 python3 benchmarks/baselines/bench_kernels.py --commit "${COMMIT:-?}" \
-    --split "$OUT/kernel_split_h200.json" --json "$OUT/kernels_vs_baselines_h200.json" \
-    --md "$OUT/kernels_vs_baselines_h200.md" > "$OUT/kernels.txt" 2>&1 || status=1
+    --split "$OUT/kernel_split_${GPU}.json" --json "$OUT/kernels_vs_baselines_${GPU}.json" \
+    --md "$OUT/kernels_vs_baselines_${GPU}.md" > "$OUT/kernels.txt" 2>&1 || status=1
   tail -3 "$OUT/kernels.txt"
 fi
 if has external; then  # needs the sources under benchmarks/baselines/src (its README.md)
@@ -124,9 +127,9 @@ if has external; then  # needs the sources under benchmarks/baselines/src (its R
     tests/models/dsa/test_flashmla_cuda.py > "$OUT/pytest_external.txt" 2>&1 || status=1
   tail -3 "$OUT/pytest_external.txt"
   timeout 200 python3 benchmarks/bench_decode_tpot.py --commit "${COMMIT:-?}" --kernel-split --batches 1,64 --layers 4 \
-    --json "$OUT/kernel_split_external_h200.json" > "$OUT/kernel_split_external.txt" 2>&1 || status=1
+    --json "$OUT/kernel_split_external_${GPU}.json" > "$OUT/kernel_split_external.txt" 2>&1 || status=1
   timeout 200 python3 benchmarks/bench_decode_tpot.py --commit "${COMMIT:-?}" --capacity \
-    --json "$OUT/engine_tpot_external_h200.json" > "$OUT/engine_tpot_external.txt" 2>&1 || status=1
+    --json "$OUT/engine_tpot_external_${GPU}.json" > "$OUT/engine_tpot_external.txt" 2>&1 || status=1
   tail -12 "$OUT/engine_tpot_external.txt"
 fi
 if has external_contexts; then  # needs the sources under benchmarks/baselines/src (its README.md)
@@ -135,23 +138,23 @@ if has external_contexts; then  # needs the sources under benchmarks/baselines/s
   for run in 32768:1,30,112 65536:1,15,69 131072:1,7,39; do
     ctx=${run%%:*}
     timeout 200 python3 benchmarks/bench_decode_tpot.py --commit "${COMMIT:-?}" --batches "${run#*:}" --capacity \
-      --context $ctx --json "$OUT/engine_tpot_external_h200_ctx$ctx.json" > "$OUT/engine_tpot_external_ctx$ctx.txt" 2>&1 || status=1
+      --context $ctx --json "$OUT/engine_tpot_external_${GPU}_ctx$ctx.json" > "$OUT/engine_tpot_external_ctx$ctx.txt" 2>&1 || status=1
     tail -1 "$OUT/engine_tpot_external_ctx$ctx.txt"
   done
-  python3 benchmarks/capacity_report.py "$OUT"/engine_tpot_external_h200_ctx*.json \
-    --out "$OUT/capacity_by_context_external_h200.md" || status=1
-  cat "$OUT/capacity_by_context_external_h200.md"
+  python3 benchmarks/capacity_report.py "$OUT"/engine_tpot_external_${GPU}_ctx*.json \
+    --out "$OUT/capacity_by_context_external_${GPU}.md" || status=1
+  cat "$OUT/capacity_by_context_external_${GPU}.md"
 fi
 if has split_contexts; then  # needs the sources under benchmarks/baselines/src (its README.md)
   baselines
   for run in 32768:1,112 65536:1,69 131072:1,39; do
     ctx=${run%%:*}
     timeout 180 python3 benchmarks/bench_decode_tpot.py --commit "${COMMIT:-?}" --kernel-split --layers 4 \
-      --batches "${run#*:}" --context $ctx --json "$OUT/kernel_split_external_h200_ctx$ctx.json" \
+      --batches "${run#*:}" --context $ctx --json "$OUT/kernel_split_external_${GPU}_ctx$ctx.json" \
       > "$OUT/kernel_split_external_ctx$ctx.txt" 2>&1 || status=1
     tail -1 "$OUT/kernel_split_external_ctx$ctx.txt"
   done
-  python3 - "$OUT"/kernel_split_external_h200_ctx{32768,65536,131072}.json > "$OUT/kernel_split_contexts_h200.md" <<'PY' || status=1
+  python3 - "$OUT"/kernel_split_external_${GPU}_ctx{32768,65536,131072}.json > "$OUT/kernel_split_contexts_${GPU}.md" <<'PY' || status=1
 import json, sys
 sys.path.insert(0, "benchmarks/baselines")
 from bench_kernels import split_markdown
