@@ -116,3 +116,31 @@ def test_per_request_layer_cost_is_the_slope_between_the_end_batches():
     assert bench_decode_tpot.per_request_layer_us(rows[:1], layers=8) == {}
     kept = _kept()["per_request_layer_us"]
     assert kept["batches"] == [1, 112] and 0 < kept["resident"] < kept["hisparse"]
+
+
+def test_capacity_ceilings_price_the_misses_copy_from_the_runs_own_steps():
+    run = {
+        "config": {"layers": 8, "top_k": 2048},
+        "capacity": {
+            "context": 32768, "max_batch": {"resident": 30, "hisparse": 100},
+            "tok_s": {"resident": 5000.0, "hisparse": 10000.0}, "ratio": 2.0, "hit_rate": 0.95,
+        },
+        "batches": [{"batch": 100, "resident_ms_per_step": 8.0, "hisparse_ms_per_step": 10.0,
+                     "hit_rate": 0.95}],
+    }  # fmt: skip
+    row = capacity_report.ceilings([run], link_gbps=50.0).splitlines()[2]
+    # 100 requests x 2048 x 5 % x 656 B = 6.72 MB per layer: 134 µs at 50 GB/s.
+    free = 100 / 8.0e-3 / 5000  # resident's step at HiSparse's limit: 2.5x
+    copied = 100 / (8.0e-3 + 8 * 6.7174e-3 / 50) / 5000
+    assert row == f"| 32768 | 2.00x | {free:.2f}x | {copied:.2f}x | 6.72 MB | 134 µs | 250 µs |"
+    run["batches"][0]["batch"] = 64  # the limit not timed in both modes: no ceiling
+    untimed = capacity_report.ceilings([run]).splitlines()[2]
+    assert untimed == "| 32768 | 2.00x | — | — | — | — | — |"
+
+
+def test_the_kept_runs_sit_below_their_copy_free_ceiling():
+    for gpu in ("h200", "h100"):
+        runs = [_external_run(f"{gpu}_ctx{ctx}") for ctx in (32768, 65536, 131072)]
+        for line in capacity_report.ceilings(runs).splitlines()[2:]:
+            reached, free, copied = (float(x.strip(" x")) for x in line.split("|")[2:5])
+            assert reached < copied < free, line
