@@ -99,7 +99,7 @@ if has core; then
     timeout 150 python3 benchmarks/bench_decode_tpot.py --commit "${COMMIT:-?}" --batches "${run#*:}" --capacity --context $ctx --json "$OUT/engine_tpot_${GPU}_ctx$ctx.json" || status=1
   done
   python3 benchmarks/tpot_report.py "$OUT/engine_tpot_${GPU}.json" > "$OUT/engine_tpot_${GPU}.md" || status=1
-  python3 benchmarks/capacity_report.py "$OUT"/engine_tpot_${GPU}*.json --out "$OUT/capacity_by_context_${GPU}.md" || status=1
+  python3 benchmarks/capacity_report.py "$OUT"/engine_tpot_${GPU}*.json --out "$OUT/capacity_by_context_${GPU}.md" --ceilings || status=1
 fi
 if has fusedattn; then
   timeout 120 python3 benchmarks/bench_mla.py --json "$OUT/mla_${GPU}.json" 2>&1 | tail -3 || status=1
@@ -142,7 +142,7 @@ if has external_contexts; then  # needs the sources under benchmarks/baselines/s
     tail -1 "$OUT/engine_tpot_external_ctx$ctx.txt"
   done
   python3 benchmarks/capacity_report.py "$OUT"/engine_tpot_external_${GPU}_ctx*.json \
-    --out "$OUT/capacity_by_context_external_${GPU}.md" || status=1
+    --out "$OUT/capacity_by_context_external_${GPU}.md" --ceilings || status=1
   cat "$OUT/capacity_by_context_external_${GPU}.md"
 fi
 if has split_contexts; then  # needs the sources under benchmarks/baselines/src (its README.md)
