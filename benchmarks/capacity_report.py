@@ -14,6 +14,8 @@ import argparse
 import json
 import sys
 
+from hisparse.models.rows import ROW_FORMATS
+
 
 def table(runs: list) -> str:
     rows = sorted(runs, key=lambda r: r["capacity"]["context"])
@@ -33,8 +35,8 @@ def table(runs: list) -> str:
     return "\n".join(out)
 
 
-# Bytes of one DeepSeek-V3.2 KV row in FP8 (512 latent + 16 scales + 128 rope): what a miss moves.
-ROW_BYTES = 656
+# A miss moves one FP8 row, the layout bench_decode_tpot's step stores.
+ROW_BYTES = ROW_FORMATS["fp8"].row_bytes
 # Pinned host -> device, one bulk cudaMemcpy on the H200's PCIe Gen5 x16 (docs/hardware.md):
 # no gather of scattered rows moves faster.
 LINK_GBPS = 55.5
@@ -57,7 +59,7 @@ def ceilings(runs: list, link_gbps: float = LINK_GBPS) -> str:
             out.append(f"| {c['context']} | {c['ratio']:.2f}x | — | — | — | — | — |")
             continue
         layers = r["config"]["layers"]
-        miss_bytes = limit * r["config"].get("top_k", 2048) * (1 - row["hit_rate"]) * ROW_BYTES
+        miss_bytes = limit * r["config"]["top_k"] * (1 - row["hit_rate"]) * ROW_BYTES
         copy_us = miss_bytes / (link_gbps * 1e3)
         res_ms = row["resident_ms_per_step"]
         copied_ms = res_ms + layers * copy_us / 1e3
